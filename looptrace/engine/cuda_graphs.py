@@ -1,0 +1,114 @@
+"""CUDA graphs for decode: one captured pass per row count, with a budget and counted eager fallbacks.
+
+Base engine behaviour: lazy capture on first use (2 eager warm-ups on a side stream, then capture into a
+shared memory pool); replay copies the inputs into static buffers; a new row count when the budget is full
+runs eager forever (no eviction) and is counted as a fallback with its reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from looptrace.engine.config import GraphConfig
+
+# Fallback reasons (reported per step and in the counters)
+OVERSIZED = "oversized_batch"
+BUDGET_FULL = "budget_full"
+UNSEEN_SIZE = "unseen_size"
+
+
+@dataclass
+class GraphCounters:
+    captures: int = 0
+    replays: int = 0
+    fallbacks: int = 0
+    evictions: int = 0
+    fallback_reasons: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "evictions": self.evictions,
+            "fallback_reasons": dict(self.fallback_reasons),
+        }
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # static input buffers
+    outputs: tuple[torch.Tensor, ...]  # static output buffers
+
+
+class GraphCache:
+    """Graphs of `fn(*inputs) -> tuple[Tensor, ...]` keyed by row count.
+
+    `run(rows, inputs)` returns outputs that stay valid until the next call (the caller copies them out).
+    """
+
+    def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], cfg: GraphConfig, pool) -> None:
+        self.name, self.fn, self.cfg, self.pool = name, fn, cfg, pool
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.counters = GraphCounters()
+        self.last_mode: str = "eager"
+        self.last_reason: str | None = None
+
+    def fallback_reason(self, rows: int) -> str | None:
+        if rows > self.cfg.max_batch_size:
+            return OVERSIZED
+        if rows in self.entries:
+            return None
+        if self.cfg.capture_sizes is not None and rows not in self.cfg.capture_sizes:
+            return UNSEEN_SIZE
+        if len(self.entries) >= self.cfg.max_graphs and self.cfg.eviction == "none":
+            return BUDGET_FULL
+        return None
+
+    def run(self, rows: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        reason = self.fallback_reason(rows)
+        if reason is not None:
+            self.counters.fallbacks += 1
+            self.counters.fallback_reasons[reason] += 1
+            self.last_mode, self.last_reason = "eager", reason
+            return self.fn(*inputs)
+        entry = self.entries.get(rows)
+        self.last_mode, self.last_reason = "replay", None
+        if entry is None:
+            if len(self.entries) >= self.cfg.max_graphs:  # LRU eviction
+                self.entries.popitem(last=False)
+                self.counters.evictions += 1
+            entry = self._capture(inputs)
+            self.entries[rows] = entry
+            self.last_mode = "capture"
+        else:
+            self.entries.move_to_end(rows)
+        for static, new in zip(entry.inputs, inputs):
+            static.copy_(new, non_blocking=True)
+        entry.graph.replay()
+        self.counters.replays += 1
+        return entry.outputs
+
+    def warm_up(self, rows: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Capture ahead of time (for `capture_sizes`)."""
+        if rows not in self.entries:
+            self.entries[rows] = self._capture(inputs)
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Entry:
+        static = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-ups: allocator, cuBLAS handles, lazy inits stay out of the graph
+                self.fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*static)
+        self.counters.captures += 1
+        return _Entry(graph, static, tuple(outputs))

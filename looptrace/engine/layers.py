@@ -1,0 +1,200 @@
+"""Building blocks shared by the model families: norms, rotary embeddings, paged attention, small linears.
+
+Every op is a module with an `op_kind` so probes can attach PyTorch module hooks (NVTX / record_function
+ranges) without the engine knowing about them. The math is written the way the public reference code
+writes it (eager PyTorch), because the kernel count and rounding of that code is what we measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """HF/raven RMSNorm: fp32 `x * rsqrt(mean(x^2) + eps)`, cast back, times weight (8 eager kernels)."""
+
+    op_kind = "norm"
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) * self.weight
+
+
+class Embedding(nn.Embedding):
+    op_kind = "embed"
+
+
+class LMHead(nn.Linear):
+    op_kind = "head"
+
+
+class Adapter(nn.Linear):
+    """Huginn/OLMo re-injection: Linear over cat([state, embedding])."""
+
+    op_kind = "adapter"
+
+
+class ExitGate(nn.Linear):
+    """Ouro's early-exit gate: Linear(hidden -> 1, bias)."""
+
+    op_kind = "gate"
+
+
+class RotaryHalf(nn.Module):
+    """Rotate-half RoPE (Ouro, OLMo): dims i and i + d/2 pair; cos/sin in fp32, cast to model dtype."""
+
+    op_kind = "rope"
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per forward: cos/sin [rows, head_dim], shared by every layer and loop."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, q, k, cos, sin):  # q: [R, H, D], cos/sin: [R, D]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k
+
+
+class RotaryInterleaved(nn.Module):
+    """Huginn RoPE: interleaved pairs (2i, 2i+1), rotated in fp32 and cast back once."""
+
+    op_kind = "rope"
+
+    def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        # The persistent `freqs_cis` buffer of the checkpoint, stored as (cos, sin) pairs; recomputed here.
+        self.register_buffer("freqs_cis", torch.stack([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.freqs_cis[positions]  # [R, D/2, 2] fp32
+        return rows[..., 0], rows[..., 1]
+
+    def forward(self, q, k, cos, sin):  # q: [R, H, D]; cos/sin: [R, D/2] fp32
+        heads_q = q.shape[1]
+        qk = torch.cat([q, k], dim=1).unflatten(-1, (-1, 2)).float()
+        c, s = cos[:, None, :], sin[:, None, :]
+        x0, x1 = qk[..., 0], qk[..., 1]
+        rotated = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
+        rotated = rotated.type_as(q)
+        return rotated[:, :heads_q], rotated[:, heads_q:]
+
+
+@dataclass
+class AttnContext:
+    """Per-traversal attention metadata on the device, derived once and reused by every layer.
+
+    The KV pool is `[num_blocks, num_layers, block_size, kv_heads, head_dim]` (a block holds all layers).
+    Each row writes its K/V at (write_block, write_offset) and reads the blocks of its own plane's table.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    write_block: torch.Tensor  # [R] int64
+    write_offset: torch.Tensor  # [R] int64
+    gather_blocks: torch.Tensor  # [R * nb] int64, -1 padding clamped to block 0 (masked out)
+    mask: torch.Tensor  # [R, 1, 1, nb * block_size] bool: key position < context length
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table_width: int  # nb
+
+
+# Column layout of the raw per-row metadata tensor (one host->device copy per traversal): carried-state
+# slot, position, context length (= pos + 1), write block and offset, token id, then the block table.
+META_SLOT, META_POS, META_CTX, META_WBLOCK, META_WOFF, META_TOKEN = range(6)
+META_FIXED = 6
+
+
+class AttentionMetadata(nn.Module):
+    """Derives the device metadata of one traversal from the raw int64 rows (runs inside CUDA graphs)."""
+
+    op_kind = "metadata"
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+
+    def forward(self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache) -> AttnContext:
+        rows, width = raw.shape[0], raw.shape[1] - META_FIXED
+        positions = raw[:, META_POS]
+        key_pos = torch.arange(width * self.block_size, device=raw.device)
+        mask = (key_pos[None, :] < raw[:, META_CTX, None]).view(rows, 1, 1, -1)
+        cos, sin = rope.tables(positions, dtype)
+        return AttnContext(
+            k_cache=k_cache,
+            v_cache=v_cache,
+            write_block=raw[:, META_WBLOCK],
+            write_offset=raw[:, META_WOFF],
+            gather_blocks=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
+            mask=mask,
+            cos=cos,
+            sin=sin,
+            table_width=width,
+        )
+
+    @staticmethod
+    def for_plane(raw: torch.Tensor, base: AttnContext) -> AttnContext:
+        """Same rows, another plane: only the write address and the gathered blocks change."""
+        return AttnContext(
+            k_cache=base.k_cache,
+            v_cache=base.v_cache,
+            write_block=raw[:, META_WBLOCK],
+            write_offset=raw[:, META_WOFF],
+            gather_blocks=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
+            mask=base.mask,
+            cos=base.cos,
+            sin=base.sin,
+            table_width=base.table_width,
+        )
+
+
+class PagedAttention(nn.Module):
+    """Write this layer's K/V for every row, then attend over the row's own block table (torch path)."""
+
+    op_kind = "kv_attend"
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id  # physical layer: index into the pool's layer dimension
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        rows = q.shape[0]
+        k_layer = ctx.k_cache[:, self.layer_id]  # [N, bs, kvh, D] view
+        v_layer = ctx.v_cache[:, self.layer_id]
+        k_layer.index_put_((ctx.write_block, ctx.write_offset), k)
+        v_layer.index_put_((ctx.write_block, ctx.write_offset), v)
+        keys = k_layer.index_select(0, ctx.gather_blocks).view(rows, -1, self.num_kv_heads, self.head_dim)
+        vals = v_layer.index_select(0, ctx.gather_blocks).view(rows, -1, self.num_kv_heads, self.head_dim)
+        gqa = {"enable_gqa": True} if self.num_heads != self.num_kv_heads else {}
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=ctx.mask,
+            scale=self.scale, **gqa,
+        )
+        return out.reshape(rows, self.num_heads * self.head_dim)

@@ -1,0 +1,316 @@
+"""LLMEngine: the step loop. schedule -> run one stage -> advance request stages -> report.
+
+    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from looptrace.engine.config import EngineConfig
+from looptrace.engine.exit_policy import EXIT_POLICIES
+from looptrace.engine.hooks import HookDispatcher, Observer, RequestEvent, StepInfo, StepResult
+from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
+from looptrace.engine.model_config import ModelSpec, resolve_preset
+from looptrace.engine.models import LoopedModel
+from looptrace.engine.noise import NOISE
+from looptrace.engine.request import Request, SamplingParams, Stage
+from looptrace.engine.runner import ModelRunner
+from looptrace.engine.scheduler import Batch, Scheduler
+from looptrace.engine.weights import create_model, init_random
+
+
+class EngineInputError(ValueError):
+    """A request or configuration the engine cannot serve (bad prompt, too long, bad setting)."""
+
+
+@dataclass
+class TokenOutput:
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+    exit_depth: int
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    submissions: int = 0
+    output_tokens: int = 0
+    steps_by_stage: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LoopedModel,
+        cfg: EngineConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model, self.spec, self.cfg = model, model.spec, cfg
+        self.device, self.dtype, self.seed = device, dtype, seed
+        spec = self.spec
+        self.max_loops = cfg.exit.max_loops or spec.default_loops
+        if self.max_loops < 1:
+            raise EngineInputError(f"exit.max_loops must be >= 1, got {self.max_loops}")
+        self.exit_policy = EXIT_POLICIES[cfg.exit.policy](cfg.exit, self.max_loops)
+        if self.exit_policy.needs_gate and spec.family != "ouro":
+            raise EngineInputError(f"exit.policy '{cfg.exit.policy}' needs an exit gate; {spec.name} has none")
+        self.layout = LAYOUTS[cfg.kv.layout](spec, self.max_loops)
+        num_blocks = size_pool_blocks(
+            spec, self.layout, cfg.kv.block_size, dtype, device, cfg.kv.num_blocks, cfg.kv.cpu_pool_tokens,
+            cfg.kv.gpu_memory_utilization,
+        )
+        if num_blocks < self.layout.num_planes:
+            raise EngineInputError(f"kv.num_blocks={num_blocks} holds no page for {self.layout.num_planes} planes")
+        self.blocks = BlockManager(self.layout, num_blocks, cfg.kv.block_size, cfg.kv.prefix_caching)
+        self.pool = KVPool(spec, num_blocks, cfg.kv.block_size, dtype, device)
+        if cfg.kv.poison_freed_blocks:
+            self.blocks.on_freed = self.pool.poison
+        cap = self.blocks.capacity_tokens
+        self.max_model_len = min(cfg.scheduler.max_model_len or spec.max_position, spec.max_position, cap)
+        self.hooks = HookDispatcher()
+        self.noise = NOISE[cfg.noise](spec)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, cfg.kv.watermark_blocks)
+        self.scheduler.on_admit = self._on_admit
+        max_slots = max(1, min(num_blocks // self.layout.num_planes, 4096))
+        self.runner = ModelRunner(
+            model, cfg, self.layout, self.blocks, self.pool, self.noise, self.hooks, device=device, dtype=dtype,
+            max_loops=self.max_loops, max_model_len=self.max_model_len, max_slots=max_slots,
+        )
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+
+    # Construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_spec(
+        cls, spec: ModelSpec, cfg: EngineConfig | None = None, *, device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None, seed: int = 0,
+    ) -> LLMEngine:
+        device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = create_model(spec, device, dtype)
+        init_random(model, seed)
+        return cls(model, cfg or EngineConfig(), device=device, dtype=dtype, seed=seed)
+
+    @classmethod
+    def from_preset(cls, name: str, cfg: EngineConfig | None = None, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None, seed: int = 0) -> LLMEngine:
+        device = torch.device(device)
+        return cls.from_spec(resolve_preset(name, device.type), cfg, device=device, dtype=dtype, seed=seed)
+
+    # Observers ------------------------------------------------------------------------------------------
+    def attach(self, observer: Observer) -> None:
+        self.hooks.attach(observer)
+
+    def detach(self, observer: Observer) -> None:
+        self.hooks.detach(observer)
+
+    def observable_modules(self):
+        """(name, module) for every op module a probe may hook (model ops and the runner's own)."""
+        yield from self.model.named_modules()
+        yield from (("runner." + n, m) for n, m in self.runner.ops.named_modules() if n)
+
+    # Requests -------------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        self._validate(prompt, params, request_id)
+        req = Request(list(prompt), params, request_id or "", arrival_time or time.perf_counter())
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        if self.hooks.active:
+            self.hooks.request_event(RequestEvent("arrived", req.request_id, time.perf_counter()))
+        return req.request_id
+
+    def _validate(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> None:
+        if not prompt:
+            raise EngineInputError("prompt is empty: at least one token is needed")
+        if params.max_tokens < 1:
+            raise EngineInputError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise EngineInputError(f"token id {bad[0]} outside the vocabulary [0, {self.spec.vocab_size})")
+        need = len(prompt) + params.max_tokens - 1
+        if need > self.max_model_len:
+            raise EngineInputError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV positions; "
+                f"max context is {self.max_model_len}"
+            )
+        if request_id is not None and request_id in self.requests:
+            raise EngineInputError(f"request id '{request_id}' is already in use")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _on_admit(self, req: Request, cached_tokens: int) -> None:
+        if not self.runner.take_slot(req):  # pragma: no cover - slots are sized to the pool
+            raise RuntimeError("no carried-state slot left")
+        if self.noise.uses_generator or not req.params.greedy:
+            seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.seq
+            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self.hooks.active:
+            self.hooks.request_event(RequestEvent("admitted", req.request_id, time.perf_counter()))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        req.stage, req.finish_reason = Stage.FINISHED, reason
+        self.blocks.free_request(req.request_id)
+        self.runner.release_slot(req)
+        if self.hooks.active:
+            kind = "aborted" if reason == "abort" else "finished"
+            self.hooks.request_event(RequestEvent(kind, req.request_id, time.perf_counter(), reason=reason))
+
+    # The step -------------------------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.stats.steps += 1
+        self.stats.steps_by_stage[batch.stage.value] = self.stats.steps_by_stage.get(batch.stage.value, 0) + 1
+        if self.hooks.active:
+            self.hooks.step_begin(self._step_info(batch))
+        t0 = time.perf_counter()
+        outputs = self._execute(batch)
+        self.stats.submissions = self.runner.submissions
+        if self.hooks.active:
+            self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
+        return outputs
+
+    def _execute(self, batch: Batch) -> list[TokenOutput]:
+        with torch.inference_mode():
+            if batch.stage == Stage.PREFILL:
+                self._run_prefill(batch)
+            elif batch.stage == Stage.PRELUDE:
+                self.runner.prelude(batch.requests)
+                for r in batch.requests:
+                    self.scheduler.enqueue(r, Stage.RECURRENT)
+            elif batch.stage == Stage.RECURRENT:
+                self._run_recurrent(batch)
+            else:
+                return self._run_coda(batch)
+        return []
+
+    def _run_prefill(self, batch: Batch) -> None:
+        self.runner.prefill(batch.spans)
+        unfinished = []
+        for span in batch.spans:
+            req = span.request
+            req.num_prefilled += span.length
+            self.blocks.publish(req.request_id, req.num_prefilled, len(req.prompt))
+            if span.is_last_chunk:
+                req.loops_done = self.max_loops  # the first output token always has full depth
+                self.scheduler.enqueue(req, Stage.CODA)
+            else:
+                unfinished.append(req)
+        for req in reversed(unfinished):  # chunked prompts keep their place at the head of the queue
+            self.scheduler.enqueue(req, Stage.PREFILL, front=True)
+
+    def _run_recurrent(self, batch: Batch) -> None:
+        gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
+        exited = []
+        for i, req in enumerate(batch.requests):
+            if self.exit_policy.after_loop(req, gates[i] if gates is not None else None):
+                exited.append(req)
+            else:
+                self.scheduler.enqueue(req, Stage.RECURRENT)
+        early = [r for r in exited if r.loops_done < self.max_loops]
+        if early:
+            self.runner.finalize_exits(early)
+        for req in exited:
+            self.scheduler.enqueue(req, Stage.CODA)
+
+    def _run_coda(self, batch: Batch) -> list[TokenOutput]:
+        tokens = self.runner.coda(batch.requests)
+        now, outputs = time.perf_counter(), []
+        for req, tok in zip(batch.requests, tokens):
+            req.outputs.append(tok)
+            req.exit_depths.append(req.loops_done)
+            self.stats.output_tokens += 1
+            reason = None
+            if not req.params.ignore_eos and tok in self.spec.eos_token_ids:
+                reason = "stop"
+            elif len(req.outputs) >= req.params.max_tokens:
+                reason = "length"
+            if self.hooks.active:
+                kind = "first_token" if len(req.outputs) == 1 else "token"
+                self.hooks.request_event(RequestEvent(kind, req.request_id, now, tok, exit_depth=req.loops_done))
+            if reason is None:
+                self.scheduler.enqueue(req, Stage.PRELUDE)
+            else:
+                self._finish(req, reason)
+            outputs.append(TokenOutput(req.request_id, tok, reason is not None, reason, req.loops_done))
+        return outputs
+
+    def _step_info(self, batch: Batch) -> StepInfo:
+        loops = [r.loops_done for r in batch.requests] if batch.stage == Stage.RECURRENT else []
+        ids = [r.request_id for r in batch.requests]
+        return StepInfo(self.stats.steps, batch.stage.value, ids, batch.num_rows, loops)
+
+    def _step_result(self, batch: Batch, outputs: list[TokenOutput], elapsed: float) -> StepResult:
+        graph_stage = batch.stage in (Stage.RECURRENT, Stage.CODA)
+        return StepResult(
+            self.stats.steps, batch.stage.value, batch.num_rows, elapsed,
+            graph_mode=self.runner.last_graph_mode if graph_stage else None,
+            fallback_reason=self.runner.last_fallback if graph_stage else None,
+            new_tokens=len(outputs), finished=[o.request_id for o in outputs if o.finished],
+        )
+
+    # Convenience ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_unfinished_requests():
+            self.step()
+        return [self.requests[i].outputs for i in ids]
+
+    # Reporting ------------------------------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        return self.blocks.used_blocks() / self.blocks.num_blocks
+
+    def kv_summary(self) -> dict:
+        reserved, live = self.layout.reserved_slots_per_token, self.layout.live_slots_per_token
+        slot_bytes = self.spec.num_kv_heads * self.spec.head_dim * 2 * self.pool.k_cache.element_size()
+        return {
+            "layout": self.layout.name,
+            "planes": self.layout.num_planes,
+            "block_size": self.blocks.block_size,
+            "num_blocks": self.blocks.num_blocks,
+            "capacity_tokens": self.blocks.capacity_tokens,
+            "reserved_slots_per_token": reserved,
+            "live_slots_per_token": live,
+            "dead_slots_per_token": reserved - live,
+            "reserved_bytes_per_token": reserved * slot_bytes,
+            "live_bytes_per_token": live * slot_bytes,
+            "pool_bytes": 2 * self.pool.k_cache.numel() * self.pool.k_cache.element_size(),
+            "max_model_len": self.max_model_len,
+            "prefix_caching": self.blocks.prefix_caching,
+        }
+
+    def graph_counters(self) -> dict:
+        out = {}
+        for name, cache in (("recurrent", self.runner.recurrent_graphs), ("coda", self.runner.coda_graphs)):
+            if cache is not None:
+                out[name] = cache.counters.as_dict()
+        return out
+
+

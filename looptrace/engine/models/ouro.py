@@ -1,0 +1,115 @@
+"""Ouro (ByteDance): every layer is looped; 4-norm sandwich block; the final norm closes every loop and
+its output feeds the next loop; a learned exit gate after each loop. Tensor names = the public checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looptrace.engine.layers import (
+    AttnContext,
+    Embedding,
+    ExitGate,
+    LMHead,
+    PagedAttention,
+    RMSNorm,
+    RotaryHalf,
+)
+from looptrace.engine.model_config import ModelSpec
+from looptrace.engine.models.base import LoopedModel
+
+
+class OuroAttention(nn.Module):
+    op_kind = "attention"
+
+    def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
+        super().__init__()
+        h, nh, kvh, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.k_proj = nn.Linear(h, kvh * d, bias=False)
+        self.v_proj = nn.Linear(h, kvh * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.rope = [rope]  # shared module, kept out of this layer's state dict
+        self.paged = PagedAttention(layer_id, nh, kvh, d)
+        self.shape = (nh, kvh, d)
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        nh, kvh, d = self.shape
+        q = self.q_proj(x).view(-1, nh, d)
+        k = self.k_proj(x).view(-1, kvh, d)
+        v = self.v_proj(x).view(-1, kvh, d)
+        q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
+        return self.o_proj(self.paged(q, k, v, ctx))
+
+
+class OuroMLP(nn.Module):
+    op_kind = "mlp"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroLayer(nn.Module):
+    """Sandwich: post-norms applied before the residual add, plus the usual pre-norms."""
+
+    op_kind = "layer"
+
+    def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
+        super().__init__()
+        self.layer_role, self.layer_index = "core", layer_id
+        eps = spec.rms_norm_eps
+        self.self_attn = OuroAttention(spec, layer_id, rope)
+        self.mlp = OuroMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(spec.hidden_size, eps)
+
+    def forward(self, h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx))
+        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+
+
+class OuroModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
+        self.rotary = RotaryHalf(spec.head_dim, spec.rope_theta)
+        self.layers = nn.ModuleList(OuroLayer(spec, i, self.rotary) for i in range(spec.n_core))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.early_exit_gate = ExitGate(spec.hidden_size, 1, bias=True)
+
+
+class OuroForCausalLM(LoopedModel):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = OuroModel(spec)
+        self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @property
+    def rope(self) -> nn.Module:
+        return self.model.rotary
+
+    def prelude(self, tokens, ctx):
+        return self.model.embed_tokens(tokens), None
+
+    def first_state(self, embedded):
+        return embedded  # the first loop reads the embedding; later loops read the normed loop output
+
+    def core(self, state, inject, ctx):
+        for layer in self.model.layers:
+            state = layer(state, ctx)
+        state = self.model.norm(state)
+        return state, self.model.early_exit_gate(state).squeeze(-1)
+
+    def head(self, hidden):
+        return self.lm_head(hidden)

@@ -1,0 +1,411 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs one stage of the model, keeps carried state.
+
+The runner owns device tensors (KV pool, carried recurrent state, per-traversal metadata, CUDA graphs);
+it asks the block manager for addresses and keeps the written-state guard up to date. Each call of
+`execute` is one submission (one engine step). Stages:
+
+- PREFILL: one chunk per request, all loops in this step, depth-major (every chunk row does loop 1, then
+  loop 2, ...). Huginn/OLMo also run the coda layers on non-final prompt positions to fill coda KV.
+- PRELUDE: embed the token being fed back (Huginn/OLMo: prelude layers + a fresh initial state).
+- RECURRENT: exactly one loop per row; rows may be at different depths, each reads its own plane.
+- CODA: coda layers (Huginn/OLMo) and head, then sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from looptrace.engine.config import EngineConfig
+from looptrace.engine.cuda_graphs import GraphCache
+from looptrace.engine.hooks import HookDispatcher
+from looptrace.engine.kv_cache import BlockManager, KVLayout, KVPool
+from looptrace.engine.layers import (
+    META_CTX,
+    META_FIXED,
+    META_POS,
+    META_SLOT,
+    META_TOKEN,
+    META_WBLOCK,
+    META_WOFF,
+    AttentionMetadata,
+)
+from looptrace.engine.models import LoopedModel
+from looptrace.engine.request import Request
+from looptrace.engine.sampling import sample
+from looptrace.engine.scheduler import PrefillSpan
+
+
+class Sampler(nn.Module):
+    op_kind = "sample"
+
+    def forward(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        return sample(logits, requests)
+
+
+class StateInit(nn.Module):
+    """Initial recurrent state for Huginn/OLMo rows: one draw per run of rows of one request."""
+
+    op_kind = "state_init"
+
+    def __init__(self, noise) -> None:
+        super().__init__()
+        self.noise = noise
+
+    def forward(self, like: torch.Tensor, runs: list[tuple[Request, int]]) -> torch.Tensor:
+        parts = [self.noise.draw(n, like, req.generator) for req, n in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class PlaneCopy(nn.Module):
+    """Early exit: copy one token slot (all core layers) from the exit plane into every deeper plane."""
+
+    op_kind = "kv_copy"
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def forward(self, copies: torch.Tensor) -> None:  # [n, 4]: src block, src offset, dst block, dst offset
+        self.pool.copy_slots(copies)
+
+
+class HostStaging:
+    """A ring of pinned host buffers for non-blocking H2D copies; an event per buffer guards reuse."""
+
+    def __init__(self, device: torch.device, ring: int = 8) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buffers: list[torch.Tensor | None] = [None] * ring
+        self.events: list[torch.cuda.Event | None] = [None] * ring
+        self.i = 0
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if not self.cuda:
+            return host
+        i, self.i = self.i, (self.i + 1) % len(self.buffers)
+        buf, ev = self.buffers[i], self.events[i]
+        if ev is not None:
+            ev.synchronize()  # normally long complete: the copy was queued several steps ago
+        if buf is None or buf.numel() < host.numel():
+            buf = torch.empty(max(host.numel(), 4096), dtype=host.dtype, pin_memory=True)
+            self.buffers[i] = buf
+        staged = buf[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[i] = ev
+        return out
+
+
+@dataclass
+class Row:
+    request: Request
+    pos: int
+    token: int = 0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LoopedModel,
+        cfg: EngineConfig,
+        layout: KVLayout,
+        blocks: BlockManager,
+        pool: KVPool,
+        noise,
+        hooks: HookDispatcher,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_loops: int,
+        max_model_len: int,
+        max_slots: int,
+    ) -> None:
+        self.model, self.cfg, self.layout, self.blocks, self.pool = model, cfg, layout, blocks, pool
+        self.spec = model.spec
+        self.noise, self.hooks = noise, hooks
+        self.device, self.dtype, self.max_loops = device, dtype, max_loops
+        self.block_size = cfg.kv.block_size
+        # On CUDA, decode rows always gather a full-width table so eager steps and graph replays run the
+        # same shapes (and give the same bits); on CPU the batch's own width is enough.
+        self.fixed_width = math.ceil(max_model_len / self.block_size) if device.type == "cuda" else None
+        h = self.spec.hidden_size
+        self.state_pool = torch.zeros(max_slots, h, dtype=dtype, device=device)
+        self.inject_pool = torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
+        self.free_slots = list(reversed(range(max_slots)))
+        self.metadata = AttentionMetadata(self.block_size)
+        self.ops = nn.ModuleDict(
+            dict(metadata=self.metadata, sampler=Sampler(), state_init=StateInit(noise), kv_copy=PlaneCopy(pool))
+        )
+        self.staging = HostStaging(device)
+        self.submissions = 0
+        self.recurrent_graphs: GraphCache | None = None
+        self.coda_graphs: GraphCache | None = None
+        if device.type == "cuda" and cfg.cuda_graphs.enabled:
+            mempool = torch.cuda.graph_pool_handle()
+            self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
+            if cfg.cuda_graphs.coda:
+                self.coda_graphs = GraphCache("coda", self._coda_pass, cfg.cuda_graphs, mempool)
+        self.last_graph_mode: str | None = None
+        self.last_fallback: str | None = None
+
+    # Carried-state slots ----------------------------------------------------------------------------------
+    def take_slot(self, req: Request) -> bool:
+        if not self.free_slots:
+            return False
+        req.state_slot = self.free_slots.pop()
+        return True
+
+    def release_slot(self, req: Request) -> None:
+        if req.state_slot >= 0:
+            self.free_slots.append(req.state_slot)
+            req.state_slot = -1
+
+    # Metadata -------------------------------------------------------------------------------------------
+    def _raw(self, rows: list[Row], plane_sets: list[list[int]], width: int) -> np.ndarray:
+        """Host metadata -> [len(plane_sets), R, 6 + width]; entry j gives row i the plane plane_sets[j][i]
+        (prefill: one entry per plane; recurrent: one entry, each row at its own depth's plane)."""
+        bs = self.block_size
+        raw = np.full((len(plane_sets), len(rows), META_FIXED + width), -1, dtype=np.int64)
+        written = set()
+        for i, row in enumerate(rows):
+            rid = row.request.request_id
+            raw[:, i, META_SLOT] = row.request.state_slot
+            raw[:, i, META_POS] = row.pos
+            raw[:, i, META_CTX] = row.pos + 1
+            raw[:, i, META_WOFF] = row.pos % bs
+            raw[:, i, META_TOKEN] = row.token
+            need = row.pos // bs + 1
+            for j, planes in enumerate(plane_sets):
+                table = self.blocks.table(rid, planes[i])
+                raw[j, i, META_WBLOCK] = table[row.pos // bs]
+                raw[j, i, META_FIXED : META_FIXED + need] = table[:need]
+                slot = (planes[i], table[row.pos // bs], row.pos % bs)
+                if slot in written:  # two rows of one traversal must never write the same slot
+                    raise RuntimeError(f"duplicate KV write at plane/block/offset {slot}")
+                written.add(slot)
+        return raw
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """A small int64 index on the device, staged through pinned memory (no blocking copy)."""
+        return self.staging.to_device(np.asarray(values, dtype=np.int64))
+
+    def _width(self, rows: list[Row]) -> int:
+        return max(r.pos // self.block_size + 1 for r in rows)
+
+    def _decode_width(self, rows: list[Row]) -> int:
+        return self.fixed_width or self._width(rows)
+
+    def _check(self, rows: list[Row], plane: int, role: str) -> None:
+        firsts: dict[str, int] = {}
+        for r in rows:  # a chunk's later rows see the rows written before them in this traversal
+            firsts.setdefault(r.request.request_id, r.pos)
+        for rid, pos in firsts.items():
+            self.blocks.check_history(rid, plane, role, pos)
+
+    def _mark(self, rows: list[Row], plane: int, role: str) -> None:
+        for r in rows:
+            self.blocks.mark_written(r.request.request_id, plane, role, r.pos, r.pos + 1)
+
+    # Traversals (also the bodies captured into CUDA graphs) ------------------------------------------------
+    def _core_pass(self, raw: torch.Tensor, state: torch.Tensor, inject: torch.Tensor | None = None):
+        """One loop for every row: metadata, core layers (Ouro: + loop norm + gate)."""
+        ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        state, gate = self.model.core(state, inject, ctx)
+        return (state, gate) if gate is not None else (state,)
+
+    def _coda_pass(self, raw: torch.Tensor, state: torch.Tensor):
+        ctx = None
+        if self.model.has_coda_layers:
+            ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        return (self.model.head(self.model.coda_hidden(state, ctx)),)
+
+    def _maybe_graph(self, cache: GraphCache | None, rows: int, fn, inputs):
+        if cache is None:
+            self.last_graph_mode, self.last_fallback = None, None
+            return fn(*inputs)
+        out = cache.run(rows, inputs)
+        self.last_graph_mode, self.last_fallback = cache.last_mode, cache.last_reason
+        return out
+
+    def _emit_hidden(self, stage: str, loop: int, rows: list[Row], state: torch.Tensor) -> None:
+        ids = [r.request.request_id for r in rows]
+        self.hooks.loop_hidden(stage, loop, ids, [r.pos for r in rows], state.detach().float().cpu())
+
+    # Stages ---------------------------------------------------------------------------------------------
+    def prefill(self, spans: list[PrefillSpan]) -> None:
+        self.submissions += 1
+        rows = [Row(s.request, p, s.request.prompt[p]) for s in spans for p in range(s.start, s.start + s.length)]
+        boundary = self.layout.plane("prelude", 0)
+        core_planes = [self.layout.plane("core", t) for t in range(self.max_loops)]
+        planes = sorted({boundary, *core_planes})
+        raw = self.staging.to_device(self._raw(rows, [[p] * len(rows) for p in planes], self._width(rows)))
+        raw_of = {p: raw[i] for i, p in enumerate(planes)}
+        ctx0 = self.metadata(raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw_of[p], ctx0) for p in planes}
+        tokens = raw_of[boundary][:, META_TOKEN]
+
+        if self.spec.n_prelude:
+            self._check(rows, boundary, "prelude")
+        embedded, inject = self.model.prelude(tokens, ctx0)
+        if self.spec.n_prelude:
+            self._mark(rows, boundary, "prelude")
+        state = self.model.first_state(embedded)
+        if state is None:
+            state = self.ops.state_init(embedded, [(s.request, s.length) for s in spans])
+
+        for t in range(self.max_loops):
+            plane = core_planes[t]
+            self._check(rows, plane, "core")
+            if self.hooks.active:
+                self.hooks.loop_begin("prefill", t)
+            state, _ = self.model.core(state, inject, ctx_of[plane])
+            self._mark(rows, plane, "core")
+            if self.hooks.active:
+                if self.hooks.wants_hidden:
+                    self._emit_hidden("prefill", t, rows, state)
+                self.hooks.loop_end("prefill", t)
+
+        last_rows = self._last_rows(spans)
+        if self.model.has_coda_layers:
+            self._fill_coda(rows, state, last_rows, boundary)
+        if last_rows:
+            idx = self._index(list(last_rows.values()))
+            slots = self._index([rows[i].request.state_slot for i in last_rows.values()])
+            self.state_pool.index_copy_(0, slots, state.index_select(0, idx))
+            if inject is not None:
+                self.inject_pool.index_copy_(0, slots, inject.index_select(0, idx))
+
+    @staticmethod
+    def _last_rows(spans: list[PrefillSpan]) -> dict[str, int]:
+        """Row index of each final prompt position in this batch (its hidden state feeds CODA)."""
+        out, offset = {}, 0
+        for s in spans:
+            if s.is_last_chunk:
+                out[s.request.request_id] = offset + s.length - 1
+            offset += s.length
+        return out
+
+    def _fill_coda(self, rows: list[Row], state: torch.Tensor, last_rows: dict[str, int], plane: int) -> None:
+        """Huginn/OLMo: coda layers on non-final prompt positions fill coda KV (no head, no logits)."""
+        keep = [i for i in range(len(rows)) if i not in set(last_rows.values())]
+        if not keep:
+            return
+        sub = [rows[i] for i in keep]
+        self._check(sub, plane, "coda")
+        raw = self.staging.to_device(self._raw(sub, [[plane] * len(sub)], self._width(sub)))[0]
+        ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        part = state if len(keep) == len(rows) else state.index_select(0, self._index(keep))
+        self.model.coda_hidden(part, ctx)
+        self._mark(sub, plane, "coda")
+
+    def prelude(self, requests: list[Request]) -> None:
+        self.submissions += 1
+        rows = [Row(r, r.decode_position, r.outputs[-1]) for r in requests]
+        plane = self.layout.plane("prelude", 0)
+        width = self._decode_width(rows)
+        raw_np = self._raw(rows, [[plane] * len(rows)], width) if self.spec.n_prelude else self._raw_no_kv(rows)
+        raw = self.staging.to_device(raw_np)[0]
+        ctx = None
+        if self.spec.n_prelude:
+            self._check(rows, plane, "prelude")
+            ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        embedded, inject = self.model.prelude(raw[:, META_TOKEN], ctx)
+        if self.spec.n_prelude:
+            self._mark(rows, plane, "prelude")
+        state = self.model.first_state(embedded)
+        if state is None:
+            state = self.ops.state_init(embedded, [(r, 1) for r in requests])
+        slots = raw[:, META_SLOT]
+        self.state_pool.index_copy_(0, slots, state)
+        if inject is not None:
+            self.inject_pool.index_copy_(0, slots, inject)
+        for r in requests:
+            r.loops_done, r.remaining_probability = 0, 1.0
+
+    def _raw_no_kv(self, rows: list[Row]) -> np.ndarray:
+        raw = np.zeros((1, len(rows), META_FIXED + 1), dtype=np.int64)
+        for i, row in enumerate(rows):
+            raw[0, i, META_SLOT], raw[0, i, META_POS], raw[0, i, META_TOKEN] = (
+                row.request.state_slot, row.pos, row.token)
+        return raw
+
+    def recurrent(self, requests: list[Request], need_gate: bool) -> list[float] | None:
+        """One loop for every row at its own depth; returns gate logits when the exit policy needs them."""
+        self.submissions += 1
+        rows = [Row(r, r.decode_position) for r in requests]
+        planes = [self.layout.plane("core", r.loops_done) for r in requests]
+        for row, plane in zip(rows, planes):
+            self._check([row], plane, "core")
+        raw = self.staging.to_device(self._raw(rows, [planes], self._decode_width(rows)))[0]
+        slots = raw[:, META_SLOT]
+        inputs = (raw, self.state_pool.index_select(0, slots))
+        if self.inject_pool is not None:
+            inputs += (self.inject_pool.index_select(0, slots),)
+        loops = sorted({r.loops_done for r in requests})
+        if self.hooks.active:
+            for t in loops:
+                self.hooks.loop_begin("recurrent", t)
+        out = self._maybe_graph(self.recurrent_graphs, len(rows), self._core_pass, inputs)
+        self.state_pool.index_copy_(0, slots, out[0])
+        for row, plane in zip(rows, planes):
+            self._mark([row], plane, "core")
+        if self.hooks.active:
+            if self.hooks.wants_hidden:
+                for t in loops:
+                    sel = [i for i, r in enumerate(requests) if r.loops_done == t]
+                    self._emit_hidden("recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel)))
+            for t in loops:
+                self.hooks.loop_end("recurrent", t)
+        for r in requests:
+            r.loops_done += 1
+        return out[1].float().tolist() if need_gate and len(out) > 1 else None
+
+    def finalize_exits(self, requests: list[Request]) -> None:
+        """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes
+        layout only; the shared layout already holds version e) and mark them written."""
+        copies, marks = [], []
+        for r in requests:
+            e = r.loops_done
+            exit_plane = self.layout.plane("core", e - 1)
+            deeper = sorted({self.layout.plane("core", d) for d in range(e, self.max_loops)} - {exit_plane})
+            pos = r.decode_position
+            src = self.blocks.slot(r.request_id, exit_plane, pos)
+            for p in deeper:
+                copies.append((*src, *self.blocks.slot(r.request_id, p, pos)))
+                marks.append((r.request_id, p, pos))
+        if copies:
+            self.ops.kv_copy(self._index([c for row in copies for c in row]).view(-1, 4))
+        for rid, plane, pos in marks:
+            self.blocks.mark_written(rid, plane, "core", pos, pos + 1)
+
+    def coda(self, requests: list[Request]) -> list[int]:
+        """Coda (+ head) and sampling for every row; returns the sampled token ids on the host."""
+        self.submissions += 1
+        rows = [Row(r, r.decode_position) for r in requests]
+        plane = self.layout.plane("coda", 0)
+        has_kv = self.model.has_coda_layers
+        if has_kv:
+            self._check(rows, plane, "coda")
+        raw_np = self._raw(rows, [[plane] * len(rows)], self._decode_width(rows)) if has_kv else self._raw_no_kv(rows)
+        raw = self.staging.to_device(raw_np)[0]
+        state = self.state_pool.index_select(0, raw[:, META_SLOT])
+        (logits,) = self._maybe_graph(self.coda_graphs, len(rows), self._coda_pass, (raw, state))
+        if has_kv:
+            self._mark(rows, plane, "coda")
+        tokens = self.ops.sampler(logits, requests)
+        return self._to_host(tokens)
+
+    def _to_host(self, tokens: torch.Tensor) -> list[int]:
+        if self.device.type != "cuda":
+            return tokens.tolist()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the step's one blocking read: the sampled tokens
+        return host.tolist()

@@ -1,0 +1,1 @@
+"""Probes: trace analysis (events → classification → counters → report), independent of the engine."""

@@ -1,0 +1,573 @@
+"""Per-window counters and kernel attribution.
+
+Annotation convention (the `record_function` names looptrace emits; Kineto records them as
+`user_annotation` events, which is what this module reads):
+
+    lt.window/decode, lt.window/prefill   the measured windows
+    lt.step#<n>                           one engine step
+    lt.stage/<stage>                      prefill | prelude | recurrent | coda | sample
+    lt.loop/<i>                           0-based loop of the recurrent block
+    lt.layer/<role><i>                    e.g. lt.layer/core3, lt.layer/prelude0, lt.layer/coda1
+    lt.op/<kind>                          norm | rope | attention | mlp | gate | adapter | embed | head |
+                                          sample | state_init | kv_copy
+
+Windows are time ranges: an event is in the window when its host position (below) lies inside any window
+range, on any thread. Without window ranges the whole trace is the window. Steps are instances of a step
+marker (a user_annotation name prefix: `lt.step#`, else `ProfilerStep#`, or `step_marker=`, e.g. vLLM's
+`execute_model`) that start inside the window.
+
+Host position: host events (cpu_op, runtime/driver calls) are where they are. Device events (kernels,
+memcpy, memset, cuda_sync) sit at the runtime/driver call with the same `args.correlation`; graph-replay
+kernels share the correlation of their `cudaGraphLaunch`, so they land on the ranges enclosing the replay.
+Device events without such a call fall back to their own timestamp and get no attribution.
+
+Attribution: each kernel (GPU mode) or leaf cpu_op (CPU mode: the trace has no kernel events) takes the
+innermost enclosing lt.stage / lt.loop / lt.layer / lt.op ranges *on the thread of its host position*.
+Kernels with no lt.op range are `graph` (inside a graph replay) or `other`.
+
+Tokens: per-token values divide window totals by `tokens=` (the caller knows how many tokens it sampled);
+without it, by the number of step-marker instances (right for one token per step, e.g. vLLM decode at
+batch 1); without either, by 1 (totals), and the notes say so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
+
+from looptrace.probes import classify as cl
+from looptrace.probes.events import Trace, TraceError, TraceEvent
+
+# --- annotation-name convention -------------------------------------------------------------------------
+
+PREFIX = "lt."
+WINDOW_PREFIX = "lt.window/"
+WINDOW_DECODE = "lt.window/decode"
+WINDOW_PREFILL = "lt.window/prefill"
+STEP_PREFIX = "lt.step#"
+STAGE_PREFIX = "lt.stage/"
+LOOP_PREFIX = "lt.loop/"
+LAYER_PREFIX = "lt.layer/"
+OP_PREFIX = "lt.op/"
+STAGES = ("prefill", "prelude", "recurrent", "coda", "sample")
+OP_KINDS = (
+    "norm", "rope", "attention", "mlp", "gate", "adapter", "embed", "head", "sample", "state_init", "kv_copy",
+)  # fmt: skip
+DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#")
+WINDOW_CHOICES = ("auto", "decode", "prefill", "all")
+GRAPH_OP = "graph"  # kernel of a graph replay with no finer range
+OTHER_OP = "other"  # eager kernel outside every lt.op range
+NONE = "-"
+
+ANNOTATION_CAT = "user_annotation"
+DEVICE_CATS = frozenset({cl.KERNEL_CAT, cl.MEMCPY_CAT, cl.MEMSET_CAT, cl.SYNC_CAT})
+
+_LAYER_RE = re.compile(r"^([A-Za-z_]*?)(\d+)$")
+
+
+def window_name(kind: str) -> str:
+    return f"{WINDOW_PREFIX}{kind}"
+
+
+def step_name(n: int) -> str:
+    return f"{STEP_PREFIX}{n}"
+
+
+def stage_name(stage: str) -> str:
+    return f"{STAGE_PREFIX}{stage}"
+
+
+def loop_name(i: int) -> str:
+    return f"{LOOP_PREFIX}{i}"
+
+
+def layer_name(role: str, i: int) -> str:
+    return f"{LAYER_PREFIX}{role}{i}"
+
+
+def op_name(kind: str) -> str:
+    return f"{OP_PREFIX}{kind}"
+
+
+# Counters field of each sync kind of `classify`.
+SYNC_FIELDS = {
+    "stream": "sync_stream",
+    "device": "sync_device",
+    "event": "sync_event",
+    "sync_memcpy": "sync_memcpy",
+    "unknown": "sync_unknown",
+    cl.STREAM_WAIT: "stream_wait",
+}
+
+# --- results --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    """Window totals. `per_token()`/`per_step()` divide them; `pageable` stays a window count in Table A4."""
+
+    tokens: int
+    steps: int
+    window: str
+    mode: str  # "gpu" | "cpu"
+    kernels: int = 0
+    eager_launches: int = 0
+    graph_launches: int = 0
+    graph_kernels: int = 0
+    htod: int = 0
+    dtoh: int = 0
+    dtod: int = 0
+    memcpy_other: int = 0  # HtoH, PtoP, array copies, unparsed names
+    htod_bytes: int = 0
+    dtoh_bytes: int = 0
+    dtod_bytes: int = 0
+    pageable: int = 0
+    pinned: int = 0
+    memset: int = 0
+    sync_stream: int = 0
+    sync_device: int = 0
+    sync_event: int = 0
+    sync_memcpy: int = 0
+    sync_unknown: int = 0
+    stream_wait: int = 0  # device-side wait, not blocking: not in `syncs`
+    scalar_reads: int = 0
+    copy_kernels: int = 0
+    gpu_us: float = 0.0  # kernels + memcpy + memset; CPU mode: leaf-op time
+    host_us: float = 0.0  # window wall time on the host
+    submissions: int | None = None  # engine submissions, when the caller knows them
+
+    @property
+    def syncs(self) -> int:
+        """Blocking syncs (stream, device, event, synchronous memcpy, unknown)."""
+        return sum(getattr(self, SYNC_FIELDS[k]) for k in cl.BLOCKING_SYNC_KINDS)
+
+    @property
+    def syncs_by_kind(self) -> dict[str, int]:
+        """Every sync kind of `classify` (stream waits included, not blocking) → count."""
+        return {kind: getattr(self, name) for kind, name in SYNC_FIELDS.items()}
+
+    def totals(self) -> dict[str, float]:
+        """Every counter of the window, by name (with `syncs`), in a stable order."""
+        out: dict[str, float] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sync_stream":
+                out["syncs"] = self.syncs
+            if f.name not in ("tokens", "steps", "window", "mode") and value is not None:
+                out[f.name] = value
+        return out
+
+    def per_token(self) -> dict[str, float]:
+        return {k: v / self.tokens for k, v in self.totals().items()}
+
+    def per_step(self) -> dict[str, float] | None:
+        return {k: v / self.steps for k, v in self.totals().items()} if self.steps else None
+
+
+@dataclass
+class KernelStat:
+    name: str
+    count: int
+    total_us: float
+
+    @property
+    def avg_us(self) -> float:
+        return self.total_us / self.count if self.count else 0.0
+
+
+@dataclass
+class GroupStat:
+    key: tuple[str, ...]  # values of Breakdown columns, e.g. ("norm",) or ("norm", "core")
+    kernels: int
+    gpu_us: float
+
+
+@dataclass
+class Breakdown:
+    by_op: list[GroupStat] = field(default_factory=list)  # key: (op,)
+    by_stage: list[GroupStat] = field(default_factory=list)  # key: (stage,)
+    by_op_role: list[GroupStat] = field(default_factory=list)  # key: (op, layer role)
+    formulas: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Analysis:
+    counters: Counters
+    breakdown: Breakdown
+    top_by_count: list[KernelStat]
+    top_by_time: list[KernelStat]
+    tokens_source: str
+    step_marker: str | None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Context:
+    """Innermost lt.* ranges around a host position."""
+
+    stage: str = NONE
+    loop: int | None = None
+    layer: str | None = None  # e.g. "core3"
+    role: str = NONE  # e.g. "core"
+    op: str | None = None
+    op_range: TraceEvent | None = None  # the lt.op range instance (for per-call factors)
+
+
+def context_of(chain: Sequence[TraceEvent]) -> Context:
+    """Context from enclosing ranges ordered outer → inner, so the innermost of each level wins."""
+    stage, loop, layer, role, op, op_range = NONE, None, None, NONE, None, None
+    for r in chain:
+        name = r.name
+        if name.startswith(OP_PREFIX):
+            op, op_range = name[len(OP_PREFIX) :], r
+        elif name.startswith(LAYER_PREFIX):
+            layer = name[len(LAYER_PREFIX) :]
+            m = _LAYER_RE.match(layer)
+            role = m.group(1) or NONE if m else layer
+        elif name.startswith(LOOP_PREFIX) and name[len(LOOP_PREFIX) :].isdigit():
+            loop = int(name[len(LOOP_PREFIX) :])
+        elif name.startswith(STAGE_PREFIX):
+            stage = name[len(STAGE_PREFIX) :]
+    return Context(stage, loop, layer, role, op, op_range)
+
+
+# --- windows and positions ------------------------------------------------------------------------------
+
+
+Interval = tuple[float, float]
+
+
+def select_windows(trace: Trace, window: str = "auto") -> tuple[list[Interval] | None, str]:
+    """Window intervals (None = whole trace) and a label. `auto`: decode windows if any, else the whole
+    trace; `decode`/`prefill`: those windows, or TraceError if the trace has none; `all`: whole trace."""
+    if window not in WINDOW_CHOICES:
+        raise ValueError(f"window must be one of {WINDOW_CHOICES}, not {window!r}")
+    if window == "all":
+        return None, "whole trace"
+    name = WINDOW_PREFILL if window == "prefill" else WINDOW_DECODE
+    ranges = [e for e in trace.events if e.cat == ANNOTATION_CAT and e.name == name]
+    if ranges:
+        return _merge([(e.ts, e.end) for e in ranges]), f"{name} ×{len(ranges)}"
+    if window == "auto":
+        return None, f"whole trace (no {name} range)"
+    raise TraceError(f"{trace.source}: no '{name}' range in the trace")
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _window_test(windows: list[Interval] | None) -> Callable[[float], bool]:
+    if windows is None:
+        return lambda t: True
+    starts = [w[0] for w in windows]
+
+    def inside(t: float) -> bool:
+        i = bisect.bisect_right(starts, t) - 1
+        return i >= 0 and t <= windows[i][1]
+
+    return inside
+
+
+def _host_span(events: list[TraceEvent]) -> float:
+    host = [e for e in events if e.cat not in DEVICE_CATS and e.cat != "Trace"] or events
+    return max(e.end for e in host) - min(e.ts for e in host) if host else 0.0
+
+
+Position = tuple[tuple | None, float]  # (host thread (pid, tid) or None, host time)
+
+
+class _Locator:
+    """Host position of any event (module docstring)."""
+
+    def __init__(self, events: Iterable[TraceEvent]) -> None:
+        self.calls = {c: e for e in events if cl.is_api_call(e) and (c := e.correlation) is not None}
+        self.unlinked = 0
+
+    def __call__(self, e: TraceEvent) -> Position:
+        if e.cat not in DEVICE_CATS:
+            return (e.pid, e.tid), e.ts
+        call = self.calls.get(e.correlation) if e.correlation is not None else None
+        if call is None:
+            self.unlinked += 1
+            return None, e.ts
+        return (call.pid, call.tid), call.ts
+
+
+def enclosing_chains(ranges: list[TraceEvent], times: Sequence[float]) -> list[tuple[TraceEvent, ...]]:
+    """For each time, the ranges of one thread that contain it (start <= t < end), outer → inner.
+    `ranges` must be sorted by (ts, -dur). One sweep, so cost is O((ranges + times) log) per thread."""
+    out: list[tuple[TraceEvent, ...]] = [()] * len(times)
+    stack: list[TraceEvent] = []
+    i = 0
+    for q in sorted(range(len(times)), key=times.__getitem__):
+        t = times[q]
+        while i < len(ranges) and ranges[i].ts <= t:
+            while stack and stack[-1].end <= ranges[i].ts:
+                stack.pop()
+            stack.append(ranges[i])
+            i += 1
+        while stack and stack[-1].end <= t:
+            stack.pop()
+        out[q] = tuple(r for r in stack if r.end > t)  # tolerate ranges that overlap without nesting
+    return out
+
+
+def _contexts(positions: list[Position], ranges: list[TraceEvent]) -> list[Context]:
+    """Context of each position, from the lt.* ranges of its thread."""
+    by_thread: dict[tuple, list[TraceEvent]] = defaultdict(list)
+    for r in ranges:
+        by_thread[(r.pid, r.tid)].append(r)
+    for rs in by_thread.values():
+        rs.sort(key=lambda r: (r.ts, -r.dur))
+    queries: dict[tuple, list[int]] = defaultdict(list)
+    for i, (thread, _) in enumerate(positions):
+        if thread is not None and thread in by_thread:
+            queries[thread].append(i)
+    out = [Context()] * len(positions)
+    for thread, idx in queries.items():
+        chains = enclosing_chains(by_thread[thread], [positions[i][1] for i in idx])
+        for i, chain in zip(idx, chains, strict=True):
+            out[i] = context_of(chain)
+    return out
+
+
+# --- analysis -------------------------------------------------------------------------------------------
+
+
+def analyze(
+    trace: Trace,
+    *,
+    tokens: int | None = None,
+    window: str = "auto",
+    step_marker: str | None = None,
+    submissions: int | None = None,
+    top: int = 10,
+) -> Analysis:
+    """Counters, attribution and top kernels of one window of `trace` (rules in the module docstring)."""
+    events = trace.events
+    if not events:
+        raise TraceError(f"{trace.source}: no complete events in the trace")
+    if tokens is not None and tokens < 1:
+        raise ValueError("tokens must be >= 1")
+    mode = cl.detect_mode(events)
+    windows, label = select_windows(trace, window)
+    inside = _window_test(windows)
+    locate = _Locator(events)
+
+    def in_window(items: Iterable[TraceEvent]) -> list[tuple[TraceEvent, Position]]:
+        located = ((e, locate(e)) for e in items)
+        return [(e, pos) for e, pos in located if inside(pos[1])]
+
+    marker, steps = _count_steps(events, step_marker, inside)
+    tokens, tokens_source = _resolve_tokens(tokens, marker, steps)
+    host_us = _host_span(events) if windows is None else sum(end - start for start, end in windows)
+    c = Counters(tokens, steps, label, mode, host_us=host_us, submissions=submissions)
+
+    kernel_events = [e for e in events if cl.is_kernel(e)] if mode == "gpu" else cl.leaf_cpu_ops(events)
+    kernels = in_window(kernel_events)
+    graph_corr = cl.graph_launch_correlations(events)
+    _count_kernels(c, [e for e, _ in kernels], graph_corr)
+    _count_memory(c, in_window(e for e in events if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT)))
+    for e, _ in in_window(e for e in events if cl.is_api_call(e)):
+        c.eager_launches += cl.is_eager_launch(e)
+        c.graph_launches += cl.is_graph_launch(e)
+    for kind, e in cl.select_syncs(events):
+        if inside(locate(e)[1]):
+            setattr(c, SYNC_FIELDS[kind], getattr(c, SYNC_FIELDS[kind]) + 1)
+    c.scalar_reads = len(in_window(cl.scalar_reads(events)))
+
+    ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
+    # lt.op instances get a context too (their own layer/loop), for the per-call factors of the formulas.
+    op_positions = [((r.pid, r.tid), r.ts) for r in ranges if r.name.startswith(OP_PREFIX) and inside(r.ts)]
+    contexts = _contexts([p for _, p in kernels] + op_positions, ranges)
+    kernel_ctx, op_ctx = contexts[: len(kernels)], contexts[len(kernels) :]
+    breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
+    by_count, by_time = _top_kernels([e for e, _ in kernels], top)
+    notes = _notes(c, tokens_source, locate.unlinked, mode)
+    return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes)
+
+
+def _count_steps(events: list[TraceEvent], marker: str | None, inside: Callable[[float], bool]) -> tuple:
+    annotations = [e for e in events if e.cat == ANNOTATION_CAT]
+    candidates = (marker,) if marker else DEFAULT_STEP_MARKERS
+    for prefix in candidates:
+        steps = [e for e in annotations if e.name.startswith(prefix)]
+        if steps:
+            return prefix, sum(1 for e in steps if inside(e.ts))
+    return marker, 0
+
+
+def _resolve_tokens(tokens: int | None, marker: str | None, steps: int) -> tuple[int, str]:
+    if tokens is not None:
+        return tokens, "given"
+    if steps:
+        return steps, f"step-marker instances ({marker!r}); pass tokens for batched or multi-stage steps"
+    return 1, "unknown, so per-token values are window totals: pass --tokens or --step-marker"
+
+
+def _count_kernels(c: Counters, kernels: list[TraceEvent], graph_corr: set[int]) -> None:
+    for e in kernels:
+        c.kernels += 1
+        c.gpu_us += e.dur
+        if c.mode == "gpu":
+            c.graph_kernels += cl.is_graph_kernel(e, graph_corr)
+            c.copy_kernels += cl.is_copy_kernel_name(e.name)
+        else:
+            c.copy_kernels += cl.is_cpu_copy_op(e)
+
+
+def _count_memory(c: Counters, items: list[tuple[TraceEvent, Position]]) -> None:
+    for e, _ in items:
+        c.gpu_us += e.dur
+        if cl.is_memset(e):
+            c.memset += 1
+            continue
+        info = cl.parse_memcpy(e)
+        direction = {"HtoD": "htod", "DtoH": "dtoh", "DtoD": "dtod"}.get(info.direction)
+        if direction:
+            setattr(c, direction, getattr(c, direction) + 1)
+            setattr(c, f"{direction}_bytes", getattr(c, f"{direction}_bytes") + info.bytes)
+        else:
+            c.memcpy_other += 1
+        c.pageable += info.pageable
+        c.pinned += info.pinned
+
+
+def _kernel_op(e: TraceEvent, ctx: Context, graph_corr: set[int]) -> str:
+    if ctx.op is not None:
+        return ctx.op
+    return GRAPH_OP if cl.is_graph_kernel(e, graph_corr) else OTHER_OP
+
+
+def _groups(acc: dict[tuple[str, ...], list[float]]) -> list[GroupStat]:
+    stats = [GroupStat(key, int(v[0]), v[1]) for key, v in acc.items()]
+    return sorted(stats, key=lambda s: (-s.kernels, s.key))
+
+
+def _breakdown(
+    kernels: list[tuple[TraceEvent, Position]],
+    kernel_ctx: list[Context],
+    op_ctx: list[Context],
+    graph_corr: set[int],
+    tokens: int,
+) -> Breakdown:
+    by_op: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_stage: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_op_role: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    per_call: Counter[int] = Counter()  # kernels per lt.op range instance, by id
+    for (e, _), ctx in zip(kernels, kernel_ctx, strict=True):
+        op = _kernel_op(e, ctx, graph_corr)
+        for acc, key in ((by_op, (op,)), (by_stage, (ctx.stage,)), (by_op_role, (op, ctx.role))):
+            acc[key][0] += 1
+            acc[key][1] += e.dur
+        if ctx.op_range is not None:
+            per_call[id(ctx.op_range)] += 1
+    b = Breakdown(_groups(by_op), _groups(by_stage), _groups(by_op_role))
+    instances: dict[str, list[Context]] = defaultdict(list)
+    for ctx in op_ctx:
+        instances[ctx.op].append(ctx)
+    total = len(kernels)
+    for stat in b.by_op:
+        op = stat.key[0]
+        b.formulas.append(op_formula(op, stat.kernels, instances.get(op, []), per_call, tokens, total))
+    for op in sorted(instances.keys() - {s.key[0] for s in b.by_op}):  # op ranges that issued no kernel
+        b.formulas.append(op_formula(op, 0, instances[op], per_call, tokens, total))
+    return b
+
+
+# --- formulas -------------------------------------------------------------------------------------------
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x - round(x)) < 1e-9 else f"{x:,.2f}"
+
+
+def _plural(n: float, word: str) -> str:
+    return f"{_num(n)} {word}" + ("" if n == 1 else "s")
+
+
+def _term(op: str, part: list[Context], per_call: Counter[int], tokens: int) -> str:
+    """`K kernels × C <op> calls × Y layers × L loops` for one group of op calls, if it factors evenly:
+    every (layer, loop) cell present with the same number of calls, whole calls per token, whole kernels
+    per call. Otherwise the measured totals per token and the average per call."""
+    n_calls = len(part)
+    n_kernels = sum(per_call[id(ctx.op_range)] for ctx in part)
+    cells = Counter((ctx.layer, ctx.loop) for ctx in part)
+    layers = {ctx.layer for ctx in part if ctx.layer is not None}
+    loops = {ctx.loop for ctx in part if ctx.loop is not None}
+    n_cells = max(len(layers), 1) * max(len(loops), 1)
+    calls_per_cell = n_calls / n_cells
+    even = (
+        len(cells) == n_cells
+        and len(set(cells.values())) == 1
+        and calls_per_cell % tokens == 0
+        and n_kernels % n_calls == 0
+    )
+    if not even:
+        return (
+            f"{_num(n_kernels / tokens)} kernels in {_num(n_calls / tokens)} {op} calls "
+            f"(avg {n_kernels / n_calls:.2f} kernels/call)"
+        )
+    text = f"{_plural(n_kernels // n_calls, 'kernel')} × {_plural(calls_per_cell // tokens, op + ' call')}"
+    if layers:
+        text += f" × {_plural(len(layers), 'layer')}"
+    if loops:
+        text += f" × {_plural(len(loops), 'loop')}"
+    return text
+
+
+def op_formula(
+    op: str, kernels: int, instances: list[Context], per_call: Counter[int], tokens: int, total: int
+) -> str:
+    """One line per op kind, e.g. `norm: 8 kernels × 4 norm calls × 24 layers × 4 loops = 3,072
+    kernels/token (54 %)`. Calls inside loops and calls outside loops are factored separately."""
+    share = 100.0 * kernels / total if total else 0.0
+    tail = f"{_plural(kernels / tokens, 'kernel')}/token ({share:.0f} %)"
+    if not instances:
+        where = "inside CUDA-graph replays, no lt.op range" if op == GRAPH_OP else "no lt.op range"
+        return f"{op}: {tail}, {where}"
+    looped = [ctx for ctx in instances if ctx.loop is not None]
+    flat = [ctx for ctx in instances if ctx.loop is None]
+    terms = [_term(op, part, per_call, tokens) for part in (looped, flat) if part]
+    return f"{op}: {' + '.join(terms)} = {tail}"
+
+
+def _top_kernels(kernels: list[TraceEvent], top: int) -> tuple[list[KernelStat], list[KernelStat]]:
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        acc[e.name][0] += 1
+        acc[e.name][1] += e.dur
+    stats = [KernelStat(name, int(v[0]), v[1]) for name, v in acc.items()]
+    by_count = sorted(stats, key=lambda s: (-s.count, -s.total_us, s.name))[:top]
+    by_time = sorted(stats, key=lambda s: (-s.total_us, -s.count, s.name))[:top]
+    return by_count, by_time
+
+
+def _notes(c: Counters, tokens_source: str, unlinked: int, mode: str) -> list[str]:
+    notes = [
+        "mode gpu: kernels are `kernel` events"
+        if mode == "gpu"
+        else "mode cpu: the trace has no kernel events, kernels are leaf cpu_ops (containment per thread)",
+        f"window: {c.window}",
+        f"tokens: {c.tokens} ({tokens_source})",
+        "syncs: one per correlation id (runtime call + its cuda_sync activity count once); "
+        "stream waits are not blocking and are counted apart",
+    ]
+    if unlinked:
+        notes.append(
+            f"{unlinked} device events have no runtime call with their correlation id: placed by "
+            "their own timestamps, not attributed"
+        )
+    if c.pageable:
+        notes.append(f"WARNING: {c.pageable} pageable memcpy in the window (each stalls the host)")
+    return notes

@@ -1,0 +1,168 @@
+"""A normalised event model for Chrome/Kineto traces (torch.profiler, vLLM, SGLang) and its loaders.
+
+Only complete events (`"ph": "X"`) are kept: every Kineto activity (cpu_op, user_annotation, kernel,
+gpu_memcpy, gpu_memset, cuda_runtime, cuda_driver, cuda_sync, ...) is written as one. Runtime/driver API
+names are normalised so that Kineto names (suffix already stripped) and nsys-style names
+(`cudaGraphLaunch_v10000`) compare equal.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Categories whose names are CUDA API calls (the only ones that carry CUPTI's `_vNNNN` suffix).
+API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+
+_API_SUFFIX = re.compile(r"_v\d{4,}$")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message is one line naming the file and the problem."""
+
+
+def normalize_api_name(name: str) -> str:
+    """Strip CUPTI's `_vNNNN` version suffix (4+ digits); `_v2`/`_v3` are part of the API name and stay."""
+    return _API_SUFFIX.sub("", name)
+
+
+@dataclass(slots=True, eq=False)
+class TraceEvent:
+    """One complete event. Times are in µs as written by Kineto (`ts` is absolute, `dur` a duration)."""
+
+    cat: str
+    name: str
+    ts: float
+    dur: float
+    pid: int | str = 0
+    tid: int | str = 0
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+    @property
+    def correlation(self) -> int | None:
+        """CUPTI correlation id: links a device activity to the runtime/driver call that issued it."""
+        return _as_int(self.args.get("correlation"))
+
+    @property
+    def external_id(self) -> int | None:
+        """Kineto's link from a runtime call / device op to the CPU op (`External id`)."""
+        return _as_int(self.args.get("External id"))
+
+    @property
+    def graph_id(self) -> int | None:
+        """`graph id` of a kernel (CUDA >= 12); nonzero when the kernel ran inside a CUDA-graph replay."""
+        return _as_int(self.args.get("graph id"))
+
+    @property
+    def bytes(self) -> int:
+        return _as_int(self.args.get("bytes")) or 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TraceEvent:
+        cat = str(raw.get("cat", ""))
+        name = str(raw.get("name", ""))
+        if cat in API_CATS:
+            name = normalize_api_name(name)
+        args = raw.get("args")
+        return cls(
+            cat=cat,
+            name=name,
+            ts=float(raw["ts"]),
+            dur=float(raw.get("dur", 0.0)),
+            pid=raw.get("pid", 0),
+            tid=raw.get("tid", 0),
+            args=args if isinstance(args, dict) else {},
+        )
+
+
+@dataclass
+class Trace:
+    """Complete events in file order, plus the trace's top-level metadata (everything but `traceEvents`)."""
+
+    events: list[TraceEvent]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def device_properties(self) -> list[dict[str, Any]]:
+        return list(self.metadata.get("deviceProperties") or [])
+
+    @property
+    def distributed_info(self) -> dict[str, Any] | None:
+        return self.metadata.get("distributedInfo")
+
+    def by_cat(self, *cats: str) -> list[TraceEvent]:
+        return [e for e in self.events if e.cat in cats]
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_json(path: Path) -> Any:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, not a trace file") from None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise TraceError(f"{path}: invalid JSON ({exc.msg} at {where})") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:  # unreadable, bad gzip, binary junk
+        raise TraceError(f"{path}: cannot read trace ({exc})".replace("\n", " ")) from None
+
+
+def parse_chrome_trace(data: Any, source: str = "<memory>") -> Trace:
+    """Build a `Trace` from already-decoded JSON: an object with `traceEvents` or a bare event list."""
+    if isinstance(data, dict):
+        raw_events = data.get("traceEvents")
+        if not isinstance(raw_events, list):
+            raise TraceError(f"{source}: not a Chrome trace (object without a 'traceEvents' list)")
+        metadata = {k: v for k, v in data.items() if k != "traceEvents"}
+    elif isinstance(data, list):
+        raw_events, metadata = data, {}
+    else:
+        raise TraceError(f"{source}: not a Chrome trace (expected an object or a list of events)")
+    events = []
+    for i, raw in enumerate(raw_events):
+        if not isinstance(raw, dict) or raw.get("ph") != "X":
+            continue
+        try:
+            events.append(TraceEvent.from_dict(raw))
+        except (KeyError, TypeError, ValueError):
+            raise TraceError(f"{source}: event {i} has no numeric 'ts'/'dur'") from None
+    return Trace(events=events, metadata=metadata, source=source)
+
+
+def load_chrome_trace(path: str | Path) -> Trace:
+    """Read a Chrome/Kineto JSON trace (`.json` or `.json.gz`); raise `TraceError` on any problem."""
+    path = Path(path)
+    return parse_chrome_trace(_read_json(path), source=str(path))
+
+
+def trace_from_profiler(prof: Any) -> Trace:
+    """Load an in-process `torch.profiler.profile` session through its Chrome export, so that live sessions
+    and saved files go through exactly the same parsing."""
+    with tempfile.TemporaryDirectory(prefix="looptrace-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = load_chrome_trace(path)
+    trace.source = "<torch.profiler>"
+    return trace

@@ -1,0 +1,360 @@
+"""Rendering of an `Analysis`: Rich tables (Table A4 shape first), JSON (`looptrace.profile/1`) and CSV.
+
+Numbers are right-aligned with fixed decimals and units in the headers; a pageable copy in the window is
+shown as a warning row, never filtered out (conventions §2).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from looptrace.probes.counters import Analysis, Counters, GroupStat, KernelStat
+
+SCHEMA = "looptrace.profile/1"
+COMPARE_SCHEMA = "looptrace.compare/1"
+WARN = "bold yellow"
+NAME_WIDTH = 72
+
+# Table A4 columns: (header, counter, scale, decimals, per token?). `pageable` is a window count there.
+A4_COLUMNS: tuple[tuple[str, str, float, int, bool], ...] = (
+    ("H2D\n/tok", "htod", 1.0, 2, True),
+    ("D2H\n/tok", "dtoh", 1.0, 2, True),
+    ("D2H B\n/tok", "dtoh_bytes", 1.0, 1, True),
+    ("pageable\n(window)", "pageable", 1.0, 0, False),
+    ("syncs\n/tok", "syncs", 1.0, 2, True),
+    ("copy kern.\n/tok", "copy_kernels", 1.0, 1, True),
+    ("kernels\n/tok", "kernels", 1.0, 1, True),
+    ("launches\n/tok", "eager_launches", 1.0, 1, True),
+    ("graph launches\n/tok", "graph_launches", 1.0, 2, True),
+    ("GPU\nms/tok", "gpu_us", 1e-3, 3, True),
+    ("host\nms/tok", "host_us", 1e-3, 3, True),
+)
+
+# Every counter with the label and unit shown in the detail and comparison tables.
+COUNTER_LABELS = {
+    "kernels": "kernels",
+    "eager_launches": "eager launches",
+    "graph_launches": "graph launches",
+    "graph_kernels": "graph kernels",
+    "htod": "memcpy H2D",
+    "dtoh": "memcpy D2H",
+    "dtod": "memcpy D2D",
+    "memcpy_other": "memcpy other",
+    "htod_bytes": "H2D bytes (B)",
+    "dtoh_bytes": "D2H bytes (B)",
+    "dtod_bytes": "D2D bytes (B)",
+    "pageable": "pageable memcpy",
+    "pinned": "pinned memcpy",
+    "memset": "memset",
+    "syncs": "blocking syncs",
+    "sync_stream": "  stream sync",
+    "sync_device": "  device sync",
+    "sync_event": "  event sync",
+    "sync_memcpy": "  synchronous memcpy",
+    "sync_unknown": "  unknown sync",
+    "stream_wait": "stream waits (not blocking)",
+    "scalar_reads": "host scalar reads",
+    "copy_kernels": "copy/cast kernels",
+    "gpu_us": "GPU time (µs)",
+    "host_us": "host time (µs)",
+    "submissions": "submissions",
+}
+
+
+def tool_version() -> str:
+    try:
+        return metadata.version("looptrace")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _fmt(value: float, decimals: int) -> str:
+    return f"{value:,.{decimals}f}"
+
+
+def _is_warning(name: str, value: float) -> bool:
+    return name == "pageable" and value > 0
+
+
+def _time_header(mode: str) -> str:
+    return "GPU" if mode == "gpu" else "CPU op"
+
+
+# --- tables ---------------------------------------------------------------------------------------------
+
+
+def header_table(header: dict[str, Any]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for key, value in header.items():
+        grid.add_row(str(key), str(value))
+    return grid
+
+
+def counters_table(rows: Sequence[tuple[str, Counters]], title: str = "Per-token counters") -> Table:
+    """Table A4 shape: one row per (label, Counters)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("run", overflow="fold")
+    gpu = any(c.mode == "gpu" for _, c in rows)
+    for header, *_ in A4_COLUMNS:
+        table.add_column(header if gpu else header.replace("GPU", "CPU op"), justify="right")
+    for label, c in rows:
+        totals, per_token = c.totals(), c.per_token()
+        cells = []
+        for _, key, scale, decimals, per_tok in A4_COLUMNS:
+            value = (per_token if per_tok else totals)[key] * scale
+            text = _fmt(value, decimals)
+            cells.append(Text(text, style="bold red") if _is_warning(key, value) else text)
+        warn = c.pageable > 0
+        table.add_row(label, *cells, style=WARN if warn else None)
+    return table
+
+
+def detail_table(c: Counters) -> Table:
+    """Every counter: window total, per token, per step."""
+    table = Table(title=f"Counters ({c.window}; tokens={c.tokens}, steps={c.steps})", title_justify="left")
+    table.add_column("counter")
+    for header in ("total", "/tok", "/step"):
+        table.add_column(header, justify="right")
+    per_token, per_step = c.per_token(), c.per_step()
+    for key, total in c.totals().items():
+        label = COUNTER_LABELS.get(key, key).replace("GPU", _time_header(c.mode))
+        decimals = 1 if isinstance(total, float) else 0
+        step = _fmt(per_step[key], 2) if per_step else "–"
+        style = WARN if _is_warning(key, total) else None
+        table.add_row(label, _fmt(total, decimals), _fmt(per_token[key], 2), step, style=style)
+    return table
+
+
+def group_table(title: str, columns: Sequence[str], stats: Sequence[GroupStat], c: Counters) -> Table:
+    """Kernel attribution table: key columns, then Instances, /tok, share and time per token."""
+    table = Table(title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name)
+    table.add_column("Instances", justify="right")
+    table.add_column("kernels /tok", justify="right")
+    table.add_column("share %", justify="right")
+    table.add_column(f"{_time_header(c.mode)} µs/tok", justify="right")
+    for s in stats:
+        share = 100.0 * s.kernels / c.kernels if c.kernels else 0.0
+        table.add_row(
+            *s.key,
+            f"{s.kernels:,}",
+            _fmt(s.kernels / c.tokens, 2),
+            _fmt(share, 1),
+            _fmt(s.gpu_us / c.tokens, 1),
+        )
+    return table
+
+
+def kernels_table(title: str, stats: Sequence[KernelStat], c: Counters) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("name", max_width=NAME_WIDTH, overflow="ellipsis", no_wrap=True)
+    for header in ("Instances", "/tok", "Total (µs)", "Avg (µs)"):
+        table.add_column(header, justify="right")
+    for s in stats:
+        table.add_row(
+            s.name, f"{s.count:,}", _fmt(s.count / c.tokens, 2), _fmt(s.total_us, 1), _fmt(s.avg_us, 2)
+        )
+    return table
+
+
+def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
+    c, b = analysis.counters, analysis.breakdown
+    label = str(header.get("label") or header.get("recipe") or c.window.split(" ")[0])
+    formulas = Text("\n".join(b.formulas)) if b.formulas else Text("no kernels in the window", style="dim")
+    notes = Text()
+    for note in analysis.notes:
+        notes.append(f"• {note}\n", style=WARN if note.startswith("WARNING") else "dim")
+    return [
+        header_table(header),
+        counters_table([(label, c)]),
+        detail_table(c),
+        group_table("Kernels by stage", ["stage"], b.by_stage, c),
+        group_table("Kernels by op", ["op"], b.by_op, c),
+        Group(Text("Kernels per token by op", style="italic"), formulas),
+        group_table("Kernels by op and layer role", ["op", "role"], b.by_op_role, c),
+        kernels_table("Top kernels by Instances", analysis.top_by_count, c),
+        kernels_table("Top kernels by total time", analysis.top_by_time, c),
+        notes,
+    ]
+
+
+def render_report(analysis: Analysis, header: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    for item in report_renderables(analysis, header):
+        console.print(item)
+        console.print()
+
+
+# --- machine output -------------------------------------------------------------------------------------
+
+
+def _group_dicts(columns: Sequence[str], stats: Sequence[GroupStat], c: Counters) -> list[dict[str, Any]]:
+    return [
+        dict(zip(columns, s.key, strict=True))
+        | {
+            "kernels": s.kernels,
+            "kernels_per_token": s.kernels / c.tokens,
+            "share_pct": 100.0 * s.kernels / c.kernels if c.kernels else 0.0,
+            "gpu_us": s.gpu_us,
+        }
+        for s in stats
+    ]
+
+
+def _kernel_dicts(stats: Sequence[KernelStat]) -> list[dict[str, Any]]:
+    return [{"name": s.name, "count": s.count, "total_us": s.total_us, "avg_us": s.avg_us} for s in stats]
+
+
+def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
+    c, b = analysis.counters, analysis.breakdown
+    return {
+        "schema": SCHEMA,
+        "tool": {"name": "looptrace", "version": tool_version()},
+        "header": header,
+        "mode": c.mode,
+        "window": c.window,
+        "tokens": c.tokens,
+        "tokens_source": analysis.tokens_source,
+        "steps": c.steps,
+        "step_marker": analysis.step_marker,
+        "totals": c.totals(),
+        "per_token": c.per_token(),
+        "per_step": c.per_step(),
+        "syncs_by_kind": c.syncs_by_kind,
+        "breakdown": {
+            "by_op": _group_dicts(["op"], b.by_op, c),
+            "by_stage": _group_dicts(["stage"], b.by_stage, c),
+            "by_op_role": _group_dicts(["op", "role"], b.by_op_role, c),
+            "formulas": b.formulas,
+        },
+        "top_kernels": {
+            "by_count": _kernel_dicts(analysis.top_by_count),
+            "by_time": _kernel_dicts(analysis.top_by_time),
+        },
+        "notes": analysis.notes,
+    }
+
+
+def to_json(analysis: Analysis, header: dict[str, Any], indent: int | None = 2) -> str:
+    return json.dumps(to_dict(analysis, header), indent=indent, default=str)
+
+
+def to_csv(analysis: Analysis, header: dict[str, Any]) -> str:
+    """Long format, one value per row: `section,key,metric,value` (loads straight into a dataframe)."""
+    d = to_dict(analysis, header)
+    rows: list[tuple[str, str, str, Any]] = [("meta", "schema", "value", SCHEMA)]
+    rows += [("header", str(k), "value", v) for k, v in header.items()]
+    rows += [("meta", k, "value", d[k]) for k in ("mode", "window", "tokens", "tokens_source", "steps")]
+    for metric in ("totals", "per_token", "per_step"):
+        rows += [("counters", k, metric, v) for k, v in (d[metric] or {}).items()]
+    for section, cols in (("by_op", ["op"]), ("by_stage", ["stage"]), ("by_op_role", ["op", "role"])):
+        for item in d["breakdown"][section]:
+            key = "/".join(str(item[col]) for col in cols)
+            rows += [(section, key, m, v) for m, v in item.items() if m not in cols]
+    rows += [("formula", line.split(":", 1)[0], "text", line) for line in d["breakdown"]["formulas"]]
+    for section in ("by_count", "by_time"):
+        for item in d["top_kernels"][section]:
+            rows += [(f"top_{section}", item["name"], m, v) for m, v in item.items() if m != "name"]
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(("section", "key", "metric", "value"))
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+# --- comparison (profile --compare) ---------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return b / a if a else None
+
+
+def compare_rows(a: Counters, b: Counters) -> list[dict[str, Any]]:
+    """Per counter: totals and per-token values of both runs and the per-token ratio B/A (None if A is 0)."""
+    ta, tb, pa, pb = a.totals(), b.totals(), a.per_token(), b.per_token()
+    return [
+        {
+            "counter": key,
+            "a_total": ta.get(key, 0),
+            "b_total": tb.get(key, 0),
+            "a_per_token": pa.get(key, 0.0),
+            "b_per_token": pb.get(key, 0.0),
+            "ratio": _ratio(pa.get(key, 0.0), pb.get(key, 0.0)),
+        }
+        for key in [*ta, *(k for k in tb if k not in ta)]
+    ]
+
+
+def _ratio_text(row: dict[str, Any]) -> str:
+    if row["ratio"] is not None:
+        return f"{row['ratio']:.2f}×"
+    return "–" if row["b_per_token"] == 0 else "inf"
+
+
+def compare_table(a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B")) -> Table:
+    table = Table(title=f"{labels[1]} vs {labels[0]} (per token)", title_justify="left")
+    table.add_column("counter")
+    table.add_column(f"{labels[0]} /tok", justify="right")
+    table.add_column(f"{labels[1]} /tok", justify="right")
+    table.add_column("B/A", justify="right")
+    for row in compare_rows(a, b):
+        key = row["counter"]
+        warn = _is_warning(key, row["a_total"]) or _is_warning(key, row["b_total"])
+        table.add_row(
+            COUNTER_LABELS.get(key, key),
+            _fmt(row["a_per_token"], 2),
+            _fmt(row["b_per_token"], 2),
+            _ratio_text(row),
+            style=WARN if warn else None,
+        )
+    return table
+
+
+def render_compare(
+    a: Counters,
+    b: Counters,
+    labels: tuple[str, str] = ("A", "B"),
+    console: Console | None = None,
+    header: dict[str, Any] | None = None,
+) -> None:
+    console = console or Console()
+    if header:
+        console.print(header_table(header))
+        console.print()
+    console.print(counters_table([(labels[0], a), (labels[1], b)]))
+    console.print()
+    console.print(compare_table(a, b, labels))
+
+
+def compare_to_dict(
+    a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B"), header: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "schema": COMPARE_SCHEMA,
+        "tool": {"name": "looptrace", "version": tool_version()},
+        "header": header or {},
+        "labels": list(labels),
+        "runs": [
+            {"label": lbl, "mode": c.mode, "window": c.window, "tokens": c.tokens, "steps": c.steps}
+            for lbl, c in zip(labels, (a, b), strict=True)
+        ],
+        "rows": compare_rows(a, b),  # ratio is null where A is 0
+    }
+
+
+def compare_to_json(
+    a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B"), header: dict[str, Any] | None = None
+) -> str:
+    return json.dumps(compare_to_dict(a, b, labels, header), indent=2, default=str)
