@@ -23,7 +23,7 @@ from looptrace.engine.workloads import WorkItem, Workload
 ProgressFn = Callable[[int, int, int], None]  # (done_requests, total_requests, output_tokens)
 
 ABORTED = "abort"
-REJECTED = "rejected"  # never submitted: longer than max_model_len, or the engine refused it
+REJECTED = "rejected"  # never submitted: longer than max_model_len, or add_request raised ValueError
 FAILED_REASONS = frozenset({ABORTED, REJECTED})
 
 
@@ -112,12 +112,10 @@ class _Driver:
     def push(self, item: WorkItem) -> None:
         heapq.heappush(self.pending, (item.arrival, next(self.order), item))
 
-    def next_arrival(self) -> float | None:
-        return self.pending[0][0] if self.pending else None
-
     # Submission --------------------------------------------------------------------------------------
-    def submit_due(self) -> None:
-        now = self.now()
+    def submit_due(self, due: float = 0.0) -> None:
+        """Submit every item whose arrival is <= max(now, due)."""
+        now = max(self.now(), due)
         while self.pending and self.pending[0][0] <= now:
             self.submit(heapq.heappop(self.pending)[2], now)
 
@@ -126,9 +124,11 @@ class _Driver:
             "", len(item.prompt), item.max_tokens, item.arrival, session_id=item.session_id, turn=item.turn
         )
         self.records.append(rec)
-        limit = self.engine.max_model_len
-        if len(item.prompt) + item.max_tokens > limit:  # vLLM's server rejects these the same way
-            self.reject(rec, now, f"prompt {len(item.prompt)} + max_tokens {item.max_tokens} > {limit}")
+        # The engine's rule: the final sampled token is never fed back, so it needs no KV position.
+        need, limit = len(item.prompt) + item.max_tokens - 1, self.engine.max_model_len
+        if need > limit:
+            why = f"prompt {len(item.prompt)} + max_tokens {item.max_tokens} needs {need} positions > {limit}"
+            self.reject(rec, now, why)
             return
         params = dataclasses.replace(self.params, max_tokens=item.max_tokens)
         try:
@@ -204,15 +204,18 @@ class _Driver:
         while self.pending or self.running:
             done_before = self.done
             self.submit_due()
-            if not self.running:
-                nxt = self.next_arrival()
-                if nxt is not None:  # idle until the next arrival
-                    sleep(max(0.0, nxt - self.now()))
-                if self.done != done_before:
-                    report()
-                continue
-            if self.step() or self.done != done_before:
+            if not self.running and self.pending:
+                self.idle_until_next_arrival(sleep)
+            produced = bool(self.running) and self.step()
+            if produced or self.done != done_before:
                 report()
+
+    def idle_until_next_arrival(self, sleep: Callable[[float], None]) -> None:
+        nxt = self.pending[0][0]
+        sleep(max(0.0, nxt - self.now()))
+        # Submit even if the clock reads a hair early (float rounding, an early wake-up): otherwise we
+        # would spin on ever smaller sleeps.
+        self.submit_due(due=nxt)
 
     def record(self, interrupted: bool) -> RunRecord:
         stats = self.engine.stats

@@ -2,7 +2,7 @@
 
 These are plain dataclasses so the engine has no validation dependency. `looptrace.recipes` validates a
 YAML recipe against them (pydantic reads `__pydantic_config__`, so unknown keys are rejected with their
-path). Toggles are data: each string-valued choice selects one implementation from a small table in the
+path; numeric bounds live in each field's metadata: `ge`, `gt`, `le`). Toggles are data: each string-valued choice selects one implementation from a small table in the
 file that owns that role (kv_cache.LAYOUTS, scheduler.POLICIES, exit_policy.EXIT_POLICIES, noise.NOISE).
 """
 
@@ -20,13 +20,13 @@ class KVConfig:
     # `planes`: one KV plane per recurrence depth (LAST_EXITED); `shared`: one plane, every loop of a core
     # layer overwrites the same slot.
     layout: Literal["planes", "shared"] = "planes"
-    block_size: int = 16
+    block_size: int = field(default=16, metadata={"ge": 1})
     # Pool size in blocks. None: CPU gets `cpu_pool_tokens` tokens; CUDA sizes the pool from free memory.
-    num_blocks: int | None = None
-    cpu_pool_tokens: int = 8192
-    gpu_memory_utilization: float = 0.90
+    num_blocks: int | None = field(default=None, metadata={"ge": 1})
+    cpu_pool_tokens: int = field(default=8192, metadata={"ge": 1})
+    gpu_memory_utilization: float = field(default=0.90, metadata={"gt": 0, "le": 1})
     # Blocks kept free at admission (headroom against fragmentation).
-    watermark_blocks: int = 0
+    watermark_blocks: int = field(default=0, metadata={"ge": 0})
     # Prefix cache over full blocks (chained SHA-256 keys); pages publish only at full coverage.
     prefix_caching: bool = True
     # Debug/test aid: fill freed blocks with a large finite value so stale history would show up.
@@ -38,16 +38,16 @@ class SchedulerConfig:
     __pydantic_config__ = _STRICT
     # `refill`: stage choice per step (base engine default); `norefill`: cohort fill -> core -> coda.
     policy: Literal["refill", "norefill"] = "refill"
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 128
-    prefill_chunk_size: int = 128
-    max_prefill_batches_before_decode: int = 1
-    min_coda_batch_size: int = 1
+    max_num_seqs: int = field(default=8, metadata={"ge": 1})
+    max_num_batched_tokens: int = field(default=128, metadata={"ge": 1})
+    prefill_chunk_size: int = field(default=128, metadata={"ge": 1})
+    max_prefill_batches_before_decode: int = field(default=1, metadata={"ge": 0})
+    min_coda_batch_size: int = field(default=1, metadata={"ge": 1})
     admission: Literal["fcfs", "priority"] = "fcfs"
-    admission_scan_limit: int = 64
-    max_admission_bypasses: int = 8
+    admission_scan_limit: int = field(default=64, metadata={"ge": 1})
+    max_admission_bypasses: int = field(default=8, metadata={"ge": 0})
     # Longest prompt + output (tokens). None: the model's max positions (capped by the pool).
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata={"ge": 1})
 
 
 @dataclass
@@ -55,18 +55,18 @@ class ExitConfig:
     __pydantic_config__ = _STRICT
     # `fixed`: every token runs max_loops; `threshold`: Ouro's cumulative exit probability with min_loops.
     policy: Literal["fixed", "threshold"] = "fixed"
-    threshold: float = 1.0
-    min_loops: int = 2
+    threshold: float = field(default=1.0, metadata={"gt": 0, "le": 1})
+    min_loops: int = field(default=2, metadata={"ge": 1})
     # None: the model's default depth (Ouro 4, Huginn 32).
-    max_loops: int | None = None
+    max_loops: int | None = field(default=None, metadata={"ge": 1})
 
 
 @dataclass
 class GraphConfig:
     __pydantic_config__ = _STRICT
     enabled: bool = True  # only on CUDA
-    max_graphs: int = 16
-    max_batch_size: int = 128
+    max_graphs: int = field(default=16, metadata={"ge": 0})
+    max_batch_size: int = field(default=128, metadata={"ge": 1})
     # `none`: the first `max_graphs` keys stay forever (base engine); `lru`: evict the least recently used.
     eviction: Literal["none", "lru"] = "none"
     # None: capture lazily on first use. A list: capture only these row counts, others run eager

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,17 @@ from looptrace.engine.request import Request, SamplingParams, Stage
 from looptrace.engine.runner import ModelRunner
 from looptrace.engine.scheduler import Batch, Scheduler
 from looptrace.engine.weights import create_model, init_random
+
+
+def attention_backend(device: torch.device):
+    """Pin SDPA to the memory-efficient kernel on CUDA. PyTorch's default choice on an H200 (torch 2.11)
+    was not run-to-run deterministic for Huginn decode with a boolean mask (bench/determinism_probe.py:
+    1/4 identical streams by default, 4/4 with this backend or the math backend)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class EngineInputError(ValueError):
@@ -91,6 +103,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -129,7 +142,9 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         self._validate(prompt, params, request_id)
-        req = Request(list(prompt), params, request_id or "", arrival_time or time.perf_counter())
+        req = Request(list(prompt), params, request_id or "", arrival_time or time.perf_counter(),
+                      seq=self._next_seq)
+        self._next_seq += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         if self.hooks.active:
@@ -197,7 +212,7 @@ class LLMEngine:
         return outputs
 
     def _execute(self, batch: Batch) -> list[TokenOutput]:
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_backend(self.device):
             if batch.stage == Stage.PREFILL:
                 self._run_prefill(batch)
             elif batch.stage == Stage.PRELUDE:

@@ -76,6 +76,10 @@ def _random_prompt(rng: np.random.Generator, n: int, low: int, high: int) -> lis
     return rng.integers(low, high, size=n).tolist()
 
 
+def _random_prompts(rng: np.random.Generator, count: int, n: int, low: int, high: int) -> list[list[int]]:
+    return rng.integers(low, high, size=(count, n)).tolist()  # one draw: fast for many requests
+
+
 # Synthetic workloads ---------------------------------------------------------------------------------
 @dataclass
 class BurstWorkload(Workload):
@@ -99,11 +103,10 @@ class BurstWorkload(Workload):
         return self.concurrency
 
     def initial_items(self) -> list[WorkItem]:
-        rng = np.random.default_rng(self.seed)
-        return [
-            WorkItem(_random_prompt(rng, self.prompt_len, *self._range), self.max_tokens)
-            for _ in range(self.concurrency)
-        ]
+        prompts = _random_prompts(
+            np.random.default_rng(self.seed), self.concurrency, self.prompt_len, *self._range
+        )
+        return [WorkItem(p, self.max_tokens) for p in prompts]
 
 
 @dataclass
@@ -133,13 +136,11 @@ class PoissonWorkload(Workload):
 
     def initial_items(self) -> list[WorkItem]:
         rng = np.random.default_rng(self.seed)
+        prompts = _random_prompts(rng, self.num_requests, self.prompt_len, *self._range)
         # A separate stream for arrivals, so the prompts stay the same when only the rate changes.
         gaps = np.random.default_rng([self.seed, 1]).exponential(1.0 / self.rate, self.num_requests - 1)
         arrivals = [0.0, *np.cumsum(gaps).tolist()]
-        return [
-            WorkItem(_random_prompt(rng, self.prompt_len, *self._range), self.max_tokens, arrival=t)
-            for t in arrivals
-        ]
+        return [WorkItem(p, self.max_tokens, arrival=t) for p, t in zip(prompts, arrivals, strict=True)]
 
 
 @dataclass

@@ -3,10 +3,11 @@
 Names are compared after `normalize_api_name` (done at load time), so Kineto and nsys-style names match.
 
 Sync double counting: CUPTI gives the cuda_sync activity of a blocking call the correlation id of the
-runtime/driver call that caused it. `blocking_syncs` therefore counts one sync per correlation id: when
-both the runtime call and its activity are in the trace, the activity's kind is used and the runtime call
-gives the host position; a runtime call without an activity (sync events disabled, or a synchronous
-`cudaMemcpy`, which has none) and an activity without a runtime call (API tracing off) count on their own.
+runtime/driver call that caused it. `select_syncs` therefore counts one sync per correlation id: when
+both the runtime call and its activity are in the trace, the activity's kind is used (the call's when the
+activity says `Unknown Sync`) and the runtime call gives the host position; a runtime call without an
+activity (sync events disabled, or a synchronous `cudaMemcpy`, which has none) and an activity without a
+runtime call (API tracing off) count on their own.
 This never double counts and never drops a sync, whether or not `enable_cuda_sync_events` was set.
 
 Copy/cast kernels (GPU), matched on the demangled name:
@@ -207,7 +208,9 @@ def select_syncs(events: Iterable[TraceEvent]) -> list[tuple[str, TraceEvent]]:
     out = []
     for corr in sorted(calls.keys() | activities.keys()):
         activity, call = activities.get(corr), calls.get(corr)
-        kind = sync_kind(activity) if activity is not None else sync_kind(call)
+        kind = sync_kind(activity) if activity is not None else None
+        if call is not None and kind in (None, "unknown"):
+            kind = sync_kind(call)
         out.append((kind, call if call is not None else activity))
     return out + loose
 

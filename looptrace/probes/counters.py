@@ -226,7 +226,7 @@ def context_of(chain: Sequence[TraceEvent]) -> Context:
         elif name.startswith(LAYER_PREFIX):
             layer = name[len(LAYER_PREFIX) :]
             m = _LAYER_RE.match(layer)
-            role = m.group(1) or NONE if m else layer
+            role = (m.group(1) or NONE) if m else layer
         elif name.startswith(LOOP_PREFIX) and name[len(LOOP_PREFIX) :].isdigit():
             loop = int(name[len(LOOP_PREFIX) :])
         elif name.startswith(STAGE_PREFIX):
@@ -271,9 +271,9 @@ def _window_test(windows: list[Interval] | None) -> Callable[[float], bool]:
         return lambda t: True
     starts = [w[0] for w in windows]
 
-    def inside(t: float) -> bool:
+    def inside(t: float) -> bool:  # start <= t < end, like the attribution ranges
         i = bisect.bisect_right(starts, t) - 1
-        return i >= 0 and t <= windows[i][1]
+        return i >= 0 and t < windows[i][1]
 
     return inside
 
@@ -291,14 +291,12 @@ class _Locator:
 
     def __init__(self, events: Iterable[TraceEvent]) -> None:
         self.calls = {c: e for e in events if cl.is_api_call(e) and (c := e.correlation) is not None}
-        self.unlinked = 0
 
     def __call__(self, e: TraceEvent) -> Position:
         if e.cat not in DEVICE_CATS:
             return (e.pid, e.tid), e.ts
         call = self.calls.get(e.correlation) if e.correlation is not None else None
         if call is None:
-            self.unlinked += 1
             return None, e.ts
         return (call.pid, call.tid), call.ts
 
@@ -377,7 +375,9 @@ def analyze(
     kernels = in_window(kernel_events)
     graph_corr = cl.graph_launch_correlations(events)
     _count_kernels(c, [e for e, _ in kernels], graph_corr)
-    _count_memory(c, in_window(e for e in events if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT)))
+    memory = in_window(e for e in events if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT))
+    _count_memory(c, memory)
+    unlinked = sum(1 for _, (thread, _) in kernels + memory if thread is None)
     for e, _ in in_window(e for e in events if cl.is_api_call(e)):
         c.eager_launches += cl.is_eager_launch(e)
         c.graph_launches += cl.is_graph_launch(e)
@@ -393,7 +393,7 @@ def analyze(
     kernel_ctx, op_ctx = contexts[: len(kernels)], contexts[len(kernels) :]
     breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
     by_count, by_time = _top_kernels([e for e, _ in kernels], top)
-    notes = _notes(c, tokens_source, locate.unlinked, mode)
+    notes = _notes(c, tokens_source, unlinked, mode)
     return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes)
 
 
@@ -565,8 +565,8 @@ def _notes(c: Counters, tokens_source: str, unlinked: int, mode: str) -> list[st
     ]
     if unlinked:
         notes.append(
-            f"{unlinked} device events have no runtime call with their correlation id: placed by "
-            "their own timestamps, not attributed"
+            f"{unlinked} device events in the window have no runtime call with their correlation id: "
+            "placed by their own timestamps, not attributed"
         )
     if c.pageable:
         notes.append(f"WARNING: {c.pageable} pageable memcpy in the window (each stalls the host)")

@@ -157,12 +157,17 @@ def load_chrome_trace(path: str | Path) -> Trace:
     return parse_chrome_trace(_read_json(path), source=str(path))
 
 
-def trace_from_profiler(prof: Any) -> Trace:
+def trace_from_profiler(prof: Any, path: str | Path | None = None) -> Trace:
     """Load an in-process `torch.profiler.profile` session through its Chrome export, so that live sessions
-    and saved files go through exactly the same parsing."""
-    with tempfile.TemporaryDirectory(prefix="looptrace-") as tmp:
-        path = Path(tmp) / "trace.json"
+    and saved files go through exactly the same parsing. Torch exports a session only once: pass `path` to
+    keep the JSON (otherwise it goes to a temporary file)."""
+    if path is not None:
         prof.export_chrome_trace(str(path))
         trace = load_chrome_trace(path)
-    trace.source = "<torch.profiler>"
+    else:
+        with tempfile.TemporaryDirectory(prefix="looptrace-") as tmp:
+            tmp_path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(tmp_path))
+            trace = load_chrome_trace(tmp_path)
+        trace.source = "<torch.profiler>"
     return trace

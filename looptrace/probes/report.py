@@ -10,13 +10,13 @@ import csv
 import io
 import json
 from collections.abc import Sequence
-from importlib import metadata
 from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+import looptrace
 from looptrace.probes.counters import Analysis, Counters, GroupStat, KernelStat
 
 SCHEMA = "looptrace.profile/1"
@@ -71,10 +71,7 @@ COUNTER_LABELS = {
 
 
 def tool_version() -> str:
-    try:
-        return metadata.version("looptrace")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    return getattr(looptrace, "__version__", "0+unknown")
 
 
 def _fmt(value: float, decimals: int) -> str:

@@ -6,8 +6,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import pytest
-
 from looptrace.engine.benchmark import ABORTED, REJECTED, RunRecord, run_workload
 from looptrace.engine.metrics import summarize
 from looptrace.engine.request import SamplingParams
@@ -248,10 +246,10 @@ def test_too_long_requests_are_rejected_without_submission():
     engine = FakeEngine(clock, max_model_len=10)
     wl = SessionWorkload(1, 3, first_prompt_len=4, turn_prompt_len=2, max_tokens=3, vocab_size=50)
     rec = _run(engine, wl)
-    t0, t1 = rec.requests  # turn 1: 4 + 3 + 2 = 9 prompt tokens + 3 > 10, so the session ends there
+    t0, t1 = rec.requests  # turn 1: 4 + 3 + 2 = 9 prompt tokens + 3 - 1 > 10, so the session ends there
     assert t0.completed and t0.prompt_len + t0.max_tokens == 7
     assert (t1.finish_reason, t1.submit_time, t1.request_id) == (REJECTED, None, "")
-    assert t1.error == "prompt 9 + max_tokens 3 > 10"
+    assert t1.error == "prompt 9 + max_tokens 3 needs 11 positions > 10"
     assert len(engine.added) == 1
     m = summarize(rec)
     assert (m.completed, m.failed) == (1, 1)
@@ -376,3 +374,23 @@ def test_failed_abort_still_returns_the_partial_record():
     (r,) = rec.requests
     assert rec.interrupted and r.finish_reason == ABORTED and r.token_times == [0.125]
     assert r.error == "abort_request failed (RuntimeError: engine gone)"
+
+
+# Real engine -----------------------------------------------------------------------------------------
+def test_real_engine_burst_and_sessions():
+    from looptrace.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine.from_preset("ouro-tiny", EngineConfig(noise="zeros"), device="cpu", seed=0)
+    vocab = engine.spec.vocab_size
+    out0 = engine.stats.output_tokens
+    burst = run_workload(engine, BurstWorkload(3, 8, 4, seed=0, vocab_size=vocab, token_low=10))
+    sessions = run_workload(engine, SessionWorkload(2, 2, 6, 3, 3, seed=0, vocab_size=vocab, token_low=10))
+    assert all(r.completed and r.output_len == r.max_tokens for r in burst.requests + sessions.requests)
+    assert len(sessions.requests) == 4
+    assert engine.stats.output_tokens - out0 == 3 * 4 + 4 * 3
+    for rec in (burst, sessions):
+        m = summarize(rec)
+        assert rec.engine_steps > 0 and rec.submissions > 0 and 0 < rec.peak_kv_usage <= 1
+        assert m.ttft.count == m.completed and m.tpot.count == m.completed
+        assert all(t > 0 for t in m.ttfts)
+    assert not engine.has_unfinished_requests()

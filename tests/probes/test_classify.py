@@ -9,8 +9,8 @@ from looptrace.probes.events import TraceEvent, parse_chrome_trace
 
 
 def ev(cat: str, name: str, ts: float = 0.0, dur: float = 1.0, tid: int = 1, **args) -> TraceEvent:
-    return TraceEvent.from_dict({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid,
-                                 "args": args})  # fmt: skip
+    raw = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+    return TraceEvent.from_dict(raw)
 
 
 # --- kernels, launches, graphs --------------------------------------------------------------------------
@@ -143,12 +143,12 @@ def test_select_syncs_counts_each_correlation_once(kt) -> None:
     kt.sync_activity("Unknown Sync", 300.0, corr=None)  # no correlation: cannot be matched
     kt.runtime("cudaMemcpy", 400.0)  # synchronous copy: never has an activity
     kt.sync("cudaStreamWaitEvent", 500.0, activity="Stream Wait Event")
-    kt.sync("cudaDeviceSynchronize", 600.0, activity="Unknown Sync")  # the activity's kind wins
+    kt.sync("cudaStreamSynchronize", 600.0, activity="Event Sync")  # the activity's kind wins...
+    kt.sync("cudaDeviceSynchronize", 700.0, activity="Unknown Sync")  # ...unless it is Unknown
     syncs = cl.select_syncs(parse_chrome_trace(kt.to_dict()).events)
     kinds = [kind for kind, _ in syncs]
-    assert sorted(kinds) == sorted(
-        ["stream", "event", "device", "unknown", "sync_memcpy", "stream_wait", "unknown"]
-    )
+    expected = ["stream", "event", "device", "unknown", "sync_memcpy", "stream_wait", "event", "device"]
+    assert sorted(kinds) == sorted(expected)
     matched = next(e for kind, e in syncs if e.correlation == both)
     assert (matched.cat, matched.name) == ("cuda_runtime", "cudaStreamSynchronize")  # host position
 
@@ -181,21 +181,24 @@ def test_item_with_local_scalar_dense_child_counts_once() -> None:
 # --- copy/cast kernels ----------------------------------------------------------------------------------
 
 COPY_KERNELS = [
-    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
-    "{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(c10::BFloat16)#1}, "
-    "at::detail::Array<char*, 2>, TrivialOffsetCalculator<1, unsigned int>>(int, ...)",
-    "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
-    "::{lambda()#3}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2> >(int, ...)",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
+    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::"
+    "{lambda(c10::BFloat16)#1}, at::detail::Array<char*, 2>, TrivialOffsetCalculator<1, unsigned int>>"
+    "(int, ...)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda("
+    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}, "
+    "at::detail::Array<char*, 2> >(int, ...)",
     "void at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda(float)#1}",
-    "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
-    "unsigned int, 3, 64, 64>(...)",
+    "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::"
+    "OpaqueType<2u>, unsigned int, 3, 64, 64>(...)",
     "void at::native::(anonymous namespace)::CatArrayBatchedCopy_aligned16_contig<...>(...)",
     "triton_poi_fused__to_copy_0",
     "triton_poi_fused_cat_3",
     "triton_poi_fused__to_copy_cat_clone_12",
 ]
 NOT_COPY_KERNELS = [
-    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+    "at::detail::Array<char*, 1> >",
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel",
     "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0",  # RMSNorm with a fused cast: compute
@@ -232,8 +235,8 @@ def test_leaf_cpu_ops_by_containment_per_thread() -> None:
         ev("cpu_op", "aten::to", 150, 1),  # no-op alias: not a kernel
         ev("cpu_op", "aten::mul", 200, 10),
         ev("cpu_op", "aten::add", 202, 1, tid=2),  # overlaps mul, other thread: both leaves
-        ev("cpu_op", "looptrace::rms_norm", 220, 0),  # zero-length custom op
-        ev("cpu_op", "aten::cat", 220, 5),  # same start, not inside a zero-length op
+        ev("cpu_op", "aten::cat", 220, 5),
+        ev("cpu_op", "looptrace::rms_norm", 230, 0),  # zero-length custom op: a leaf too
         ev("user_annotation", "lt.op/norm", 199, 30),  # annotations never make an op non-leaf
     ]
     leaves = sorted((e.ts, e.name) for e in cl.leaf_cpu_ops(events))
@@ -243,7 +246,7 @@ def test_leaf_cpu_ops_by_containment_per_thread() -> None:
         (200, "aten::mul"),
         (202, "aten::add"),
         (220, "aten::cat"),
-        (220, "looptrace::rms_norm"),
+        (230, "looptrace::rms_norm"),
     ]
 
 

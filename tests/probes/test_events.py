@@ -6,7 +6,7 @@ import gzip
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from looptrace.probes.events import (
@@ -35,6 +35,7 @@ def test_normalize_api_name(raw: str, expected: str) -> None:
     assert normalize_api_name(raw) == expected
 
 
+@settings(max_examples=50, deadline=None)
 @given(st.from_regex(r"cu[A-Za-z]{1,20}", fullmatch=True), st.integers(1000, 10**7))
 def test_normalize_strips_any_long_suffix_and_is_idempotent(base: str, version: int) -> None:
     name = normalize_api_name(f"{base}_v{version}")
@@ -127,3 +128,27 @@ def test_empty_trace_loads_with_no_events(tmp_path) -> None:
     path = tmp_path / "empty.json"
     path.write_text('{"traceEvents": []}')
     assert load_chrome_trace(path).events == []
+
+
+class _FakeProfile:
+    """Stands in for torch.profiler.profile: exports once, like torch."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.events, self.exported = events, False
+
+    def export_chrome_trace(self, path: str) -> None:
+        assert not self.exported, "Trace is already saved."
+        self.exported = True
+        with open(path, "w") as fh:
+            json.dump({"traceEvents": self.events}, fh)
+
+
+def test_trace_from_profiler_temp_file_and_kept_file(kt, tmp_path) -> None:
+    from looptrace.probes.events import trace_from_profiler
+
+    kt.cpu_op("aten::mm", 0.0, 1.0)
+    live = trace_from_profiler(_FakeProfile(kt.events))
+    assert (live.source, [e.name for e in live.events]) == ("<torch.profiler>", ["aten::mm"])
+    kept = trace_from_profiler(_FakeProfile(kt.events), tmp_path / "kept.json")
+    assert kept.source == str(tmp_path / "kept.json")
+    assert load_chrome_trace(tmp_path / "kept.json").events[0].name == "aten::mm"

@@ -1,0 +1,3 @@
+from looptrace.cli.main import main
+
+main()

@@ -1,0 +1,52 @@
+"""The `looptrace` command: one Typer app, one module per command (group)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+import looptrace
+from looptrace.cli.run_cmd import EPILOG as RUN_EPILOG
+from looptrace.cli.run_cmd import run
+
+app = typer.Typer(
+    name="looptrace",
+    help="Profile, diff and serve looped language models (Ouro, Huginn-0125, recurrent OLMo retrofits).",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    epilog="Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 environment missing.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"looptrace {looptrace.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_callback(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """looptrace: where does each token of a looped model go?"""
+
+
+app.command(epilog=RUN_EPILOG)(run)
+
+
+def _register_optional() -> None:
+    """Commands whose modules may pull heavier imports are attached here."""
+    from looptrace.cli.trace_cmd import trace_app
+
+    app.add_typer(trace_app, name="trace")
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()

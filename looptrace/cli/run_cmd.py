@@ -1,0 +1,281 @@
+"""`looptrace run`: serve a workload on the reference engine and print vLLM-style serving metrics."""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from looptrace.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    FormatOpt,
+    ModelOpt,
+    OutputFormat,
+    OutputOpt,
+    RecipeOpt,
+    SeedOpt,
+    SetOpt,
+    ThreadsOpt,
+    UsageError,
+    WeightsOpt,
+    build_engine,
+    dumps,
+    err_console,
+    friendly_errors,
+    peek_spec,
+    run_header,
+    write_output,
+)
+
+SCHEMA = "looptrace.run/1"
+
+EPILOG = """\
+[bold]EXAMPLES[/]
+
+  looptrace run --model ouro                                   # tiny Ouro on CPU, real shape on CUDA
+  looptrace run --model huginn --workload burst -c 8 --prompt-len 64 --max-tokens 32
+  looptrace run --model ouro-1.4b --set scheduler.max_num_seqs=32 -c 32 --format json -o run.json
+  looptrace run --model ouro --workload poisson --rate 4 --num-requests 32
+  looptrace run --model ouro --workload sessions --sessions 4 --turns 3
+  looptrace run --model ouro --workload jsonl --prompts prompts.jsonl --weights ./Ouro-1.4B
+
+[bold]LEARN MORE[/]  recipes/base.yaml lists every setting --set can change.
+Exit codes: 0 ok, 2 bad input, 3 environment missing (e.g. --device cuda without CUDA).
+"""
+
+
+class WorkloadKind(str, enum.Enum):
+    burst = "burst"
+    poisson = "poisson"
+    sessions = "sessions"
+    jsonl = "jsonl"
+
+
+def make_workload(
+    kind: WorkloadKind, *, concurrency: int, prompt_len: int, max_tokens: int, rate: float | None,
+    num_requests: int | None, sessions: int, turns: int, turn_prompt_len: int, prompts: Path | None,
+    seed: int, vocab_size: int, tokenizer_dir: Path | None,
+):
+    """CLI options -> a Workload; the workload validates its own numbers (one-line WorkloadError)."""
+    from looptrace.engine import workloads as w
+
+    if kind == WorkloadKind.burst:
+        return w.BurstWorkload(concurrency=concurrency, prompt_len=prompt_len, max_tokens=max_tokens, seed=seed,
+                               vocab_size=vocab_size)
+    if kind == WorkloadKind.poisson:
+        if rate is None:
+            raise UsageError("--workload poisson needs --rate (requests per second)")
+        return w.PoissonWorkload(rate=rate, num_requests=num_requests or concurrency, prompt_len=prompt_len,
+                                 max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
+    if kind == WorkloadKind.sessions:
+        return w.SessionWorkload(num_sessions=sessions, turns=turns, first_prompt_len=prompt_len,
+                                 turn_prompt_len=turn_prompt_len, max_tokens=max_tokens, seed=seed,
+                                 vocab_size=vocab_size)
+    if prompts is None:
+        raise UsageError("--workload jsonl needs --prompts FILE")
+    from looptrace.engine.tokenizer import load_tokenizer
+
+    return w.JsonlWorkload(path=prompts, tokenizer=load_tokenizer(tokenizer_dir), default_max_tokens=max_tokens)
+
+
+def workload_max_len(workload) -> int:
+    """Longest prompt + output any item of the workload can need (sizes the engine's decode tables)."""
+    if hasattr(workload, "max_prompt_len"):
+        longest = workload.max_prompt_len()
+    else:
+        longest = max((len(i.prompt) for i in workload.initial_items()), default=1)
+    most = max((i.max_tokens for i in workload.initial_items()), default=1)
+    return longest + max(most, getattr(workload, "max_tokens", 0))
+
+
+def run(
+    model: ModelOpt = "ouro",
+    recipe: RecipeOpt = "base",
+    sets: SetOpt = None,
+    workload: Annotated[WorkloadKind, typer.Option(help="Arrival pattern.")] = WorkloadKind.burst,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Requests in the burst.")] = 8,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 64,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals per second.")] = None,
+    num_requests: Annotated[int | None, typer.Option(help="Poisson: number of requests (default -c).")] = None,
+    sessions: Annotated[int, typer.Option(help="Sessions workload: concurrent sessions.")] = 4,
+    turns: Annotated[int, typer.Option(help="Sessions workload: turns per session.")] = 3,
+    turn_prompt_len: Annotated[int, typer.Option(help="Sessions workload: new user tokens per turn.")] = 16,
+    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts file for --workload jsonl.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    weights: WeightsOpt = None,
+    seed: SeedOpt = 0,
+    threads: ThreadsOpt = 1,
+    fmt: FormatOpt = OutputFormat.table,
+    output: OutputOpt = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,
+) -> None:
+    """Serve a workload on the reference engine; print throughput, TTFT/TPOT/ITL/E2EL, engine steps per
+    token, KV capacity and CUDA-graph counters."""
+    from looptrace.engine.benchmark import run_workload
+    from looptrace.engine.metrics import summarize
+    from looptrace.engine.request import SamplingParams
+
+    with friendly_errors():
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        wl = make_workload(
+            workload, concurrency=concurrency, prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
+            num_requests=num_requests, sessions=sessions, turns=turns, turn_prompt_len=turn_prompt_len,
+            prompts=prompts, seed=seed, vocab_size=peek_spec(model, device, weights).vocab_size,
+            tokenizer_dir=weights,
+        )
+        setup = build_engine(model=model, recipe=recipe, sets=sets, device=device, dtype=dtype, weights=weights,
+                             seed=seed, threads=threads, max_model_len=workload_max_len(wl))
+    header = run_header(setup)
+    header["workload"] = repr(wl)
+    for note in _notes(setup, concurrency):
+        err_console.print(f"[yellow]note:[/] {note}")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None)
+    record = _run_with_progress(run_workload, setup.engine, wl, params, progress and fmt == OutputFormat.table)
+    metrics = summarize(record)
+    data = report_data(header, setup.engine, metrics)
+    if record.interrupted:
+        err_console.print("[yellow]interrupted:[/] reporting what was measured so far")
+    text = render(data, fmt)
+    write_output(text, output, Console(width=120))
+
+
+def _notes(setup, concurrency: int) -> list[str]:
+    cfg = setup.engine.cfg.scheduler
+    out = []
+    if concurrency > cfg.max_num_seqs:
+        out.append(f"batches hold at most {cfg.max_num_seqs} rows (scheduler.max_num_seqs); "
+                   f"pass --set scheduler.max_num_seqs={concurrency} to batch all {concurrency} requests")
+    return out
+
+
+def _run_with_progress(run_workload, engine, wl, params, show: bool):
+    if not show:
+        return run_workload(engine, wl, params=params)
+    columns = (TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("run", total=wl.total_requests(), tokens=0)
+
+        def on_progress(done: int, total: int, tokens: int) -> None:
+            bar.update(task, completed=done, total=total, tokens=tokens)
+
+        return run_workload(engine, wl, params=params, on_progress=on_progress)
+
+
+def report_data(header: dict[str, Any], engine, metrics) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "header": header,
+        "metrics": metrics.to_dict(raw=False),
+        "engine": {
+            "steps": engine.stats.steps,
+            "submissions": engine.stats.submissions,
+            "steps_by_stage": engine.stats.steps_by_stage,
+            "output_tokens": engine.stats.output_tokens,
+        },
+        "kv": engine.kv_summary() | {"prefix_cache": dict(engine.blocks.stats)},
+        "cuda_graphs": engine.graph_counters(),
+    }
+
+
+# Rendering ------------------------------------------------------------------------------------------------
+def render(data: dict[str, Any], fmt: OutputFormat) -> str:
+    if fmt == OutputFormat.json:
+        return dumps(data)
+    if fmt == OutputFormat.csv:
+        return _csv(data)
+    console = Console(width=120, record=True, file=io.StringIO(), force_terminal=False)
+    console.print(Group(*summary_renderables(data)))
+    return console.export_text().rstrip()
+
+
+def _csv(data: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["section", "metric", "value"])
+    for section in ("metrics", "engine", "kv"):
+        for key, value in data[section].items():
+            if not isinstance(value, (dict, list)):
+                writer.writerow([section, key, value])
+    for name, counters in data["cuda_graphs"].items():
+        for key, value in counters.items():
+            writer.writerow([f"cuda_graphs.{name}", key, value])
+    return buf.getvalue().rstrip()
+
+
+def summary_renderables(data: dict[str, Any]) -> list:
+    h, m, e, kv = data["header"], data["metrics"], data["engine"], data["kv"]
+    head = (
+        f"[bold]{h['model_preset']}[/] ({h['family']}, {h['loops']} loops, weights: {h['weights']})  "
+        f"device {h['device']}  dtype {h['dtype']}\nrecipe [bold]{h['recipe']}[/]"
+        + (f" + {', '.join(h['overrides'])}" if h["overrides"] else "")
+        + f"   workload {h.get('workload', '')}\n[dim]{h['preset_note']}[/]"
+    )
+    out: list = [Panel(head, title="looptrace run", expand=False)]
+
+    t = Table(title="Serving", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("Completed / failed requests", f"{m['completed']} / {m['failed']}"),
+        ("Duration (s)", f"{m['duration']:.2f}"),
+        ("Output throughput (tok/s)", f"{m['output_throughput']:.1f}"),
+        ("Total throughput (tok/s)", f"{m['total_token_throughput']:.1f}"),
+        ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+        ("Engine steps / output token", f"{m['steps_per_output_token']:.2f}"),
+        ("Submissions / output token", f"{m['submissions_per_output_token']:.2f}"),
+        ("Peak KV usage", f"{100 * m['peak_kv_usage']:.1f} %"),
+    ]
+    for r in rows:
+        t.add_row(*r)
+    out.append(t)
+
+    lat = Table(title="Latency (ms)", title_justify="left")
+    lat.add_column("metric")
+    for col in ("Mean", "P50", "P90", "P99"):
+        lat.add_column(col, justify="right")
+    names = {"ttft": "TTFT", "tpot": "TPOT (excl. 1st token)", "itl": "ITL", "e2el": "E2EL"}
+    for key, label in names.items():
+        lat.add_row(label, *(f"{m[f'{p}_{key}_ms']:.2f}" for p in ("mean", "median", "p90", "p99")))
+    out.append(lat)
+
+    eng = Table(title="Engine and KV", title_justify="left")
+    eng.add_column("item")
+    eng.add_column("value", justify="right")
+    eng.add_row("Steps by stage", ", ".join(f"{k} {v}" for k, v in sorted(e["steps_by_stage"].items())))
+    eng.add_row("KV layout / planes", f"{kv['layout']} / {kv['planes']}")
+    eng.add_row("KV pool capacity (tokens)", f"{kv['capacity_tokens']:,}")
+    eng.add_row("KV slots per token: reserved / live / dead",
+                f"{kv['reserved_slots_per_token']} / {kv['live_slots_per_token']} / {kv['dead_slots_per_token']}")
+    eng.add_row("KV bytes per token: reserved / live",
+                f"{kv['reserved_bytes_per_token']:,} / {kv['live_bytes_per_token']:,}")
+    pc = kv["prefix_cache"]
+    if kv["prefix_caching"]:
+        eng.add_row("Prefix cache hit tokens / queried", f"{pc['prefix_hit_tokens']} / {pc['prefix_query_tokens']}")
+    out.append(eng)
+
+    if data["cuda_graphs"]:
+        g = Table(title="CUDA graphs", title_justify="left")
+        for col in ("graph", "captures", "replays", "fallbacks", "reasons"):
+            g.add_column(col, justify="right" if col in ("captures", "replays", "fallbacks") else "left")
+        for name, c in data["cuda_graphs"].items():
+            reasons = ", ".join(f"{k} {v}" for k, v in c["fallback_reasons"].items()) or "-"
+            style = "bold yellow" if c["fallbacks"] else None
+            g.add_row(name, str(c["captures"]), str(c["replays"]), str(c["fallbacks"]), reasons, style=style)
+        out.append(g)
+    return out
