@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 import looptrace
+from looptrace.cli.profile_cmd import EPILOG as PROFILE_EPILOG
+from looptrace.cli.profile_cmd import profile
 from looptrace.cli.run_cmd import EPILOG as RUN_EPILOG
 from looptrace.cli.run_cmd import run
 
@@ -35,6 +37,7 @@ def main_callback(
     """looptrace: where does each token of a looped model go?"""
 
 
+app.command(epilog=PROFILE_EPILOG)(profile)
 app.command(epilog=RUN_EPILOG)(run)
 
 

@@ -61,7 +61,8 @@ class Observer:
 
     def on_request_event(self, event: RequestEvent) -> None: ...
 
-    def on_loop_begin(self, stage: str, loop_index: int) -> None: ...
+    def on_loop_begin(self, stage: str, loop_index: int) -> None:
+        """loop_index is 0-based; -1 for a recurrent batch whose rows run different loops."""
 
     def on_loop_end(self, stage: str, loop_index: int) -> None: ...
 

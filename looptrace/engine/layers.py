@@ -176,7 +176,7 @@ class AttentionMetadata(nn.Module):
 class PagedAttention(nn.Module):
     """Write this layer's K/V for every row, then attend over the row's own block table (torch path)."""
 
-    op_kind = "kv_attend"
+    op_kind = "paged_attention"
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

@@ -349,9 +349,9 @@ class ModelRunner:
         if self.inject_pool is not None:
             inputs += (self.inject_pool.index_select(0, slots),)
         loops = sorted({r.loops_done for r in requests})
+        loop_tag = loops[0] if len(loops) == 1 else -1  # -1: rows at different depths share this loop
         if self.hooks.active:
-            for t in loops:
-                self.hooks.loop_begin("recurrent", t)
+            self.hooks.loop_begin("recurrent", loop_tag)
         out = self._maybe_graph(self.recurrent_graphs, len(rows), self._core_pass, inputs)
         self.state_pool.index_copy_(0, slots, out[0])
         for row, plane in zip(rows, planes):
@@ -361,8 +361,7 @@ class ModelRunner:
                 for t in loops:
                     sel = [i for i, r in enumerate(requests) if r.loops_done == t]
                     self._emit_hidden("recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel)))
-            for t in loops:
-                self.hooks.loop_end("recurrent", t)
+            self.hooks.loop_end("recurrent", loop_tag)
         for r in requests:
             r.loops_done += 1
         return out[1].float().tolist() if need_gate and len(out) > 1 else None

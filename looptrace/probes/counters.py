@@ -488,6 +488,9 @@ def _breakdown(
 # --- formulas -------------------------------------------------------------------------------------------
 
 
+ROLE_ORDER = {"prelude": 0, "core": 1, "coda": 2, NONE: 3}
+
+
 def _num(x: float) -> str:
     return f"{x:,.0f}" if abs(x - round(x)) < 1e-9 else f"{x:,.2f}"
 
@@ -496,7 +499,7 @@ def _plural(n: float, word: str) -> str:
     return f"{_num(n)} {word}" + ("" if n == 1 else "s")
 
 
-def _term(op: str, part: list[Context], per_call: Counter[int], tokens: int) -> str:
+def _term(op: str, part: list[Context], per_call: Counter[int], tokens: int, role: str = NONE) -> str:
     """`K kernels × C <op> calls × Y layers × L loops` for one group of op calls, if it factors evenly:
     every (layer, loop) cell present with the same number of calls, whole calls per token, whole kernels
     per call. Otherwise the measured totals per token and the average per call."""
@@ -520,7 +523,7 @@ def _term(op: str, part: list[Context], per_call: Counter[int], tokens: int) -> 
         )
     text = f"{_plural(n_kernels // n_calls, 'kernel')} × {_plural(calls_per_cell // tokens, op + ' call')}"
     if layers:
-        text += f" × {_plural(len(layers), 'layer')}"
+        text += f" × {_plural(len(layers), 'layer' if role in (NONE, 'core') else role + ' layer')}"
     if loops:
         text += f" × {_plural(len(loops), 'loop')}"
     return text
@@ -530,15 +533,18 @@ def op_formula(
     op: str, kernels: int, instances: list[Context], per_call: Counter[int], tokens: int, total: int
 ) -> str:
     """One line per op kind, e.g. `norm: 8 kernels × 4 norm calls × 24 layers × 4 loops = 3,072
-    kernels/token (54 %)`. Calls inside loops and calls outside loops are factored separately."""
+    kernels/token (54 %)`. Calls are factored per layer role, inside and outside loops separately."""
     share = 100.0 * kernels / total if total else 0.0
     tail = f"{_plural(kernels / tokens, 'kernel')}/token ({share:.0f} %)"
     if not instances:
         where = "inside CUDA-graph replays, no lt.op range" if op == GRAPH_OP else "no lt.op range"
         return f"{op}: {tail}, {where}"
-    looped = [ctx for ctx in instances if ctx.loop is not None]
-    flat = [ctx for ctx in instances if ctx.loop is None]
-    terms = [_term(op, part, per_call, tokens) for part in (looped, flat) if part]
+    # One term per (layer role, inside a loop or not): e.g. Ouro's norms are 4 per layer in 24 layers x 4
+    # loops, plus the loop-closing norm (no layer) once per loop; Huginn's prelude norms run in no loop.
+    groups: dict[tuple[bool, int, str], list[Context]] = defaultdict(list)
+    for ctx in instances:
+        groups[(ctx.loop is None, ROLE_ORDER.get(ctx.role, len(ROLE_ORDER)), ctx.role)].append(ctx)
+    terms = [_term(op, groups[key], per_call, tokens, key[2]) for key in sorted(groups)]
     return f"{op}: {' + '.join(terms)} = {tail}"
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from looptrace.engine import EngineConfig, LLMEngine, Observer, SamplingParams
@@ -163,8 +163,16 @@ def test_random_streams_keep_kv_invariants(stream):
     poison = engine.blocks.on_freed
     engine.blocks.on_freed = lambda blocks: (freed.extend(blocks), poison(blocks))
     ids, aborted = run_stream(engine, specs)
-    note(f"aborted in stages {sorted(aborted.values())}; {len(freed)} blocks freed; "
-         f"{engine.blocks.stats['prefix_hit_tokens']} prefix-hit tokens")
+    note(f"aborted in stages {sorted(aborted.values())}; {len(freed)} blocks freed")
+    for stage in set(aborted.values()):  # coverage: --hypothesis-show-statistics
+        event(f"abort in {stage}")
+    event(f"{preset} {layout} {exit_policy}")
+    if engine.blocks.stats["prefix_hit_tokens"]:
+        event("prefix-cache hit")
+    if engine.blocks.stats["evictions"]:
+        event("prefix-cache eviction")
+    if len(freed) > len(set(freed)):
+        event("a block freed twice (reused in between)")
     for i, s in enumerate(specs):
         req = engine.requests[ids[i]]
         if i in aborted:

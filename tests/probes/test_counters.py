@@ -334,7 +334,7 @@ def test_cpu_mode_counts_leaf_ops(kt) -> None:
     assert (c.mode, c.kernels, c.copy_kernels, c.tokens, c.gpu_us) == ("cpu", 4, 2, 1, 6.0)
     assert a.notes[0].startswith("mode cpu")
     assert {s.key: s.kernels for s in a.breakdown.by_op_role} == {("norm", "coda"): 3, ("other", "-"): 1}
-    assert a.breakdown.formulas[0] == "norm: 3 kernels × 1 norm call × 1 layer = 3 kernels/token (75 %)"
+    assert a.breakdown.formulas[0] == "norm: 3 kernels × 1 norm call × 1 coda layer = 3 kernels/token (75 %)"
 
 
 # --- a real torch.profiler CPU session ------------------------------------------------------------------

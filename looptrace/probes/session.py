@@ -1,0 +1,215 @@
+"""Profile an engine: warm up, then measure a decode window and a prefill window under torch.profiler.
+
+Order matters. Decode runs first (after a warm-up that captures the CUDA graphs the window will replay),
+so no profiler session runs before graph capture (a known CUPTI pitfall leaves graph kernels untraced).
+The prefill window then admits a fresh burst (new prompts, so no prefix-cache hits) inside the same
+profiler session. Windows are `record_function` ranges (`lt.window/decode`, `lt.window/prefill`), and
+the counters come from the exported Kineto trace, the same code path as `looptrace trace analyze`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from looptrace.engine.llm_engine import LLMEngine
+from looptrace.engine.request import SamplingParams
+from looptrace.probes import counters as names
+from looptrace.probes.counters import Analysis, analyze
+from looptrace.probes.events import Trace, trace_from_profiler
+from looptrace.probes.ranges import RangeProbe
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ProfileConfig:
+    concurrency: int = 1
+    prompt_len: int = 64
+    decode_steps: int | None = None  # None: enough steps for ~8 tokens per request
+    warmup_tokens: int = 2
+    level: str = "op"
+    seed: int = 0
+
+
+@dataclass
+class WindowRun:
+    """What the engine did inside one window (the trace says what the device did)."""
+
+    name: str
+    tokens: int  # output tokens sampled (decode) or prompt tokens prefilled (prefill)
+    token_unit: str
+    steps: int
+    submissions: int
+    wall_s: float
+    graph: dict[str, dict[str, Any]] = field(default_factory=dict)  # per graph cache: counter deltas
+    steps_by_stage: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ProfileResult:
+    trace: Trace
+    windows: dict[str, WindowRun]
+    analyses: dict[str, Analysis]
+    raw_counts: dict[str, int]  # cross-check: events as the profiler itself reports them
+
+
+def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
+    """~8 tokens per request: one token costs loops + 2 steps per batch of max_num_seqs rows."""
+    batches = -(-concurrency // engine.cfg.scheduler.max_num_seqs)
+    return 8 * (engine.max_loops + 2) * batches
+
+
+def _graph_snapshot(engine: LLMEngine) -> dict[str, dict[str, Any]]:
+    return {k: {**v, "fallback_reasons": dict(v["fallback_reasons"])} for k, v in engine.graph_counters().items()}
+
+
+def _graph_delta(before: dict, after: dict) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {"captures": 0, "replays": 0, "fallbacks": 0, "evictions": 0, "fallback_reasons": {}})
+        reasons = {k: v - b["fallback_reasons"].get(k, 0) for k, v in a["fallback_reasons"].items()}
+        out[name] = {k: a[k] - b[k] for k in ("captures", "replays", "fallbacks", "evictions")}
+        out[name]["fallback_reasons"] = {k: v for k, v in reasons.items() if v}
+    return out
+
+
+class _Counting:
+    """Engine-side bookkeeping for a window: steps, stages, submissions, tokens, graph counters."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.steps0, self.subs0 = engine.stats.steps, engine.stats.submissions
+        self.stage0 = dict(engine.stats.steps_by_stage)
+        self.graph0 = _graph_snapshot(engine)
+        self.t0 = time.perf_counter()
+
+    def finish(self, name: str, tokens: int, unit: str) -> WindowRun:
+        e = self.engine
+        stages = {k: v - self.stage0.get(k, 0) for k, v in e.stats.steps_by_stage.items()}
+        return WindowRun(
+            name, tokens, unit, e.stats.steps - self.steps0, e.stats.submissions - self.subs0,
+            time.perf_counter() - self.t0, _graph_delta(self.graph0, _graph_snapshot(e)),
+            {k: v for k, v in stages.items() if v},
+        )
+
+
+def _burst(engine: LLMEngine, n: int, prompt_len: int, max_tokens: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    high = engine.spec.vocab_size
+    return [
+        engine.add_request(rng.integers(0, high, prompt_len).tolist(), SamplingParams(max_tokens=max_tokens))
+        for _ in range(n)
+    ]
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def _activities(engine: LLMEngine) -> dict[str, Any]:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    kwargs: dict[str, Any] = {}
+    if engine.device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with contextlib.suppress(Exception):  # sync events need a recent torch; counts still work without
+            kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(enable_cuda_sync_events=True)
+    return {"activities": acts, **kwargs}
+
+
+def profile_engine(
+    engine: LLMEngine, cfg: ProfileConfig, *, trace_path: Path | None = None, progress: Progress | None = None,
+) -> ProfileResult:
+    say = progress or (lambda _msg: None)
+    decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
+    # Enough output tokens that no request finishes inside the decode window.
+    per_token_steps = (engine.max_loops + 2) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
+    max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
+    if cfg.prompt_len + max_tokens - 1 > engine.max_model_len:
+        raise ValueError(
+            f"prompt {cfg.prompt_len} + {max_tokens} output tokens exceed max context {engine.max_model_len}")
+    probe = RangeProbe(cfg.level).attach(engine)
+    try:
+        return _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say)
+    finally:
+        probe.detach()
+
+
+def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> ProfileResult:
+    say("warm-up: prefill and first decode tokens (graphs are captured here)")
+    ids = _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed)
+    reqs = [engine.requests[i] for i in ids]
+    while min(len(r.outputs) for r in reqs) < cfg.warmup_tokens:
+        engine.step()
+    _sync(engine)
+    windows: dict[str, WindowRun] = {}
+    prof = torch.profiler.profile(**_activities(engine))
+    prof.start()
+    try:
+        say(f"decode window: {decode_steps}+ engine steps")
+        while engine.step() == []:  # start at a token boundary (right after a coda step)
+            pass
+        count = _Counting(engine)
+        tokens = 0
+        with torch.profiler.record_function(names.WINDOW_DECODE):
+            while True:
+                out = engine.step()
+                tokens += len(out)
+                if engine.stats.steps - count.steps0 >= decode_steps and out:
+                    break
+        windows["decode"] = count.finish("decode", tokens, "output token")
+        _sync(engine)
+        for rid in ids:
+            engine.abort_request(rid)
+
+        say("prefill window: a fresh burst until every request has its first token")
+        new = _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed + 1)
+        fresh = [engine.requests[i] for i in new]
+        count = _Counting(engine)
+        with torch.profiler.record_function(names.WINDOW_PREFILL):
+            while any(not r.outputs for r in fresh):
+                engine.step()
+        prompt_tokens = sum(len(r.prompt) - r.num_cached for r in fresh)
+        windows["prefill"] = count.finish("prefill", prompt_tokens, "prompt token")
+        _sync(engine)
+        for rid in new:
+            engine.abort_request(rid)
+    finally:
+        prof.stop()
+    say("exporting and analysing the trace")
+    raw = _raw_counts(prof)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or Path(tmp) / "trace.json"
+        trace = trace_from_profiler(prof, path)
+    analyses = {
+        name: analyze(trace, tokens=w.tokens, window=name, submissions=w.submissions)
+        for name, w in windows.items()
+    }
+    return ProfileResult(trace, windows, analyses, raw)
+
+
+def _raw_counts(prof) -> dict[str, int]:
+    """Independent of our trace loader: what the profiler's own event list holds for the whole session."""
+    out = {"cpu_ops": 0, "device_kernels": 0}
+    try:
+        events = prof.profiler.kineto_results.events()
+    except Exception:  # noqa: BLE001 - private API; the cross-check is best effort
+        return out
+    for e in events:
+        dev = str(e.device_type())
+        name = e.name()
+        if dev.endswith("CUDA"):
+            if not (name.startswith("Memcpy") or name.startswith("Memset")):
+                out["device_kernels"] += 1
+        elif dev.endswith("CPU"):
+            out["cpu_ops"] += 1
+    return out
