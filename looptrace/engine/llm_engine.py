@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -320,6 +321,21 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "prefix_caching": self.blocks.prefix_caching,
         }
+
+    def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:
+        """(graph name, rows, thunk) for every captured CUDA graph; the thunk runs the graph's body eagerly
+        (see GraphCache.run_body_eagerly) under the same modes as an engine step."""
+        out = []
+        for cache in (self.runner.recurrent_graphs, self.runner.coda_graphs):
+            if cache is None:
+                continue
+            for rows in list(cache.entries):
+                def thunk(cache=cache, rows=rows) -> None:
+                    with torch.inference_mode(), attention_backend(self.device):
+                        cache.run_body_eagerly(rows)
+
+                out.append((cache.name, rows, thunk))
+        return out
 
     def graph_counters(self) -> dict:
         out = {}

@@ -89,8 +89,8 @@ class HostStaging:
             return host
         i, self.i = self.i, (self.i + 1) % len(self.buffers)
         buf, ev = self.buffers[i], self.events[i]
-        if ev is not None:
-            ev.synchronize()  # normally long complete: the copy was queued several steps ago
+        if ev is not None and not ev.query():  # query first: a complete copy needs no blocking call
+            ev.synchronize()
         if buf is None or buf.numel() < host.numel():
             buf = torch.empty(max(host.numel(), 4096), dtype=host.dtype, pin_memory=True)
             self.buffers[i] = buf

@@ -33,6 +33,7 @@ batch 1); without either, by 1 (totals), and the notes say so.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -52,6 +53,7 @@ STAGE_PREFIX = "lt.stage/"
 LOOP_PREFIX = "lt.loop/"
 LAYER_PREFIX = "lt.layer/"
 OP_PREFIX = "lt.op/"
+GRAPH_BODY_PREFIX = "lt.graph/"  # an eager run of a captured graph's body: maps replay kernels to ops
 STAGES = ("prefill", "prelude", "recurrent", "coda", "sample")
 OP_KINDS = (
     "norm", "rope", "attention", "mlp", "gate", "adapter", "embed", "head", "sample", "state_init", "kv_copy",
@@ -391,10 +393,70 @@ def analyze(
     op_positions = [((r.pid, r.tid), r.ts) for r in ranges if r.name.startswith(OP_PREFIX) and inside(r.ts)]
     contexts = _contexts([p for _, p in kernels] + op_positions, ranges)
     kernel_ctx, op_ctx = contexts[: len(kernels)], contexts[len(kernels) :]
+    bodies = _graph_bodies(events, ranges, locate)
+    if bodies:
+        kernel_ctx, replay_ops = _attribute_replays(kernels, kernel_ctx, graph_corr, bodies)
+        op_ctx = op_ctx + replay_ops
     breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
     by_count, by_time = _top_kernels([e for e, _ in kernels], top)
     notes = _notes(c, tokens_source, unlinked, mode)
     return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes)
+
+
+# --- kernels inside CUDA-graph replays ------------------------------------------------------------------
+# A replay has no host-side op ranges. looptrace runs each captured graph's body once eagerly inside an
+# `lt.graph/<name>/<rows>` range: the same kernels in the same order (one stream, so the captured graph is
+# a chain). A replay whose kernel names, in device order, equal such a body's takes that body's op and
+# layer for each position; stage and loop still come from the ranges around the replay's launch.
+
+
+def _graph_bodies(events: list[TraceEvent], ranges: list[TraceEvent], locate) -> dict[tuple, list[Context]]:
+    body_ranges = [r for r in ranges if r.name.startswith(GRAPH_BODY_PREFIX)]
+    if not body_ranges:
+        return {}
+    kernels = [(e, locate(e)) for e in events if cl.is_kernel(e)]
+    out: dict[tuple, list[Context]] = {}
+    for r in body_ranges:
+        inside = sorted(
+            ((e, pos) for e, pos in kernels if pos[0] == (r.pid, r.tid) and r.ts <= pos[1] < r.end),
+            key=lambda item: item[0].ts,
+        )
+        if inside:
+            names = tuple(e.name for e, _ in inside)
+            out.setdefault(names, _contexts([pos for _, pos in inside], ranges))
+    return out
+
+
+def _attribute_replays(
+    kernels: list[tuple[TraceEvent, Position]],
+    kernel_ctx: list[Context],
+    graph_corr: set[int],
+    bodies: dict[tuple, list[Context]],
+) -> tuple[list[Context], list[Context]]:
+    """New contexts for graph-replay kernels that match a graph body, plus one op-call instance per
+    (replay, body op call) for the per-call factors of the formulas."""
+    replays: dict[int, list[int]] = defaultdict(list)
+    for i, (e, _) in enumerate(kernels):
+        if e.correlation in graph_corr:
+            replays[e.correlation].append(i)
+    ctx = list(kernel_ctx)
+    op_calls: list[Context] = []
+    for idx in replays.values():
+        idx.sort(key=lambda i: kernels[i][0].ts)
+        body = bodies.get(tuple(kernels[i][0].name for i in idx))
+        if body is None:
+            continue
+        launch = kernel_ctx[idx[0]]  # stage and loop of the replay's launch
+        calls: dict[int, TraceEvent] = {}
+        for i, b in zip(idx, body, strict=True):
+            op_range = None
+            if b.op_range is not None:
+                op_range = calls.get(id(b.op_range))
+                if op_range is None:  # a distinct object per (replay, op call): per-call kernel counts
+                    op_range = calls[id(b.op_range)] = dataclasses.replace(b.op_range)
+                    op_calls.append(Context(launch.stage, launch.loop, b.layer, b.role, b.op, op_range))
+            ctx[i] = Context(launch.stage, launch.loop, b.layer, b.role, b.op or GRAPH_OP, op_range)
+    return ctx, op_calls
 
 
 def _count_steps(events: list[TraceEvent], marker: str | None, inside: Callable[[float], bool]) -> tuple:

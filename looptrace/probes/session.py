@@ -60,6 +60,7 @@ class ProfileResult:
     windows: dict[str, WindowRun]
     analyses: dict[str, Analysis]
     raw_counts: dict[str, int]  # cross-check: events as the profiler itself reports them
+    trace_counts: dict[str, int]  # the same categories in the exported trace
 
 
 def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
@@ -168,6 +169,10 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
                     break
         windows["decode"] = count.finish("decode", tokens, "output token")
         _sync(engine)
+        for name, rows, thunk in engine.graph_bodies():  # op map for kernels inside graph replays
+            with torch.profiler.record_function(f"{names.GRAPH_BODY_PREFIX}{name}/{rows}"):
+                thunk()
+        _sync(engine)
         for rid in ids:
             engine.abort_request(rid)
 
@@ -194,22 +199,31 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         name: analyze(trace, tokens=w.tokens, window=name, submissions=w.submissions)
         for name, w in windows.items()
     }
-    return ProfileResult(trace, windows, analyses, raw)
+    return ProfileResult(trace, windows, analyses, raw, trace_counts(trace))
+
+
+CROSS_CHECK_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cpu_op", "user_annotation", "cuda_runtime")
 
 
 def _raw_counts(prof) -> dict[str, int]:
-    """Independent of our trace loader: what the profiler's own event list holds for the whole session."""
-    out = {"cpu_ops": 0, "device_kernels": 0}
+    """Independent of our trace loader: events per category as the profiler's own event list holds them
+    for the whole session (compare with `trace_counts`)."""
+    out = dict.fromkeys(CROSS_CHECK_CATS, 0)
     try:
         events = prof.profiler.kineto_results.events()
     except Exception:  # noqa: BLE001 - private API; the cross-check is best effort
         return out
     for e in events:
-        dev = str(e.device_type())
-        name = e.name()
-        if dev.endswith("CUDA"):
-            if not (name.startswith("Memcpy") or name.startswith("Memset")):
-                out["device_kernels"] += 1
-        elif dev.endswith("CPU"):
-            out["cpu_ops"] += 1
+        cat = e.activity_type()
+        if cat in out:
+            out[cat] += 1
+    return out
+
+
+def trace_counts(trace: Trace) -> dict[str, int]:
+    """The same categories counted in the exported trace."""
+    out = dict.fromkeys(CROSS_CHECK_CATS, 0)
+    for e in trace.events:
+        if e.cat in out:
+            out[e.cat] += 1
     return out

@@ -18,7 +18,12 @@ from looptrace.engine.kv_cache import KVPool
 from looptrace.engine.request import Stage
 from tests.oracle import reference_run
 
-COMBOS = [("ouro-tiny", "planes"), ("ouro-tiny", "shared"), ("huginn-tiny", "planes"), ("huginn-tiny", "shared")]
+COMBOS = [
+    ("ouro-tiny", "planes"),
+    ("ouro-tiny", "shared"),
+    ("huginn-tiny", "planes"),
+    ("huginn-tiny", "shared"),
+]
 BLOCK = 4
 ABORT_STAGES = ("waiting", "prefill", "prelude", "recurrent", "coda")
 
@@ -30,7 +35,8 @@ def make_engine(preset: str, layout: str, pages: int, exit_policy: str = "fixed"
     cfg.kv.poison_freed_blocks = True
     # budget = seats x chunk: every prefill chunk is min(chunk, remaining), whatever else is in the batch
     # (the shared layout's results depend on chunk boundaries, so solo and stream runs must chunk alike)
-    cfg.scheduler.prefill_chunk_size, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens = 8, 4, 32
+    sched = cfg.scheduler
+    sched.prefill_chunk_size, sched.max_num_seqs, sched.max_num_batched_tokens = 8, 4, 32
     if exit_policy == "threshold":
         cfg.exit.policy, cfg.exit.threshold, cfg.exit.min_loops = "threshold", 0.8, 1
     engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=5)
@@ -185,6 +191,40 @@ def test_random_streams_keep_kv_invariants(stream):
     check_drained(engine)
 
 
+def _stream_body(preset, layout, exit_policy, pages, specs):
+    engine = make_engine(preset, layout, pages, exit_policy)
+    ids, aborted = run_stream(engine, specs)
+    for i, s in enumerate(specs):
+        req = engine.requests[ids[i]]
+        if i not in aborted:
+            assert req.finish_reason == "length"
+            assert (req.outputs, req.exit_depths) == solo(
+                preset, layout, pages, exit_policy, s.prompt, s.max_tokens
+            )
+    check_drained(engine)
+    return engine, aborted
+
+
+@pytest.mark.parametrize(("preset", "layout"), COMBOS)
+def test_fixed_stream_aborts_in_every_stage(preset, layout):
+    rng = np.random.default_rng(1)
+    p = [rng.integers(3, 500, 30).tolist() for _ in range(6)]
+    specs = [
+        Spec(p[0], 4, 0, ("prefill", 1)),  # 9 pages; aborted after its second chunk
+        Spec(p[1][:20], 6, 0, ("recurrent", 2)),  # 7 pages
+        Spec(p[2][:12], 5, 0, ("waiting", 1)),  # no room: waits
+        Spec(p[3][:9], 3, 2, ("prelude", 0)),
+        Spec(p[4][:15], 4, 3, ("coda", 1)),
+        Spec(p[5][:25], 5, 4, None),
+        Spec(p[5][:12] + p[4][:6], 6, 10, None),  # shares 3 pages with the previous one
+        Spec(p[0], 4, 12, None),  # the aborted prompt again (its published pages stay valid)
+    ]
+    engine, aborted = _stream_body(preset, layout, "fixed", 16, specs)
+    assert aborted == {0: "prefill", 1: "recurrent", 2: "waiting", 3: "prelude", 4: "coda"}
+    if layout == "planes" and preset == "ouro-tiny":
+        assert engine.blocks.stats["prefix_hit_tokens"] > 0
+
+
 # --- deterministic reuse after poisoning, checked against the dense oracle --------------------------------
 class HiddenRecorder(Observer):
     wants_hidden = True
@@ -193,19 +233,19 @@ class HiddenRecorder(Observer):
         self.states: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden):
+        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
             self.states[(rid, pos, loop_index)] = row.clone()
 
 
 @pytest.mark.parametrize(("preset", "layout"), COMBOS)
 def test_reused_poisoned_blocks_hide_no_stale_history(preset, layout):
-    pages = 12  # one 45-position request fills the pool: the second reuses every block of the first
+    pages = 8  # one 32-position request fills the pool: the second reuses every block of the first
     engine = make_engine(preset, layout, pages)
     engine.blocks.prefix_caching = False  # all blocks go back to the free list
     rec = HiddenRecorder()
     engine.attach(rec)
     rng = np.random.default_rng(0)
-    first, second = (rng.integers(3, 500, 40).tolist() for _ in range(2))
+    first, second = (rng.integers(3, 500, 27).tolist() for _ in range(2))
     a = engine.add_request(first, SamplingParams(max_tokens=6))
     b = engine.add_request(second, SamplingParams(max_tokens=6))
     tables = {}
@@ -216,15 +256,20 @@ def test_reused_poisoned_blocks_hide_no_stale_history(preset, layout):
                 tables[rid] = {x for t in engine.blocks.seqs[rid].tables for x in t}
         if engine.requests[a].is_finished and b not in tables:  # A done, B not admitted yet: all poisoned
             assert len(engine.blocks.free) == engine.blocks.num_blocks
-            assert bool((engine.pool.k_cache == KVPool.POISON).all() and (engine.pool.v_cache == KVPool.POISON).all())
+            assert bool(
+                (engine.pool.k_cache == KVPool.POISON).all() and (engine.pool.v_cache == KVPool.POISON).all()
+            )
     assert tables[a] & tables[b] and len(tables[b]) > len(tables[a]) // 2
     for rid, prompt in ((a, first), (b, second)):
         assert (engine.requests[rid].outputs, engine.requests[rid].exit_depths) == solo(
-            preset, layout, pages, "fixed", prompt, 6)
+            preset, layout, pages, "fixed", prompt, 6
+        )
     if layout == "planes":  # the oracle implements the planes semantics
         sd = {k: v.float() for k, v in engine.model.state_dict().items()}
         req = engine.requests[b]
-        oracle, logits = reference_run(engine.spec, sd, engine.max_loops, req.prompt, req.outputs, req.exit_depths)
+        oracle, logits = reference_run(
+            engine.spec, sd, engine.max_loops, req.prompt, req.outputs, req.exit_depths
+        )
         for (pos, loop), h in oracle.hidden.items():
             torch.testing.assert_close(rec.states[(b, pos, loop)], h.float(), atol=2e-4, rtol=2e-4)
         assert [int(x.argmax()) for x in logits] == req.outputs

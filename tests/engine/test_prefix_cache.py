@@ -26,7 +26,7 @@ class Recorder(Observer):
         self.steps.append(info)
 
     def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden):
+        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
             self.states[(rid, pos, loop_index)] = row.clone()
 
 
@@ -70,7 +70,9 @@ def test_ouro_two_page_prefix_hit_matches_cold_run():
     rid = run(engine, prompt, rid="B")
     req = engine.requests[rid]
     assert req.num_cached == 2 * BS and engine.blocks.stats["prefix_hit_tokens"] == 2 * BS
-    assert [s.num_rows for s in rec.steps if s.stage == "prefill" and s.request_ids == [rid]] == [len(prompt) - 8]
+    assert [s.num_rows for s in rec.steps if s.stage == "prefill" and s.request_ids == [rid]] == [
+        len(prompt) - 8
+    ]
     ref, ref_rec = cold(prompt)
     assert req.outputs == ref.outputs and req.exit_depths == ref.exit_depths
     for (r, pos, loop), h in rec.states.items():  # suffix and decode states equal the cold run's
@@ -88,7 +90,9 @@ def test_last_prompt_token_is_never_cached(length, pages):
     rid = run(engine, prompt, max_tokens=2, rid="again")
     req = engine.requests[rid]
     assert req.num_cached == pages * BS < length
-    assert [s.num_rows for s in rec.steps if s.request_ids == [rid] and s.stage == "prefill"] == [length - pages * BS]
+    assert [s.num_rows for s in rec.steps if s.request_ids == [rid] and s.stage == "prefill"] == [
+        length - pages * BS
+    ]
     assert req.outputs == engine.requests["first"].outputs
 
 

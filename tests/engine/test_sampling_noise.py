@@ -21,7 +21,7 @@ class HiddenRecorder(Observer):
         self.states: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden):
+        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
             self.states[(rid, pos, loop_index)] = row.clone()
 
 
@@ -84,14 +84,21 @@ def test_greedy_engine_tokens_are_argmax_of_the_oracle_logits():
     assert [int(x.argmax()) for x in logits] == out
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=50), dict(temperature=1.5, top_p=0.9)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=50), dict(temperature=1.5, top_p=0.9)]
+)
 def test_seeded_sampling_is_deterministic_per_seed(kw):
     runs = {s: generate(SamplingParams(max_tokens=8, seed=s, **kw))[0] for s in (1, 2, 3)}
     assert generate(SamplingParams(max_tokens=8, seed=1, **kw))[0] == runs[1]  # a fresh engine, same seed
     assert len({tuple(v) for v in runs.values()}) == 3  # different seeds differ
     # per-request generators: batch-mates with the same seed draw the same tokens, others do not interfere
-    same = generate([SamplingParams(max_tokens=8, seed=1, **kw), SamplingParams(max_tokens=8, seed=2, **kw),
-                     SamplingParams(max_tokens=8, seed=1, **kw)])
+    same = generate(
+        [
+            SamplingParams(max_tokens=8, seed=1, **kw),
+            SamplingParams(max_tokens=8, seed=2, **kw),
+            SamplingParams(max_tokens=8, seed=1, **kw),
+        ]
+    )
     assert same == [runs[1], runs[2], runs[1]]
 
 
@@ -99,11 +106,16 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     greedy = generate(SamplingParams(max_tokens=8))[0]
     for kw in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)):
         for temp in (0.7, 1.0, 3.0):
-            assert generate(SamplingParams(max_tokens=8, temperature=temp, seed=5, **kw))[0] == greedy, (kw, temp)
+            assert generate(SamplingParams(max_tokens=8, temperature=temp, seed=5, **kw))[0] == greedy, (
+                kw,
+                temp,
+            )
     assert generate(SamplingParams(max_tokens=8, temperature=1.0, seed=5))[0] != greedy
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: top_p=0 passes validation, then torch.multinomial raises in step()")
+@pytest.mark.xfail(
+    strict=True, reason="BUG: top_p=0 passes validation, then torch.multinomial raises in step()"
+)
 def test_top_p_zero_is_rejected_or_greedy():
     engine, _ = make_engine()
     try:
@@ -127,7 +139,8 @@ def huginn(seed: int, chunk: int = 128, noise: str = "sequential", others: int =
     engine, rec = make_engine("huginn-tiny", noise=noise, chunk=chunk)
     draws = []
     engine.runner.ops.state_init.register_forward_hook(
-        lambda mod, inp, out: draws.append(([(r.request_id, n) for r, n in inp[1]], out.clone())))
+        lambda mod, inp, out: draws.append(([(r.request_id, n) for r, n in inp[1]], out.clone()))
+    )
     engine.add_request(PROMPT, SamplingParams(max_tokens=3, seed=seed), request_id="r")
     for i in range(others):
         engine.add_request([5 + i] * (3 + i), SamplingParams(max_tokens=2, seed=100 + i), request_id=f"o{i}")

@@ -293,6 +293,39 @@ def test_graph_kernels_land_on_the_replay_ranges_not_device_time(kt) -> None:
     assert corr > 0
 
 
+def test_replay_kernels_take_ops_from_the_eager_graph_body(kt) -> None:
+    """A replay's kernels, matched in device order to the eager run of the graph body, get its op and
+    layer; stage and loop come from the replay's own launch ranges."""
+    with kt.range("lt.window/decode"):
+        for loop in (0, 1):
+            with kt.range("lt.stage/recurrent"), kt.range(f"lt.loop/{loop}"):
+                kt.graph_launch(kt.tick(), ["pow", "mean", "gemm", "gemm", "pow", "mean", "gemm"])
+        with kt.range("lt.stage/recurrent"), kt.range("lt.loop/2"):
+            kt.graph_launch(kt.tick(), ["other_graph_kernel"])  # no body matches: stays `graph`
+    with kt.range("lt.graph/recurrent/1"):  # outside the window: maps, is not counted
+        for layer in (0, 1):
+            with kt.range(f"lt.layer/core{layer}"):
+                with kt.range("lt.op/norm"):
+                    kt.launch("pow", kt.tick())
+                    kt.launch("mean", kt.tick())
+                with kt.range("lt.op/mlp"):
+                    kt.launch("gemm", kt.tick())
+                if layer == 1:
+                    break
+            with kt.range("lt.op/mlp"):
+                kt.launch("gemm", kt.tick())
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    assert a.counters.kernels == 15
+    assert {s.key: s.kernels for s in a.breakdown.by_op} == {("norm",): 8, ("mlp",): 6, ("graph",): 1}
+    assert {s.key: s.kernels for s in a.breakdown.by_op_role} == {
+        ("norm", "core"): 8, ("mlp", "core"): 4, ("mlp", "-"): 2, ("graph", "-"): 1}
+    assert {s.key: s.kernels for s in a.breakdown.by_stage} == {("recurrent",): 15}
+    assert a.breakdown.formulas[:2] == [
+        "norm: 2 kernels × 1 norm call × 2 layers × 2 loops = 8 kernels/token (53 %)",
+        "mlp: 1 kernel × 1 mlp call × 2 layers × 2 loops + 1 kernel × 1 mlp call × 2 loops = 6 kernels/token (40 %)",
+    ]
+
+
 def test_enclosing_chains_and_context() -> None:
     def rng(name: str, ts: float, dur: float) -> TraceEvent:
         return TraceEvent("user_annotation", name, ts, dur)
