@@ -91,7 +91,12 @@ class LLMEngine:
         self.pool = KVPool(spec, num_blocks, cfg.kv.block_size, dtype, device)
         if cfg.kv.poison_freed_blocks:
             self.blocks.on_freed = self.pool.poison
-        cap = self.blocks.capacity_tokens
+        # The watermark is never admitted into, so a request must fit in the rest of the pool.
+        usable = (num_blocks - cfg.kv.watermark_blocks) // self.layout.num_planes * cfg.kv.block_size
+        if usable < 1:
+            raise EngineInputError(f"kv.watermark_blocks={cfg.kv.watermark_blocks} leaves no usable page "
+                                   f"in a pool of {num_blocks} blocks")
+        cap = min(self.blocks.capacity_tokens, usable)
         self.max_model_len = min(cfg.scheduler.max_model_len or spec.max_position, spec.max_position, cap)
         self.hooks = HookDispatcher()
         self.noise = NOISE[cfg.noise](spec)
@@ -157,6 +162,10 @@ class LLMEngine:
             raise EngineInputError("prompt is empty: at least one token is needed")
         if params.max_tokens < 1:
             raise EngineInputError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise EngineInputError(
+                f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got temperature "
+                f"{params.temperature}, top_p {params.top_p}, top_k {params.top_k})")
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise EngineInputError(f"token id {bad[0]} outside the vocabulary [0, {self.spec.vocab_size})")

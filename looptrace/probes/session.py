@@ -214,10 +214,32 @@ def _raw_counts(prof) -> dict[str, int]:
     except Exception:  # noqa: BLE001 - private API; the cross-check is best effort
         return out
     for e in events:
-        cat = e.activity_type()
+        cat = _category(e)
         if cat in out:
             out[cat] += 1
     return out
+
+
+_SYNC_ACTIVITIES = ("Event Sync", "Stream Sync", "Context Sync", "Unknown Sync", "Stream Wait Event")
+
+
+def _category(e) -> str:
+    """Kineto category of a profiler event; torch < 2.12 has no `activity_type()`, so classify the way
+    Kineto names things (device memcpy/memset/sync names, CUDA API names, annotations)."""
+    if hasattr(e, "activity_type"):
+        return e.activity_type()
+    name = e.name()
+    if str(e.device_type()).endswith("CUDA"):
+        if name.startswith("Memcpy"):
+            return "gpu_memcpy"
+        if name.startswith("Memset"):
+            return "gpu_memset"
+        return "cuda_sync" if name in _SYNC_ACTIVITIES else "kernel"
+    if e.is_user_annotation():
+        return "user_annotation"
+    if name.startswith(("cuda", "cu")) and not name.startswith("cudnn"):
+        return "cuda_runtime"
+    return "cpu_op"
 
 
 def trace_counts(trace: Trace) -> dict[str, int]:

@@ -113,18 +113,13 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     assert generate(SamplingParams(max_tokens=8, temperature=1.0, seed=5))[0] != greedy
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: top_p=0 passes validation, then torch.multinomial raises in step()"
-)
-def test_top_p_zero_is_rejected_or_greedy():
+@pytest.mark.parametrize("kw", [{"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"top_k": -1}])
+def test_bad_sampling_params_are_rejected_at_add_request(kw):
+    """Regression: top_p=0 used to pass validation, then torch.multinomial raised inside step()."""
     engine, _ = make_engine()
-    try:
-        rid = engine.add_request(PROMPT, SamplingParams(max_tokens=2, temperature=1.0, top_p=0.0, seed=1))
-    except EngineInputError:
-        return
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.requests[rid].outputs == generate(SamplingParams(max_tokens=2))[0]
+    with pytest.raises(EngineInputError, match="sampling"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=2, seed=1, **({"temperature": 1.0} | kw)))
+    assert not engine.has_unfinished_requests()
 
 
 def test_unseeded_sampling_is_reproducible_across_fresh_engines():

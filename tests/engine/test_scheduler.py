@@ -309,17 +309,13 @@ def test_eos_stops_unless_ignored():
     assert engine.requests[b].outputs == free_run and engine.requests[b].finish_reason == "length"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: max_model_len ignores kv.watermark_blocks: a request that fits the pool but not pool - "
-    "watermark passes add_request and then never admits (has_unfinished_requests() stays True)",
-)
 def test_request_that_passes_validation_is_eventually_served_with_a_watermark():
+    """Regression: max_model_len ignored kv.watermark_blocks, so a request that fit the pool but not
+    pool - watermark passed add_request and then was never admitted (the engine spun forever)."""
     engine, _ = _pool_engine(5, kv__watermark_blocks=4)  # 20 blocks, 4 kept free at admission
-    try:
-        rid = engine.add_request(prompt(17), SamplingParams(max_tokens=4))  # 20 positions = the whole pool
-    except EngineInputError:
-        return
+    with pytest.raises(EngineInputError, match="max context is 16"):
+        engine.add_request(prompt(17), SamplingParams(max_tokens=4))  # 20 positions = the whole pool
+    rid = engine.add_request(prompt(13), SamplingParams(max_tokens=4))  # 16 positions = pool - watermark
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
