@@ -119,6 +119,7 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
     with err_console.status(f"profiling {setup.engine.spec.name} ({label})") as status:
         result = profile_engine(setup.engine, cfg, trace_path=trace,
                                 progress=lambda msg: status.update(f"{label}: {msg}"))
+    _release(setup)
     header["label"] = label
     header["concurrency"] = cfg.concurrency
     header["prompt_len"] = cfg.prompt_len
@@ -135,6 +136,18 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
         }
     return {"header": header, "windows": windows, "raw_profiler_counts": result.raw_counts,
             "trace_counts": result.trace_counts}
+
+
+def _release(setup) -> None:
+    """Free the engine's KV pool before the next side of a --compare sizes its own from free memory."""
+    import gc
+
+    import torch
+
+    setup.engine = None
+    gc.collect()  # the engine holds reference cycles (scheduler/block-manager callbacks)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _jsonable(side: dict[str, Any]) -> dict[str, Any]:

@@ -204,6 +204,18 @@ class Analysis:
     tokens_source: str
     step_marker: str | None
     notes: list[str] = field(default_factory=list)
+    sites: list[SiteStat] = field(default_factory=list)  # where syncs and copies come from
+
+
+@dataclass
+class SiteStat:
+    """Syncs or memcpys of one kind from one place: API call x innermost lt.stage and lt.op range."""
+
+    what: str  # e.g. "sync stream", "memcpy DtoH pinned"
+    api: str  # the runtime call, e.g. cudaStreamSynchronize, cudaMemcpyAsync
+    stage: str
+    op: str
+    count: int
 
 
 @dataclass(frozen=True)
@@ -383,24 +395,50 @@ def analyze(
     for e, _ in in_window(e for e in events if cl.is_api_call(e)):
         c.eager_launches += cl.is_eager_launch(e)
         c.graph_launches += cl.is_graph_launch(e)
+    reads = in_window(cl.scalar_reads(events))
+    c.scalar_reads = len(reads)
+    site_items: list[tuple[str, TraceEvent, Position]] = []
     for kind, e in cl.select_syncs(events):
-        if inside(locate(e)[1]):
+        pos = locate(e)
+        if inside(pos[1]):
             setattr(c, SYNC_FIELDS[kind], getattr(c, SYNC_FIELDS[kind]) + 1)
-    c.scalar_reads = len(in_window(cl.scalar_reads(events)))
+            site_items.append((f"sync {kind}", e, pos))
+    site_items += [("host scalar read", e, pos) for e, pos in reads]
+    for e, pos in memory:
+        info = cl.parse_memcpy(e) if not cl.is_memset(e) else None
+        what = "memset" if info is None else f"memcpy {info.direction}" + (" pageable" if info.pageable else "")
+        site_items.append((what, e, pos))
 
     ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
     # lt.op instances get a context too (their own layer/loop), for the per-call factors of the formulas.
     op_positions = [((r.pid, r.tid), r.ts) for r in ranges if r.name.startswith(OP_PREFIX) and inside(r.ts)]
-    contexts = _contexts([p for _, p in kernels] + op_positions, ranges)
-    kernel_ctx, op_ctx = contexts[: len(kernels)], contexts[len(kernels) :]
+    site_positions = [pos for _, _, pos in site_items]
+    contexts = _contexts([p for _, p in kernels] + op_positions + site_positions, ranges)
+    n_k, n_o = len(kernels), len(op_positions)
+    kernel_ctx, op_ctx, site_ctx = contexts[:n_k], contexts[n_k : n_k + n_o], contexts[n_k + n_o :]
+    sites = _sites(site_items, site_ctx, locate)
     bodies = _graph_bodies(events, ranges, locate)
+    replay_note = None
     if bodies:
-        kernel_ctx, replay_ops = _attribute_replays(kernels, kernel_ctx, graph_corr, bodies)
+        kernel_ctx, replay_ops, replay_note = _attribute_replays(kernels, kernel_ctx, graph_corr, bodies)
         op_ctx = op_ctx + replay_ops
     breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
     by_count, by_time = _top_kernels([e for e, _ in kernels], top)
     notes = _notes(c, tokens_source, unlinked, mode)
-    return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes)
+    if replay_note:
+        notes.append(replay_note)
+    return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes, sites)
+
+
+def _sites(items: list[tuple[str, TraceEvent, Position]], ctx: list[Context], locate) -> list[SiteStat]:
+    """Group syncs and copies by (what, API call, stage, op): where a hidden sync or copy comes from."""
+    calls = locate.calls
+    acc: Counter[tuple[str, str, str, str]] = Counter()
+    for (what, e, _), cx in zip(items, ctx, strict=True):
+        call = calls.get(e.correlation) if e.cat in DEVICE_CATS and e.correlation is not None else e
+        api = call.name if call is not None else e.name
+        acc[(what, api, cx.stage, cx.op or NONE)] += 1
+    return [SiteStat(*key, n) for key, n in sorted(acc.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 # --- kernels inside CUDA-graph replays ------------------------------------------------------------------
@@ -427,24 +465,66 @@ def _graph_bodies(events: list[TraceEvent], ranges: list[TraceEvent], locate) ->
     return out
 
 
+def _match_body(names: tuple, bodies: dict[tuple, list[Context]]) -> tuple[list[Context] | None, str]:
+    """Exact name sequence first. Else the body sharing the longest common prefix + suffix, if what
+    differs in between is small: under capture a GEMM may run other or extra cuBLAS kernels than eagerly
+    (seen on an H200: a `memcpy_post` before a gemv). Kernels in the differing middle take the op of the
+    first kernel after it (a library's prologue kernel belongs to the call that follows)."""
+    body = bodies.get(names)
+    if body is not None:
+        return body, "exact"
+    best, best_key, best_fix = None, None, (0, 0)
+    for key, b in bodies.items():
+        n = min(len(key), len(names))
+        pre = next((i for i in range(n) if key[i] != names[i]), n)
+        suf = next((i for i in range(n - pre) if key[-1 - i] != names[-1 - i]), n - pre)
+        if pre + suf > sum(best_fix):
+            best, best_key, best_fix = b, key, (pre, suf)
+    pre, suf = best_fix
+    if best is None or len(names) - pre - suf > max(8, len(names) // 50):
+        return None, "unmatched"
+    mapped = []
+    for i in range(len(names)):
+        if i < pre:
+            mapped.append(best[i])
+        elif i >= len(names) - suf:
+            mapped.append(best[len(best_key) - (len(names) - i)])
+        else:
+            mapped.append(best[len(best_key) - suf] if suf else best[pre - 1])
+    return mapped, "aligned"
+
+
+def _mismatch(names: tuple, bodies: dict[tuple, list[Context]]) -> str:
+    key = min(bodies, key=lambda k: abs(len(k) - len(names)))
+    first = next((i for i, (x, y) in enumerate(zip(key, names)) if x != y), min(len(key), len(names)))
+    ours = names[first][:60] if first < len(names) else "<end>"
+    theirs = key[first][:60] if first < len(key) else "<end>"
+    return f"{len(names)} kernels vs body {len(key)}, first difference at #{first}: {ours!r} vs {theirs!r}"
+
+
 def _attribute_replays(
     kernels: list[tuple[TraceEvent, Position]],
     kernel_ctx: list[Context],
     graph_corr: set[int],
     bodies: dict[tuple, list[Context]],
-) -> tuple[list[Context], list[Context]]:
+) -> tuple[list[Context], list[Context], str]:
     """New contexts for graph-replay kernels that match a graph body, plus one op-call instance per
-    (replay, body op call) for the per-call factors of the formulas."""
+    (replay, body op call) for the per-call factors of the formulas, and a note on the matching."""
     replays: dict[int, list[int]] = defaultdict(list)
     for i, (e, _) in enumerate(kernels):
         if e.correlation in graph_corr:
             replays[e.correlation].append(i)
     ctx = list(kernel_ctx)
     op_calls: list[Context] = []
+    outcome: Counter[str] = Counter()
+    example = ""
     for idx in replays.values():
         idx.sort(key=lambda i: kernels[i][0].ts)
-        body = bodies.get(tuple(kernels[i][0].name for i in idx))
+        names = tuple(kernels[i][0].name for i in idx)
+        body, how = _match_body(names, bodies)
+        outcome[how] += 1
         if body is None:
+            example = example or _mismatch(names, bodies)
             continue
         launch = kernel_ctx[idx[0]]  # stage and loop of the replay's launch
         calls: dict[int, TraceEvent] = {}
@@ -456,7 +536,11 @@ def _attribute_replays(
                     op_range = calls[id(b.op_range)] = dataclasses.replace(b.op_range)
                     op_calls.append(Context(launch.stage, launch.loop, b.layer, b.role, b.op, op_range))
             ctx[i] = Context(launch.stage, launch.loop, b.layer, b.role, b.op or GRAPH_OP, op_range)
-    return ctx, op_calls
+    note = "graph replays mapped to ops by their eager graph bodies: " + ", ".join(
+        f"{n} {how}" for how, n in sorted(outcome.items()))
+    if example:
+        note += f" (unmatched example: {example})"
+    return ctx, op_calls, note
 
 
 def _count_steps(events: list[TraceEvent], marker: str | None, inside: Callable[[float], bool]) -> tuple:

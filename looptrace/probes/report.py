@@ -166,6 +166,21 @@ def kernels_table(title: str, stats: Sequence[KernelStat], c: Counters) -> Table
     return table
 
 
+def sites_table(analysis: Analysis) -> Table:
+    """Where syncs and copies come from: API call x stage x op (hidden syncs show up here)."""
+    c = analysis.counters
+    table = Table(title="Syncs and copies by site", title_justify="left")
+    for col in ("what", "API call", "stage", "op"):
+        table.add_column(col)
+    table.add_column("Count", justify="right")
+    table.add_column("/tok", justify="right")
+    for site in analysis.sites:
+        warn = "pageable" in site.what or (site.what.startswith("sync") and "wait" not in site.what)
+        table.add_row(site.what, site.api, site.stage, site.op, f"{site.count:,}", _fmt(site.count / c.tokens, 2),
+                      style=WARN if warn else None)
+    return table
+
+
 def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
     c, b = analysis.counters, analysis.breakdown
     label = str(header.get("label") or header.get("recipe") or c.window.split(" ")[0])
@@ -177,6 +192,7 @@ def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
         header_table(header),
         counters_table([(label, c)]),
         detail_table(c),
+        sites_table(analysis),
         group_table("Kernels by stage", ["stage"], b.by_stage, c),
         group_table("Kernels by op", ["op"], b.by_op, c),
         Group(Text("Kernels per token by op", style="italic"), formulas),
@@ -240,6 +256,11 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             "by_count": _kernel_dicts(analysis.top_by_count),
             "by_time": _kernel_dicts(analysis.top_by_time),
         },
+        "sites": [
+            {"what": x.what, "api": x.api, "stage": x.stage, "op": x.op, "count": x.count,
+             "per_token": x.count / c.tokens}
+            for x in analysis.sites
+        ],
         "notes": analysis.notes,
     }
 

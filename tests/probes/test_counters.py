@@ -326,6 +326,38 @@ def test_replay_kernels_take_ops_from_the_eager_graph_body(kt) -> None:
     ]
 
 
+def test_replay_with_an_extra_kernel_is_aligned_to_its_body(kt) -> None:
+    """Under capture cuBLAS may add a kernel (a `memcpy_post` before a gemv on an H200): the common prefix
+    and suffix still map, the extra kernel takes the op around it."""
+    with kt.range("lt.window/decode"), kt.range("lt.stage/recurrent"), kt.range("lt.loop/0"):
+        kt.graph_launch(kt.tick(), ["pow", "mean", "memcpy_post", "gemv", "sigmoid"])
+    with kt.range("lt.graph/recurrent/1"):
+        with kt.range("lt.op/norm"):
+            kt.launch("pow", kt.tick())
+            kt.launch("mean", kt.tick())
+        with kt.range("lt.op/gate"):
+            kt.launch("gemv", kt.tick())
+            kt.launch("sigmoid", kt.tick())
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    assert {s.key: s.kernels for s in a.breakdown.by_op} == {("norm",): 2, ("gate",): 3}
+    assert any("1 aligned" in n for n in a.notes)
+
+
+def test_sync_and_copy_sites_name_the_call_and_the_op(kt) -> None:
+    with kt.range("lt.window/decode"), kt.range("lt.stage/coda"):
+        with kt.range("lt.op/sample"):
+            kt.memcpy(kt.tick(), "DtoH", "Device", "Pinned", 8)
+            kt.sync("cudaStreamSynchronize", kt.tick(), "Stream Sync")
+        kt.memcpy(kt.tick(), "HtoD", "Pageable", "Device", 64)
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    got = {(x.what, x.api, x.stage, x.op): x.count for x in a.sites}
+    assert got == {
+        ("memcpy DtoH", "cudaMemcpyAsync", "coda", "sample"): 1,
+        ("sync stream", "cudaStreamSynchronize", "coda", "sample"): 1,
+        ("memcpy HtoD pageable", "cudaMemcpyAsync", "coda", "-"): 1,
+    }
+
+
 def test_enclosing_chains_and_context() -> None:
     def rng(name: str, ts: float, dur: float) -> TraceEvent:
         return TraceEvent("user_annotation", name, ts, dur)
