@@ -50,7 +50,13 @@ GRAPH_LAUNCH_NAMES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 # apart and left out of the blocking total.
 BLOCKING_SYNC_KINDS = ("stream", "device", "event", "sync_memcpy", "unknown")
 STREAM_WAIT = "stream_wait"
+# cudaEventQuery returns at once (cudaErrorNotReady if the event is pending), yet CUPTI records an
+# `Event Sync` activity for it (seen on an H200, CUDA 13) and HTA lists it as blocking. It is a poll:
+# counted apart, not in the blocking total.
+EVENT_QUERY = "event_query"
 RUNTIME_SYNC_KINDS = {
+    "cudaEventQuery": EVENT_QUERY,
+    "cuEventQuery": EVENT_QUERY,
     "cudaStreamSynchronize": "stream",
     "cuStreamSynchronize": "stream",
     "cudaDeviceSynchronize": "device",
@@ -209,7 +215,7 @@ def select_syncs(events: Iterable[TraceEvent]) -> list[tuple[str, TraceEvent]]:
     for corr in sorted(calls.keys() | activities.keys()):
         activity, call = activities.get(corr), calls.get(corr)
         kind = sync_kind(activity) if activity is not None else None
-        if call is not None and kind in (None, "unknown"):
+        if call is not None and (kind in (None, "unknown") or sync_kind(call) == EVENT_QUERY):
             kind = sync_kind(call)
         out.append((kind, call if call is not None else activity))
     return out + loose

@@ -102,6 +102,7 @@ SYNC_FIELDS = {
     "sync_memcpy": "sync_memcpy",
     "unknown": "sync_unknown",
     cl.STREAM_WAIT: "stream_wait",
+    cl.EVENT_QUERY: "event_query",
 }
 
 # --- results --------------------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class Counters:
     sync_memcpy: int = 0
     sync_unknown: int = 0
     stream_wait: int = 0  # device-side wait, not blocking: not in `syncs`
+    event_query: int = 0  # cudaEventQuery polls, not blocking: not in `syncs`
     scalar_reads: int = 0
     copy_kernels: int = 0
     gpu_us: float = 0.0  # kernels + memcpy + memset; CPU mode: leaf-op time

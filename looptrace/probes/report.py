@@ -62,6 +62,7 @@ COUNTER_LABELS = {
     "sync_memcpy": "  synchronous memcpy",
     "sync_unknown": "  unknown sync",
     "stream_wait": "stream waits (not blocking)",
+    "event_query": "event queries (polls, not blocking)",
     "scalar_reads": "host scalar reads",
     "copy_kernels": "copy/cast kernels",
     "gpu_us": "GPU time (µs)",
@@ -175,7 +176,8 @@ def sites_table(analysis: Analysis) -> Table:
     table.add_column("Count", justify="right")
     table.add_column("/tok", justify="right")
     for site in analysis.sites:
-        warn = "pageable" in site.what or (site.what.startswith("sync") and "wait" not in site.what)
+        polls = ("wait", "query")
+        warn = "pageable" in site.what or (site.what.startswith("sync") and not any(p in site.what for p in polls))
         table.add_row(site.what, site.api, site.stage, site.op, f"{site.count:,}", _fmt(site.count / c.tokens, 2),
                       style=WARN if warn else None)
     return table

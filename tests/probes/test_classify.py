@@ -122,7 +122,7 @@ def test_memset() -> None:
         ("cuda_sync", "Unknown Sync", "unknown"),
         ("cuda_sync", "Stream Wait Event", "stream_wait"),
         ("cuda_runtime", "cudaMemcpyAsync", None),
-        ("cuda_runtime", "cudaEventQuery", None),
+        ("cuda_runtime", "cudaEventQuery", "event_query"),
         ("cuda_runtime", "cudaLaunchKernel", None),
         ("cpu_op", "cudaDeviceSynchronize", None),
     ],

@@ -88,6 +88,7 @@ def test_decode_window_totals(decode, decode_kt) -> None:
         "sync_memcpy": 1,
         "unknown": 0,
         "stream_wait": 1,
+        "event_query": 0,
     }
     assert "submissions" not in totals
 
@@ -341,6 +342,15 @@ def test_replay_with_an_extra_kernel_is_aligned_to_its_body(kt) -> None:
     a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
     assert {s.key: s.kernels for s in a.breakdown.by_op} == {("norm",): 2, ("gate",): 3}
     assert any("1 aligned" in n for n in a.notes)
+
+
+def test_event_query_is_a_poll_not_a_blocking_sync(kt) -> None:
+    """CUPTI reports an `Event Sync` activity for cudaEventQuery (H200, CUDA 13); it never blocks."""
+    with kt.range("lt.window/decode"):
+        kt.sync("cudaEventQuery", kt.tick(), "Event Sync")
+        kt.sync("cudaEventSynchronize", kt.tick(), "Event Sync")
+    c = analyze(parse_chrome_trace(kt.to_dict()), tokens=1).counters
+    assert (c.syncs, c.sync_event, c.event_query) == (1, 1, 1)
 
 
 def test_sync_and_copy_sites_name_the_call_and_the_op(kt) -> None:
