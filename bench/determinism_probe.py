@@ -53,7 +53,9 @@ def main() -> None:
     variants = {
         "default": contextlib.nullcontext,
         "math_sdpa": lambda: torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]),
-        "efficient_sdpa": lambda: torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]),
+        "efficient_sdpa": lambda: torch.nn.attention.sdpa_kernel(
+            [torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+        ),
     }
     for preset in sys.argv[1:] or ["huginn-0125", "ouro-1.4b"]:
         for name, ctx in variants.items():

@@ -1,6 +1,6 @@
 """Where do CUDA-graph replays and eager calls differ bitwise? Op-level and pass-level probes on a GPU.
 
-    python bench/graph_vs_eager_probe.py
+python bench/graph_vs_eager_probe.py
 """
 
 from __future__ import annotations
@@ -29,14 +29,20 @@ def in_graph(fn, *inputs):
 
 def ops() -> None:
     torch.manual_seed(0)
-    shapes = {"qkv 2048": (2048, 2048), "up 5632": (2048, 5632), "down": (5632, 2048), "head": (2048, 49152),
-              "huginn fc": (5280, 35840), "huginn Wqkv": (5280, 15840)}
+    shapes = {
+        "qkv 2048": (2048, 2048),
+        "up 5632": (2048, 5632),
+        "down": (5632, 2048),
+        "head": (2048, 49152),
+        "huginn fc": (5280, 35840),
+        "huginn Wqkv": (5280, 15840),
+    }
     for name, (k, n) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for m in (1, 2, 3, 4, 5, 8, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             eager = F.linear(x, w)
-            graph = in_graph(lambda a: F.linear(a, w), x)
+            graph = in_graph(lambda a, w=w: F.linear(a, w), x)
             print(f"linear {name:12s} M={m:2d}: bitwise {torch.equal(eager, graph)}")
 
 
@@ -91,8 +97,10 @@ def core_pass(preset: str) -> None:
         eager2 = [t.clone() for t in r._core_pass(*inputs)]
     torch.cuda.synchronize()
     for i, (a, b, c) in enumerate(zip(eager, graph, eager2)):
-        print(f"{preset} core pass R={len(rows)} output {i}: eager==graph {torch.equal(a, b)} "
-              f"eager==eager {torch.equal(a, c)} max|diff| {(a.float() - b.float()).abs().max().item():.3g}")
+        print(
+            f"{preset} core pass R={len(rows)} output {i}: eager==graph {torch.equal(a, b)} "
+            f"eager==eager {torch.equal(a, c)} max|diff| {(a.float() - b.float()).abs().max().item():.3g}"
+        )
 
 
 if __name__ == "__main__":

@@ -42,16 +42,23 @@ def main() -> None:
     finally:
         elapsed = time.perf_counter() - t0
     side = captured["side"]
-    data = {"schema": "looptrace.profile/1", "command": "looptrace profile " + " ".join(args),
-            "wall_s": elapsed, **profile_cmd._jsonable(side)}
+    data = {
+        "schema": "looptrace.profile/1",
+        "command": "looptrace profile " + " ".join(args),
+        "wall_s": elapsed,
+        **profile_cmd._jsonable(side),
+    }
     (outdir / f"{name}.json").write_text(dumps(data))
     console = Console(width=140, record=True, file=buf, force_terminal=False)
     console.print(f"$ looptrace profile {' '.join(args)}\n")
     console.print(real_render(side, profile_cmd.OutputFormat.table), markup=False, highlight=False)
     (outdir / f"{name}.txt").write_text(console.export_text())
     decode = data["windows"]["decode"]
-    print(json.dumps({"name": name, "kernels_per_token": decode["per_token"]["kernels"],
-                      "wall_s": round(elapsed, 1)}))
+    print(
+        json.dumps(
+            {"name": name, "kernels_per_token": decode["per_token"]["kernels"], "wall_s": round(elapsed, 1)}
+        )
+    )
 
 
 def profile_cmd_app():

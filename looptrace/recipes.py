@@ -52,7 +52,9 @@ def resolve_path(name_or_path: str) -> Path:
         return path
     candidate = RECIPE_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
-        raise RecipeError(f"unknown recipe '{name_or_path}': expected one of {', '.join(available())} or a .yaml path")
+        raise RecipeError(
+            f"unknown recipe '{name_or_path}': expected one of {', '.join(available())} or a .yaml path"
+        )
     return candidate
 
 
@@ -70,7 +72,9 @@ def load_recipe(name_or_path: str = "base", overrides: list[str] | None = None) 
     for item in overrides:
         apply_override(data, item)
     config = build_config({k: v for k, v in data.items() if k not in META_KEYS}, str(path), overrides)
-    return Recipe(str(data.get("name", path.stem)), str(data.get("description", "")), config, str(path), overrides)
+    return Recipe(
+        str(data.get("name", path.stem)), str(data.get("description", "")), config, str(path), overrides
+    )
 
 
 def apply_override(data: dict, item: str) -> None:

@@ -108,8 +108,13 @@ class Oracle:
         s, w, eps = self.s, self.w, self.s.rms_norm_eps
         n = lambda name, t: rms(t, w[prefix + name + ".weight"], eps)  # noqa: E731
         if s.family == "ouro":
-            x = x + n("input_layernorm_2", self._attn(prefix + "self_attn.", n("input_layernorm", x), layer, loop, pos))
-            return x + n("post_attention_layernorm_2", self._mlp(prefix + "mlp.", n("post_attention_layernorm", x)))
+            x = x + n(
+                "input_layernorm_2",
+                self._attn(prefix + "self_attn.", n("input_layernorm", x), layer, loop, pos),
+            )
+            return x + n(
+                "post_attention_layernorm_2", self._mlp(prefix + "mlp.", n("post_attention_layernorm", x))
+            )
         if s.family == "huginn":
             x = n("norm_2", self._attn(prefix + "attn.", n("norm_1", x), layer, loop, pos) + x)
             return n("norm_4", self._mlp(prefix + "mlp.", n("norm_3", x)) + x)

@@ -48,7 +48,12 @@ def friendly_errors() -> Iterator[None]:
     from looptrace.recipes import RecipeError
 
     bad_input: tuple[type[Exception], ...] = (
-        UsageError, EngineInputError, UnknownModelError, WorkloadError, RecipeError, FileNotFoundError,
+        UsageError,
+        EngineInputError,
+        UnknownModelError,
+        WorkloadError,
+        RecipeError,
+        FileNotFoundError,
     )
     try:
         from looptrace.engine.checkpoint import CheckpointError
@@ -72,7 +77,8 @@ class NoDeviceError(RuntimeError):
 ModelOpt = Annotated[
     str,
     typer.Option(
-        "--model", "-m",
+        "--model",
+        "-m",
         help="Family (ouro, huginn, olmo: tiny preset on CPU, real shape on CUDA) or a preset name "
         "(ouro-1.4b, ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny).",
     ),
@@ -80,24 +86,36 @@ ModelOpt = Annotated[
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name in recipes/ or a YAML path.")]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override a recipe setting: section.key=value (repeatable).", show_default=False),
+    typer.Option(
+        "--set", help="Override a recipe setting: section.key=value (repeatable).", show_default=False
+    ),
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA if present), cpu, cuda, cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32.")]
 WeightsOpt = Annotated[
     Path | None,
-    typer.Option("--weights", help="Local Hugging Face checkpoint directory (config.json + *.safetensors).",
-                 show_default=False),
+    typer.Option(
+        "--weights",
+        help="Local Hugging Face checkpoint directory (config.json + *.safetensors).",
+        show_default=False,
+    ),
 ]
 SeedOpt = Annotated[int, typer.Option(help="Seed for random weights, prompts and sampling.")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
 OutputOpt = Annotated[
-    Path | None, typer.Option("--output", "-o", help="Also write the output to this file.", show_default=False)
+    Path | None,
+    typer.Option("--output", "-o", help="Also write the output to this file.", show_default=False),
 ]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch (1 is fastest for tiny models).")]
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def resolve_device(device: str):
@@ -146,8 +164,16 @@ class EngineSetup:
 
 
 def build_engine(
-    *, model: str, recipe: str, sets: list[str] | None, device: str, dtype: str, weights: Path | None,
-    seed: int, threads: int, max_model_len: int | None = None,
+    *,
+    model: str,
+    recipe: str,
+    sets: list[str] | None,
+    device: str,
+    dtype: str,
+    weights: Path | None,
+    seed: int,
+    threads: int,
+    max_model_len: int | None = None,
 ) -> EngineSetup:
     """Recipe + overrides -> EngineConfig; preset or checkpoint -> model; both -> LLMEngine."""
     import torch
@@ -182,7 +208,11 @@ def build_engine(
 def versions() -> dict[str, str]:
     import torch
 
-    out = {"looptrace": looptrace.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    out = {
+        "looptrace": looptrace.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     try:

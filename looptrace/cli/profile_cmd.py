@@ -34,7 +34,7 @@ from looptrace.cli.common import (
 EPILOG = """\
 [bold]EXAMPLES[/]
 
-  looptrace profile --model ouro                          # tiny Ouro on CPU (leaf ATen ops), ouro-1.4b on CUDA
+  looptrace profile --model ouro                          # ouro-tiny on CPU (leaf ATen ops), ouro-1.4b on GPU
   looptrace profile --model ouro-1.4b -c 32 --set scheduler.max_num_seqs=32
   looptrace profile --model huginn --trace huginn.json    # also write a Chrome trace (open in Perfetto)
   looptrace profile --model ouro --compare base base --b-set cuda_graphs.enabled=false
@@ -63,11 +63,16 @@ def profile(
     trace: Annotated[Path | None, typer.Option("--trace", help="Write the Chrome trace here.")] = None,
     compare: Annotated[
         tuple[str, str] | None,
-        typer.Option(help="Profile two recipes on the same workload and compare: --compare A B.",
-                     show_default=False),
+        typer.Option(
+            help="Profile two recipes on the same workload and compare: --compare A B.", show_default=False
+        ),
     ] = None,
-    a_set: Annotated[list[str] | None, typer.Option("--a-set", help="Override for side A of --compare.")] = None,
-    b_set: Annotated[list[str] | None, typer.Option("--b-set", help="Override for side B of --compare.")] = None,
+    a_set: Annotated[
+        list[str] | None, typer.Option("--a-set", help="Override for side A of --compare.")
+    ] = None,
+    b_set: Annotated[
+        list[str] | None, typer.Option("--b-set", help="Override for side B of --compare.")
+    ] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     weights: WeightsOpt = None,
@@ -101,11 +106,18 @@ def profile(
                 _profile_one(name, base + list(extra or []), cfg, common, trace if i == 0 else None)
                 for i, (name, extra) in enumerate(zip(compare, (a_set, b_set)))
             ]
-            data = {"schema": "looptrace.compare/1", "a": _jsonable(sides[0]), "b": _jsonable(sides[1]),
-                    "decode_comparison": _comparison(sides)}
+            data = {
+                "schema": "looptrace.compare/1",
+                "a": _jsonable(sides[0]),
+                "b": _jsonable(sides[1]),
+                "decode_comparison": _comparison(sides),
+            }
             text = render_compare(sides, fmt)
-    write_output(text if fmt == OutputFormat.table else (dumps(data) if fmt == OutputFormat.json else text),
-                 output, Console(width=140))
+    write_output(
+        text if fmt == OutputFormat.table else (dumps(data) if fmt == OutputFormat.json else text),
+        output,
+        Console(width=140),
+    )
 
 
 def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | None) -> dict[str, Any]:
@@ -117,8 +129,9 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
     header = run_header(setup)
     label = setup.recipe.name + (" + " + ", ".join(sets) if sets else "")
     with err_console.status(f"profiling {setup.engine.spec.name} ({label})") as status:
-        result = profile_engine(setup.engine, cfg, trace_path=trace,
-                                progress=lambda msg: status.update(f"{label}: {msg}"))
+        result = profile_engine(
+            setup.engine, cfg, trace_path=trace, progress=lambda msg: status.update(f"{label}: {msg}")
+        )
     _release(setup)
     header["label"] = label
     header["concurrency"] = cfg.concurrency
@@ -134,8 +147,12 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
             "analysis": analysis,
             "report": to_dict(analysis, {}),
         }
-    return {"header": header, "windows": windows, "raw_profiler_counts": result.raw_counts,
-            "trace_counts": result.trace_counts}
+    return {
+        "header": header,
+        "windows": windows,
+        "raw_profiler_counts": result.raw_counts,
+        "trace_counts": result.trace_counts,
+    }
 
 
 def _release(setup) -> None:
@@ -166,8 +183,17 @@ def _comparison(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # Rendering ------------------------------------------------------------------------------------------------
 def _engine_table(side: dict[str, Any]) -> Table:
     t = Table(title="Engine counters in each window", title_justify="left")
-    for col in ("window", "tokens", "steps", "submissions", "steps/tok", "graph replays", "graph captures",
-                "eager fallbacks", "fallback reasons"):
+    for col in (
+        "window",
+        "tokens",
+        "steps",
+        "submissions",
+        "steps/tok",
+        "graph replays",
+        "graph captures",
+        "eager fallbacks",
+        "fallback reasons",
+    ):
         t.add_column(col, justify="left" if col in ("window", "fallback reasons") else "right")
     for name, w in side["windows"].items():
         run = w["engine"]
@@ -177,10 +203,18 @@ def _engine_table(side: dict[str, Any]) -> Table:
         fallbacks = sum(v["fallbacks"] for v in g.values())
         reasons = ", ".join(f"{k}: {n}" for v in g.values() for k, n in v["fallback_reasons"].items()) or "-"
         style = "bold yellow" if fallbacks else None
-        t.add_row(f"{name} (per {run['token_unit']})", f"{run['tokens']}", f"{run['steps']}",
-                  f"{run['submissions']}", f"{run['steps'] / max(run['tokens'], 1):.2f}",
-                  str(replays) if g else "n/a (no graphs)", str(captures) if g else "-",
-                  str(fallbacks) if g else "-", reasons, style=style)
+        t.add_row(
+            f"{name} (per {run['token_unit']})",
+            f"{run['tokens']}",
+            f"{run['steps']}",
+            f"{run['submissions']}",
+            f"{run['steps'] / max(run['tokens'], 1):.2f}",
+            str(replays) if g else "n/a (no graphs)",
+            str(captures) if g else "-",
+            str(fallbacks) if g else "-",
+            reasons,
+            style=style,
+        )
     return t
 
 
@@ -188,8 +222,10 @@ def render_single(side: dict[str, Any], fmt: OutputFormat) -> str:
     from looptrace.probes.report import counters_table, report_renderables, to_csv
 
     if fmt == OutputFormat.csv:
-        return "\n".join(to_csv(w["analysis"], {"window": name, **_flat(side["header"])})
-                         for name, w in side["windows"].items())
+        return "\n".join(
+            to_csv(w["analysis"], {"window": name, **_flat(side["header"])})
+            for name, w in side["windows"].items()
+        )
     if fmt == OutputFormat.json:
         return ""
     console = Console(width=140, record=True, file=io.StringIO(), force_terminal=False)
@@ -198,8 +234,11 @@ def render_single(side: dict[str, Any], fmt: OutputFormat) -> str:
         console.print(item)
     console.print(_engine_table(side))
     prefill = side["windows"]["prefill"]["analysis"]
-    console.print(counters_table([(side["header"]["label"], prefill.counters)],
-                                 title="Prefill window, per prompt token"))
+    console.print(
+        counters_table(
+            [(side["header"]["label"], prefill.counters)], title="Prefill window, per prompt token"
+        )
+    )
     from looptrace.probes.report import group_table
 
     console.print(group_table("Prefill kernels by op", ["op"], prefill.breakdown.by_op, prefill.counters))
@@ -221,8 +260,9 @@ def _display_header(side: dict[str, Any]) -> dict[str, Any]:
         "device": f"{h['device']}  dtype {h['dtype']}",
         "versions": ", ".join(f"{k} {v}" for k, v in h["versions"].items()),
         "recipe": h["label"],
-        "window": f"decode: {decode['steps']} steps, {decode['tokens']} tokens at concurrency {h['concurrency']}"
-                  f" (prompt {h['prompt_len']})",
+        "window": f"decode: {decode['steps']} steps, {decode['tokens']} tokens "
+        f"at concurrency {h['concurrency']}"
+        f" (prompt {h['prompt_len']})",
         "ranges": h["level"],
         "note": h["preset_note"],
     }

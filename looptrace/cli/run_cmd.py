@@ -61,30 +61,60 @@ class WorkloadKind(str, enum.Enum):
 
 
 def make_workload(
-    kind: WorkloadKind, *, concurrency: int, prompt_len: int, max_tokens: int, rate: float | None,
-    num_requests: int | None, sessions: int, turns: int, turn_prompt_len: int, prompts: Path | None,
-    seed: int, vocab_size: int, tokenizer_dir: Path | None,
+    kind: WorkloadKind,
+    *,
+    concurrency: int,
+    prompt_len: int,
+    max_tokens: int,
+    rate: float | None,
+    num_requests: int | None,
+    sessions: int,
+    turns: int,
+    turn_prompt_len: int,
+    prompts: Path | None,
+    seed: int,
+    vocab_size: int,
+    tokenizer_dir: Path | None,
 ):
     """CLI options -> a Workload; the workload validates its own numbers (one-line WorkloadError)."""
     from looptrace.engine import workloads as w
 
     if kind == WorkloadKind.burst:
-        return w.BurstWorkload(concurrency=concurrency, prompt_len=prompt_len, max_tokens=max_tokens, seed=seed,
-                               vocab_size=vocab_size)
+        return w.BurstWorkload(
+            concurrency=concurrency,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            seed=seed,
+            vocab_size=vocab_size,
+        )
     if kind == WorkloadKind.poisson:
         if rate is None:
             raise UsageError("--workload poisson needs --rate (requests per second)")
-        return w.PoissonWorkload(rate=rate, num_requests=num_requests or concurrency, prompt_len=prompt_len,
-                                 max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
+        return w.PoissonWorkload(
+            rate=rate,
+            num_requests=num_requests or concurrency,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            seed=seed,
+            vocab_size=vocab_size,
+        )
     if kind == WorkloadKind.sessions:
-        return w.SessionWorkload(num_sessions=sessions, turns=turns, first_prompt_len=prompt_len,
-                                 turn_prompt_len=turn_prompt_len, max_tokens=max_tokens, seed=seed,
-                                 vocab_size=vocab_size)
+        return w.SessionWorkload(
+            num_sessions=sessions,
+            turns=turns,
+            first_prompt_len=prompt_len,
+            turn_prompt_len=turn_prompt_len,
+            max_tokens=max_tokens,
+            seed=seed,
+            vocab_size=vocab_size,
+        )
     if prompts is None:
         raise UsageError("--workload jsonl needs --prompts FILE")
     from looptrace.engine.tokenizer import load_tokenizer
 
-    return w.JsonlWorkload(path=prompts, tokenizer=load_tokenizer(tokenizer_dir), default_max_tokens=max_tokens)
+    return w.JsonlWorkload(
+        path=prompts, tokenizer=load_tokenizer(tokenizer_dir), default_max_tokens=max_tokens
+    )
 
 
 def workload_max_len(workload) -> int:
@@ -106,7 +136,9 @@ def run(
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 64,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals per second.")] = None,
-    num_requests: Annotated[int | None, typer.Option(help="Poisson: number of requests (default -c).")] = None,
+    num_requests: Annotated[
+        int | None, typer.Option(help="Poisson: number of requests (default -c).")
+    ] = None,
     sessions: Annotated[int, typer.Option(help="Sessions workload: concurrent sessions.")] = 4,
     turns: Annotated[int, typer.Option(help="Sessions workload: turns per session.")] = 3,
     turn_prompt_len: Annotated[int, typer.Option(help="Sessions workload: new user tokens per turn.")] = 16,
@@ -133,19 +165,41 @@ def run(
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         wl = make_workload(
-            workload, concurrency=concurrency, prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
-            num_requests=num_requests, sessions=sessions, turns=turns, turn_prompt_len=turn_prompt_len,
-            prompts=prompts, seed=seed, vocab_size=peek_spec(model, device, weights).vocab_size,
+            workload,
+            concurrency=concurrency,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            rate=rate,
+            num_requests=num_requests,
+            sessions=sessions,
+            turns=turns,
+            turn_prompt_len=turn_prompt_len,
+            prompts=prompts,
+            seed=seed,
+            vocab_size=peek_spec(model, device, weights).vocab_size,
             tokenizer_dir=weights,
         )
-        setup = build_engine(model=model, recipe=recipe, sets=sets, device=device, dtype=dtype, weights=weights,
-                             seed=seed, threads=threads, max_model_len=workload_max_len(wl))
+        setup = build_engine(
+            model=model,
+            recipe=recipe,
+            sets=sets,
+            device=device,
+            dtype=dtype,
+            weights=weights,
+            seed=seed,
+            threads=threads,
+            max_model_len=workload_max_len(wl),
+        )
     header = run_header(setup)
     header["workload"] = repr(wl)
     for note in _notes(setup, concurrency):
         err_console.print(f"[yellow]note:[/] {note}")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None)
-    record = _run_with_progress(run_workload, setup.engine, wl, params, progress and fmt == OutputFormat.table)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None
+    )
+    record = _run_with_progress(
+        run_workload, setup.engine, wl, params, progress and fmt == OutputFormat.table
+    )
     metrics = summarize(record)
     data = report_data(header, setup.engine, metrics)
     if record.interrupted:
@@ -158,16 +212,24 @@ def _notes(setup, concurrency: int) -> list[str]:
     cfg = setup.engine.cfg.scheduler
     out = []
     if concurrency > cfg.max_num_seqs:
-        out.append(f"batches hold at most {cfg.max_num_seqs} rows (scheduler.max_num_seqs); "
-                   f"pass --set scheduler.max_num_seqs={concurrency} to batch all {concurrency} requests")
+        out.append(
+            f"batches hold at most {cfg.max_num_seqs} rows (scheduler.max_num_seqs); "
+            f"pass --set scheduler.max_num_seqs={concurrency} to batch all {concurrency} requests"
+        )
     return out
 
 
 def _run_with_progress(run_workload, engine, wl, params, show: bool):
     if not show:
         return run_workload(engine, wl, params=params)
-    columns = (TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-               TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]serving"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task("run", total=wl.total_requests(), tokens=0)
 
@@ -260,13 +322,19 @@ def summary_renderables(data: dict[str, Any]) -> list:
     eng.add_row("Steps by stage", ", ".join(f"{k} {v}" for k, v in sorted(e["steps_by_stage"].items())))
     eng.add_row("KV layout / planes", f"{kv['layout']} / {kv['planes']}")
     eng.add_row("KV pool capacity (tokens)", f"{kv['capacity_tokens']:,}")
-    eng.add_row("KV slots per token: reserved / live / dead",
-                f"{kv['reserved_slots_per_token']} / {kv['live_slots_per_token']} / {kv['dead_slots_per_token']}")
-    eng.add_row("KV bytes per token: reserved / live",
-                f"{kv['reserved_bytes_per_token']:,} / {kv['live_bytes_per_token']:,}")
+    eng.add_row(
+        "KV slots per token: reserved / live / dead",
+        f"{kv['reserved_slots_per_token']} / {kv['live_slots_per_token']} / {kv['dead_slots_per_token']}",
+    )
+    eng.add_row(
+        "KV bytes per token: reserved / live",
+        f"{kv['reserved_bytes_per_token']:,} / {kv['live_bytes_per_token']:,}",
+    )
     pc = kv["prefix_cache"]
     if kv["prefix_caching"]:
-        eng.add_row("Prefix cache hit tokens / queried", f"{pc['prefix_hit_tokens']} / {pc['prefix_query_tokens']}")
+        eng.add_row(
+            "Prefix cache hit tokens / queried", f"{pc['prefix_hit_tokens']} / {pc['prefix_query_tokens']}"
+        )
     out.append(eng)
 
     if data["cuda_graphs"]:

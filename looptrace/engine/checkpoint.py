@@ -50,8 +50,11 @@ INDEX_FILE = "model.safetensors.index.json"
 OURO_TYPE = "ouro"
 RAVEN_TYPE = "huginn_raven"
 HEAD_KEY = "lm_head.weight"
-_EMBED_KEY: dict[str, str] = {"ouro": "model.embed_tokens.weight", "huginn": "transformer.wte.weight",
-                              "olmo": "transformer.wte.weight"}
+_EMBED_KEY: dict[str, str] = {
+    "ouro": "model.embed_tokens.weight",
+    "huginn": "transformer.wte.weight",
+    "olmo": "transformer.wte.weight",
+}
 _LIST_LIMIT = 5
 _REQUIRED = object()
 
@@ -133,18 +136,25 @@ def _ouro_spec(cfg: _Config, name: str, tokens: dict) -> ModelSpec:
     cfg.expect("hidden_act", (None, "silu"))
     hidden, heads = cfg.integer("hidden_size"), cfg.integer("num_attention_heads")
     return ModelSpec(
-        name=name, family="ouro", vocab_size=cfg.integer("vocab_size"), hidden_size=hidden,
-        intermediate_size=cfg.integer("intermediate_size"), num_heads=heads,
+        name=name,
+        family="ouro",
+        vocab_size=cfg.integer("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=cfg.integer("intermediate_size"),
+        num_heads=heads,
         num_kv_heads=cfg.integer("num_key_value_heads", default=heads),
         head_dim=_head_dim(cfg, hidden, heads, "hidden_size"),
-        n_prelude=0, n_core=cfg.integer("num_hidden_layers"), n_coda=0,
+        n_prelude=0,
+        n_core=cfg.integer("num_hidden_layers"),
+        n_coda=0,
         default_loops=cfg.integer("total_ut_steps", default=4),
         # OuroConfig class defaults (models.md section 1) fill keys a config.json leaves out.
         rope_theta=cfg.number("rope_theta", default=10000.0),
         max_position=cfg.integer("max_position_embeddings", default=32768),
         rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6),
         tie_embeddings=cfg.flag("tie_word_embeddings", default=False),
-        exit_threshold=cfg.number("early_exit_threshold", default=1.0), **tokens,
+        exit_threshold=cfg.number("early_exit_threshold", default=1.0),
+        **tokens,
     )
 
 
@@ -177,25 +187,36 @@ def _raven_spec(cfg: _Config, name: str, tokens: dict, olmo: bool) -> ModelSpec:
     if olmo:  # transformers' Olmo2RotaryEmbedding reads the HF names
         rope_keys, pos_keys = rope_keys[::-1], pos_keys[::-1]
     return ModelSpec(
-        name=name, family="olmo" if olmo else "huginn",
-        vocab_size=cfg.integer("padded_vocab_size", "vocab_size"), hidden_size=hidden,
-        intermediate_size=cfg.integer("intermediate_size"), num_heads=heads,
+        name=name,
+        family="olmo" if olmo else "huginn",
+        vocab_size=cfg.integer("padded_vocab_size", "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=cfg.integer("intermediate_size"),
+        num_heads=heads,
         num_kv_heads=cfg.integer("num_key_value_heads", default=heads),
         head_dim=_head_dim(cfg, hidden, heads, "n_embd"),
-        n_prelude=layers[0], n_core=layers[1], n_coda=layers[2],
+        n_prelude=layers[0],
+        n_core=layers[1],
+        n_coda=layers[2],
         default_loops=cfg.integer("mean_recurrence", default=32),
         rope_theta=cfg.number(*rope_keys, default=50000.0),
         max_position=cfg.integer(*pos_keys, default=4096),
         rms_norm_eps=cfg.number("norm_eps", default=1e-6),
         tie_embeddings=cfg.flag("tie_embeddings", "tie_word_embeddings", default=not olmo),
         embed_scale=init_cfg.number("embed_scale", default=1.0 if olmo else math.sqrt(hidden)),
-        qk_bias=cfg.flag("qk_bias", default=not olmo), qk_norm=olmo,
-        state_init_std=init_cfg.number("std", default=math.sqrt(2 / (5 * hidden))), **tokens,
+        qk_bias=cfg.flag("qk_bias", default=not olmo),
+        qk_norm=olmo,
+        state_init_std=init_cfg.number("std", default=math.sqrt(2 / (5 * hidden))),
+        **tokens,
     )
 
 
 def spec_from_config(
-    config: dict, name: str, *, source: str = CONFIG_FILE, generation_config: dict | None = None,
+    config: dict,
+    name: str,
+    *,
+    source: str = CONFIG_FILE,
+    generation_config: dict | None = None,
     tensor_names: Iterable[str] | None = None,
 ) -> ModelSpec:
     """Map a Hugging Face config.json dict to a ModelSpec.
@@ -230,30 +251,55 @@ def _token_keys(spec: ModelSpec) -> dict:
 
 def _ouro_config(spec: ModelSpec) -> dict:
     if spec.n_prelude or spec.n_coda or spec.embed_scale != 1.0 or spec.qk_bias or spec.qk_norm:
-        raise CheckpointError(f"spec {spec.name}: an Ouro config.json cannot express prelude/coda layers, "
-                              "an embedding scale or q/k extras")
+        raise CheckpointError(
+            f"spec {spec.name}: an Ouro config.json cannot express prelude/coda layers, "
+            "an embedding scale or q/k extras"
+        )
     return {
-        "architectures": ["OuroForCausalLM"], "model_type": OURO_TYPE,
-        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.n_core,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "hidden_act": "silu", "max_position_embeddings": spec.max_position,
-        "rope_theta": spec.rope_theta, "rope_scaling": None, "rms_norm_eps": spec.rms_norm_eps,
-        "tie_word_embeddings": spec.tie_embeddings, "total_ut_steps": spec.default_loops,
-        "early_exit_threshold": spec.exit_threshold, **_token_keys(spec),
+        "architectures": ["OuroForCausalLM"],
+        "model_type": OURO_TYPE,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.n_core,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "total_ut_steps": spec.default_loops,
+        "early_exit_threshold": spec.exit_threshold,
+        **_token_keys(spec),
     }
 
 
 def _raven_config(spec: ModelSpec) -> dict:
     config = {
-        "architectures": ["RavenForCausalLM"], "model_type": RAVEN_TYPE,
-        "n_embd": spec.hidden_size, "n_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "n_layers": spec.num_layers, "n_layers_in_prelude": spec.n_prelude,
-        "n_layers_in_recurrent_block": spec.n_core, "n_layers_in_coda": spec.n_coda,
-        "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
-        "padded_vocab_size": spec.vocab_size, "block_size": spec.max_position, "rope_base": spec.rope_theta,
-        "norm_eps": spec.rms_norm_eps, "qk_bias": spec.qk_bias, "bias": False,
-        "tie_embeddings": spec.tie_embeddings, "injection_type": "linear", "state_init": "like-init",
+        "architectures": ["RavenForCausalLM"],
+        "model_type": RAVEN_TYPE,
+        "n_embd": spec.hidden_size,
+        "n_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "n_layers": spec.num_layers,
+        "n_layers_in_prelude": spec.n_prelude,
+        "n_layers_in_recurrent_block": spec.n_core,
+        "n_layers_in_coda": spec.n_coda,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "padded_vocab_size": spec.vocab_size,
+        "block_size": spec.max_position,
+        "rope_base": spec.rope_theta,
+        "norm_eps": spec.rms_norm_eps,
+        "qk_bias": spec.qk_bias,
+        "bias": False,
+        "tie_embeddings": spec.tie_embeddings,
+        "injection_type": "linear",
+        "state_init": "like-init",
         "mean_recurrence": spec.default_loops,
         "init_values": {"std": spec.state_init_std, "embed_scale": spec.embed_scale},
         **_token_keys(spec),
@@ -332,7 +378,11 @@ class _LoadReport:
 
     def __init__(self) -> None:
         self.groups: dict[str, list[str]] = {
-            "missing": [], "unexpected": [], "mis-shaped": [], "duplicated": [], "conflicting": []
+            "missing": [],
+            "unexpected": [],
+            "mis-shaped": [],
+            "duplicated": [],
+            "conflicting": [],
         }
 
     def add(self, kind: str, item: str) -> None:
@@ -405,9 +455,13 @@ def read_spec(directory: str | os.PathLike, *, name: str | None = None) -> Model
     generation = _read_json(root / GENERATION_FILE) if (root / GENERATION_FILE).is_file() else None
 
     def parse(tensor_names: list[str] | None) -> ModelSpec:
-        return spec_from_config(config, name or root.resolve().name, source=str(root / CONFIG_FILE),
-                                generation_config=generation if isinstance(generation, dict) else None,
-                                tensor_names=tensor_names)
+        return spec_from_config(
+            config,
+            name or root.resolve().name,
+            source=str(root / CONFIG_FILE),
+            generation_config=generation if isinstance(generation, dict) else None,
+            tensor_names=tensor_names,
+        )
 
     spec = parse(None)
     if spec.family == "huginn":  # an unflagged OLMo retrofit shows itself by its q_norm tensors
@@ -416,8 +470,11 @@ def read_spec(directory: str | os.PathLike, *, name: str | None = None) -> Model
 
 
 def load_checkpoint(
-    directory: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    *, name: str | None = None,
+    directory: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    name: str | None = None,
 ) -> tuple[ModelSpec, LoopedModel]:
     """Read config.json + safetensors weights (single file or shards) into a model on `device` in `dtype`.
 

@@ -2,7 +2,8 @@
 
 These are plain dataclasses so the engine has no validation dependency. `looptrace.recipes` validates a
 YAML recipe against them (pydantic reads `__pydantic_config__`, so unknown keys are rejected with their
-path; numeric bounds live in each field's metadata: `ge`, `gt`, `le`). Toggles are data: each string-valued choice selects one implementation from a small table in the
+path; numeric bounds live in each field's metadata: `ge`, `gt`, `le`). Toggles are data: each
+string-valued choice selects one implementation from a small table in the
 file that owns that role (kv_cache.LAYOUTS, scheduler.POLICIES, exit_policy.EXIT_POLICIES, noise.NOISE).
 """
 

@@ -52,7 +52,9 @@ class GraphCache:
     `run(rows, inputs)` returns outputs that stay valid until the next call (the caller copies them out).
     """
 
-    def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], cfg: GraphConfig, pool) -> None:
+    def __init__(
+        self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], cfg: GraphConfig, pool
+    ) -> None:
         self.name, self.fn, self.cfg, self.pool = name, fn, cfg, pool
         self.entries: OrderedDict[int, _Entry] = OrderedDict()
         self.counters = GraphCounters()

@@ -369,8 +369,14 @@ class KVPool:
 
 
 def size_pool_blocks(
-    spec: ModelSpec, layout: KVLayout, block_size: int, dtype: torch.dtype, device: torch.device,
-    num_blocks: int | None, cpu_pool_tokens: int, gpu_memory_utilization: float,
+    spec: ModelSpec,
+    layout: KVLayout,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int | None,
+    cpu_pool_tokens: int,
+    gpu_memory_utilization: float,
 ) -> int:
     """Blocks in the pool: explicit, or CPU tokens x planes, or what fits in free CUDA memory."""
     if num_blocks is not None:

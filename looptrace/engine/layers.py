@@ -139,7 +139,9 @@ class AttentionMetadata(nn.Module):
         super().__init__()
         self.block_size = block_size
 
-    def forward(self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache) -> AttnContext:
+    def forward(
+        self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache
+    ) -> AttnContext:
         rows, width = raw.shape[0], raw.shape[1] - META_FIXED
         positions = raw[:, META_POS]
         key_pos = torch.arange(width * self.block_size, device=raw.device)
@@ -194,7 +196,11 @@ class PagedAttention(nn.Module):
         vals = v_layer.index_select(0, ctx.gather_blocks).view(rows, -1, self.num_kv_heads, self.head_dim)
         gqa = {"enable_gqa": True} if self.num_heads != self.num_kv_heads else {}
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=ctx.mask,
-            scale=self.scale, **gqa,
+            q.unsqueeze(2),
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=ctx.mask,
+            scale=self.scale,
+            **gqa,
         )
         return out.reshape(rows, self.num_heads * self.head_dim)

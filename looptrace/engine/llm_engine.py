@@ -1,14 +1,13 @@
 """LLMEngine: the step loop. schedule -> run one stage -> advance request stages -> report.
 
-    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu")
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
-    while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu")
+engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
 """
 
 from __future__ import annotations
 
-import math
 import contextlib
 import time
 from collections.abc import Callable
@@ -79,14 +78,24 @@ class LLMEngine:
             raise EngineInputError(f"exit.max_loops must be >= 1, got {self.max_loops}")
         self.exit_policy = EXIT_POLICIES[cfg.exit.policy](cfg.exit, self.max_loops)
         if self.exit_policy.needs_gate and spec.family != "ouro":
-            raise EngineInputError(f"exit.policy '{cfg.exit.policy}' needs an exit gate; {spec.name} has none")
+            raise EngineInputError(
+                f"exit.policy '{cfg.exit.policy}' needs an exit gate; {spec.name} has none"
+            )
         self.layout = LAYOUTS[cfg.kv.layout](spec, self.max_loops)
         num_blocks = size_pool_blocks(
-            spec, self.layout, cfg.kv.block_size, dtype, device, cfg.kv.num_blocks, cfg.kv.cpu_pool_tokens,
+            spec,
+            self.layout,
+            cfg.kv.block_size,
+            dtype,
+            device,
+            cfg.kv.num_blocks,
+            cfg.kv.cpu_pool_tokens,
             cfg.kv.gpu_memory_utilization,
         )
         if num_blocks < self.layout.num_planes:
-            raise EngineInputError(f"kv.num_blocks={num_blocks} holds no page for {self.layout.num_planes} planes")
+            raise EngineInputError(
+                f"kv.num_blocks={num_blocks} holds no page for {self.layout.num_planes} planes"
+            )
         self.blocks = BlockManager(self.layout, num_blocks, cfg.kv.block_size, cfg.kv.prefix_caching)
         self.pool = KVPool(spec, num_blocks, cfg.kv.block_size, dtype, device)
         if cfg.kv.poison_freed_blocks:
@@ -94,8 +103,10 @@ class LLMEngine:
         # The watermark is never admitted into, so a request must fit in the rest of the pool.
         usable = (num_blocks - cfg.kv.watermark_blocks) // self.layout.num_planes * cfg.kv.block_size
         if usable < 1:
-            raise EngineInputError(f"kv.watermark_blocks={cfg.kv.watermark_blocks} leaves no usable page "
-                                   f"in a pool of {num_blocks} blocks")
+            raise EngineInputError(
+                f"kv.watermark_blocks={cfg.kv.watermark_blocks} leaves no usable page "
+                f"in a pool of {num_blocks} blocks"
+            )
         cap = min(self.blocks.capacity_tokens, usable)
         self.max_model_len = min(cfg.scheduler.max_model_len or spec.max_position, spec.max_position, cap)
         self.hooks = HookDispatcher()
@@ -104,8 +115,18 @@ class LLMEngine:
         self.scheduler.on_admit = self._on_admit
         max_slots = max(1, min(num_blocks // self.layout.num_planes, 4096))
         self.runner = ModelRunner(
-            model, cfg, self.layout, self.blocks, self.pool, self.noise, self.hooks, device=device, dtype=dtype,
-            max_loops=self.max_loops, max_model_len=self.max_model_len, max_slots=max_slots,
+            model,
+            cfg,
+            self.layout,
+            self.blocks,
+            self.pool,
+            self.noise,
+            self.hooks,
+            device=device,
+            dtype=dtype,
+            max_loops=self.max_loops,
+            max_model_len=self.max_model_len,
+            max_slots=max_slots,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -114,8 +135,13 @@ class LLMEngine:
     # Construction ---------------------------------------------------------------------------------------
     @classmethod
     def from_spec(
-        cls, spec: ModelSpec, cfg: EngineConfig | None = None, *, device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None, seed: int = 0,
+        cls,
+        spec: ModelSpec,
+        cfg: EngineConfig | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
     ) -> LLMEngine:
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -124,8 +150,15 @@ class LLMEngine:
         return cls(model, cfg or EngineConfig(), device=device, dtype=dtype, seed=seed)
 
     @classmethod
-    def from_preset(cls, name: str, cfg: EngineConfig | None = None, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None, seed: int = 0) -> LLMEngine:
+    def from_preset(
+        cls,
+        name: str,
+        cfg: EngineConfig | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ) -> LLMEngine:
         device = torch.device(device)
         return cls.from_spec(resolve_preset(name, device.type), cfg, device=device, dtype=dtype, seed=seed)
 
@@ -143,13 +176,17 @@ class LLMEngine:
 
     # Requests -------------------------------------------------------------------------------------------
     def add_request(
-        self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
         params = params or SamplingParams()
         self._validate(prompt, params, request_id)
-        req = Request(list(prompt), params, request_id or "", arrival_time or time.perf_counter(),
-                      seq=self._next_seq)
+        req = Request(
+            list(prompt), params, request_id or "", arrival_time or time.perf_counter(), seq=self._next_seq
+        )
         self._next_seq += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -165,7 +202,8 @@ class LLMEngine:
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
             raise EngineInputError(
                 f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got temperature "
-                f"{params.temperature}, top_p {params.top_p}, top_k {params.top_k})")
+                f"{params.temperature}, top_p {params.top_p}, top_k {params.top_k})"
+            )
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise EngineInputError(f"token id {bad[0]} outside the vocabulary [0, {self.spec.vocab_size})")
@@ -278,7 +316,9 @@ class LLMEngine:
                 reason = "length"
             if self.hooks.active:
                 kind = "first_token" if len(req.outputs) == 1 else "token"
-                self.hooks.request_event(RequestEvent(kind, req.request_id, now, tok, exit_depth=req.loops_done))
+                self.hooks.request_event(
+                    RequestEvent(kind, req.request_id, now, tok, exit_depth=req.loops_done)
+                )
             if reason is None:
                 self.scheduler.enqueue(req, Stage.PRELUDE)
             else:
@@ -294,14 +334,20 @@ class LLMEngine:
     def _step_result(self, batch: Batch, outputs: list[TokenOutput], elapsed: float) -> StepResult:
         graph_stage = batch.stage in (Stage.RECURRENT, Stage.CODA)
         return StepResult(
-            self.stats.steps, batch.stage.value, batch.num_rows, elapsed,
+            self.stats.steps,
+            batch.stage.value,
+            batch.num_rows,
+            elapsed,
             graph_mode=self.runner.last_graph_mode if graph_stage else None,
             fallback_reason=self.runner.last_fallback if graph_stage else None,
-            new_tokens=len(outputs), finished=[o.request_id for o in outputs if o.finished],
+            new_tokens=len(outputs),
+            finished=[o.request_id for o in outputs if o.finished],
         )
 
     # Convenience ----------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_unfinished_requests():
@@ -339,6 +385,7 @@ class LLMEngine:
             if cache is None:
                 continue
             for rows in list(cache.entries):
+
                 def thunk(cache=cache, rows=rows) -> None:
                     with torch.inference_mode(), attention_backend(self.device):
                         cache.run_body_eagerly(rows)
@@ -352,5 +399,3 @@ class LLMEngine:
             if cache is not None:
                 out[name] = cache.counters.as_dict()
         return out
-
-

@@ -137,11 +137,18 @@ class ModelRunner:
         self.fixed_width = math.ceil(max_model_len / self.block_size) if device.type == "cuda" else None
         h = self.spec.hidden_size
         self.state_pool = torch.zeros(max_slots, h, dtype=dtype, device=device)
-        self.inject_pool = torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
+        self.inject_pool = (
+            torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
+        )
         self.free_slots = list(reversed(range(max_slots)))
         self.metadata = AttentionMetadata(self.block_size)
         self.ops = nn.ModuleDict(
-            dict(metadata=self.metadata, sampler=Sampler(), state_init=StateInit(noise), kv_copy=PlaneCopy(pool))
+            dict(
+                metadata=self.metadata,
+                sampler=Sampler(),
+                state_init=StateInit(noise),
+                kv_copy=PlaneCopy(pool),
+            )
         )
         self.staging = HostStaging(device)
         self.submissions = 0
@@ -241,13 +248,17 @@ class ModelRunner:
     # Stages ---------------------------------------------------------------------------------------------
     def prefill(self, spans: list[PrefillSpan]) -> None:
         self.submissions += 1
-        rows = [Row(s.request, p, s.request.prompt[p]) for s in spans for p in range(s.start, s.start + s.length)]
+        rows = [
+            Row(s.request, p, s.request.prompt[p]) for s in spans for p in range(s.start, s.start + s.length)
+        ]
         boundary = self.layout.plane("prelude", 0)
         core_planes = [self.layout.plane("core", t) for t in range(self.max_loops)]
         planes = sorted({boundary, *core_planes})
         raw = self.staging.to_device(self._raw(rows, [[p] * len(rows) for p in planes], self._width(rows)))
         raw_of = {p: raw[i] for i, p in enumerate(planes)}
-        ctx0 = self.metadata(raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        ctx0 = self.metadata(
+            raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
+        )
         ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw_of[p], ctx0) for p in planes}
         tokens = raw_of[boundary][:, META_TOKEN]
 
@@ -310,7 +321,9 @@ class ModelRunner:
         rows = [Row(r, r.decode_position, r.outputs[-1]) for r in requests]
         plane = self.layout.plane("prelude", 0)
         width = self._decode_width(rows)
-        raw_np = self._raw(rows, [[plane] * len(rows)], width) if self.spec.n_prelude else self._raw_no_kv(rows)
+        raw_np = (
+            self._raw(rows, [[plane] * len(rows)], width) if self.spec.n_prelude else self._raw_no_kv(rows)
+        )
         raw = self.staging.to_device(raw_np)[0]
         ctx = None
         if self.spec.n_prelude:
@@ -333,7 +346,10 @@ class ModelRunner:
         raw = np.zeros((1, len(rows), META_FIXED + 1), dtype=np.int64)
         for i, row in enumerate(rows):
             raw[0, i, META_SLOT], raw[0, i, META_POS], raw[0, i, META_TOKEN] = (
-                row.request.state_slot, row.pos, row.token)
+                row.request.state_slot,
+                row.pos,
+                row.token,
+            )
         return raw
 
     def recurrent(self, requests: list[Request], need_gate: bool) -> list[float] | None:
@@ -360,7 +376,9 @@ class ModelRunner:
             if self.hooks.wants_hidden:
                 for t in loops:
                     sel = [i for i, r in enumerate(requests) if r.loops_done == t]
-                    self._emit_hidden("recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel)))
+                    self._emit_hidden(
+                        "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel))
+                    )
             self.hooks.loop_end("recurrent", loop_tag)
         for r in requests:
             r.loops_done += 1
@@ -392,7 +410,11 @@ class ModelRunner:
         has_kv = self.model.has_coda_layers
         if has_kv:
             self._check(rows, plane, "coda")
-        raw_np = self._raw(rows, [[plane] * len(rows)], self._decode_width(rows)) if has_kv else self._raw_no_kv(rows)
+        raw_np = (
+            self._raw(rows, [[plane] * len(rows)], self._decode_width(rows))
+            if has_kv
+            else self._raw_no_kv(rows)
+        )
         raw = self.staging.to_device(raw_np)[0]
         state = self.state_pool.index_select(0, raw[:, META_SLOT])
         (logits,) = self._maybe_graph(self.coda_graphs, len(rows), self._coda_pass, (raw, state))

@@ -408,7 +408,9 @@ def analyze(
     site_items += [("host scalar read", e, pos) for e, pos in reads]
     for e, pos in memory:
         info = cl.parse_memcpy(e) if not cl.is_memset(e) else None
-        what = "memset" if info is None else f"memcpy {info.direction}" + (" pageable" if info.pageable else "")
+        what = (
+            "memset" if info is None else f"memcpy {info.direction}" + (" pageable" if info.pageable else "")
+        )
         site_items.append((what, e, pos))
 
     ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
@@ -539,7 +541,8 @@ def _attribute_replays(
                     op_calls.append(Context(launch.stage, launch.loop, b.layer, b.role, b.op, op_range))
             ctx[i] = Context(launch.stage, launch.loop, b.layer, b.role, b.op or GRAPH_OP, op_range)
     note = "graph replays mapped to ops by their eager graph bodies: " + ", ".join(
-        f"{n} {how}" for how, n in sorted(outcome.items()))
+        f"{n} {how}" for how, n in sorted(outcome.items())
+    )
     if example:
         note += f" (unmatched example: {example})"
     return ctx, op_calls, note

@@ -21,8 +21,21 @@ from looptrace.probes import counters as names
 
 LEVELS = ("step", "loop", "layer", "op")
 # Module op kinds that get an lt.op range; `layer` modules get lt.layer ranges instead.
-OP_KINDS = ("norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head",
-            "sample", "state_init", "kv_copy", "metadata")
+OP_KINDS = (
+    "norm",
+    "rope",
+    "attention",
+    "paged_attention",
+    "mlp",
+    "gate",
+    "adapter",
+    "embed",
+    "head",
+    "sample",
+    "state_init",
+    "kv_copy",
+    "metadata",
+)
 
 
 class _Nvtx:

@@ -177,9 +177,18 @@ def sites_table(analysis: Analysis) -> Table:
     table.add_column("/tok", justify="right")
     for site in analysis.sites:
         polls = ("wait", "query")
-        warn = "pageable" in site.what or (site.what.startswith("sync") and not any(p in site.what for p in polls))
-        table.add_row(site.what, site.api, site.stage, site.op, f"{site.count:,}", _fmt(site.count / c.tokens, 2),
-                      style=WARN if warn else None)
+        warn = "pageable" in site.what or (
+            site.what.startswith("sync") and not any(p in site.what for p in polls)
+        )
+        table.add_row(
+            site.what,
+            site.api,
+            site.stage,
+            site.op,
+            f"{site.count:,}",
+            _fmt(site.count / c.tokens, 2),
+            style=WARN if warn else None,
+        )
     return table
 
 
@@ -259,8 +268,14 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             "by_time": _kernel_dicts(analysis.top_by_time),
         },
         "sites": [
-            {"what": x.what, "api": x.api, "stage": x.stage, "op": x.op, "count": x.count,
-             "per_token": x.count / c.tokens}
+            {
+                "what": x.what,
+                "api": x.api,
+                "stage": x.stage,
+                "op": x.op,
+                "count": x.count,
+                "per_token": x.count / c.tokens,
+            }
             for x in analysis.sites
         ],
         "notes": analysis.notes,

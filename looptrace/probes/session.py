@@ -70,13 +70,17 @@ def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
 
 
 def _graph_snapshot(engine: LLMEngine) -> dict[str, dict[str, Any]]:
-    return {k: {**v, "fallback_reasons": dict(v["fallback_reasons"])} for k, v in engine.graph_counters().items()}
+    return {
+        k: {**v, "fallback_reasons": dict(v["fallback_reasons"])} for k, v in engine.graph_counters().items()
+    }
 
 
 def _graph_delta(before: dict, after: dict) -> dict[str, dict[str, Any]]:
     out = {}
     for name, a in after.items():
-        b = before.get(name, {"captures": 0, "replays": 0, "fallbacks": 0, "evictions": 0, "fallback_reasons": {}})
+        b = before.get(
+            name, {"captures": 0, "replays": 0, "fallbacks": 0, "evictions": 0, "fallback_reasons": {}}
+        )
         reasons = {k: v - b["fallback_reasons"].get(k, 0) for k, v in a["fallback_reasons"].items()}
         out[name] = {k: a[k] - b[k] for k in ("captures", "replays", "fallbacks", "evictions")}
         out[name]["fallback_reasons"] = {k: v for k, v in reasons.items() if v}
@@ -97,8 +101,13 @@ class _Counting:
         e = self.engine
         stages = {k: v - self.stage0.get(k, 0) for k, v in e.stats.steps_by_stage.items()}
         return WindowRun(
-            name, tokens, unit, e.stats.steps - self.steps0, e.stats.submissions - self.subs0,
-            time.perf_counter() - self.t0, _graph_delta(self.graph0, _graph_snapshot(e)),
+            name,
+            tokens,
+            unit,
+            e.stats.steps - self.steps0,
+            e.stats.submissions - self.subs0,
+            time.perf_counter() - self.t0,
+            _graph_delta(self.graph0, _graph_snapshot(e)),
             {k: v for k, v in stages.items() if v},
         )
 
@@ -123,12 +132,18 @@ def _activities(engine: LLMEngine) -> dict[str, Any]:
     if engine.device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
         with contextlib.suppress(Exception):  # sync events need a recent torch; counts still work without
-            kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(enable_cuda_sync_events=True)
+            kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(
+                enable_cuda_sync_events=True
+            )
     return {"activities": acts, **kwargs}
 
 
 def profile_engine(
-    engine: LLMEngine, cfg: ProfileConfig, *, trace_path: Path | None = None, progress: Progress | None = None,
+    engine: LLMEngine,
+    cfg: ProfileConfig,
+    *,
+    trace_path: Path | None = None,
+    progress: Progress | None = None,
 ) -> ProfileResult:
     say = progress or (lambda _msg: None)
     decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
@@ -137,7 +152,8 @@ def profile_engine(
     max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
     if cfg.prompt_len + max_tokens - 1 > engine.max_model_len:
         raise ValueError(
-            f"prompt {cfg.prompt_len} + {max_tokens} output tokens exceed max context {engine.max_model_len}")
+            f"prompt {cfg.prompt_len} + {max_tokens} output tokens exceed max context {engine.max_model_len}"
+        )
     probe = RangeProbe(cfg.level).attach(engine)
     try:
         return _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say)

@@ -242,7 +242,12 @@ def test_public_huginn_config_parses(tmp_path):
     }""")
     spec = spec_from_config(json.loads((tmp_path / "config.json").read_text()), "huginn-0125")
     assert (spec.family, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
-        "huginn", 5280, 55, 55, 96)
+        "huginn",
+        5280,
+        55,
+        55,
+        96,
+    )
     assert (spec.n_prelude, spec.n_core, spec.n_coda, spec.default_loops) == (2, 4, 2, 32)
     assert (spec.vocab_size, spec.rope_theta, spec.max_position) == (65536, 50000.0, 4096)
     assert spec.tie_embeddings and spec.qk_bias and not spec.qk_norm
@@ -258,12 +263,27 @@ def test_public_huginn_config_parses(tmp_path):
 
 def test_public_ouro_config_parses():
     config = {
-        "architectures": ["OuroForCausalLM"], "model_type": "ouro", "vocab_size": 49152, "hidden_size": 2048,
-        "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
-        "num_key_value_heads": 16, "max_position_embeddings": 65536, "rope_theta": 1000000.0,
-        "rope_scaling": None, "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": False,
-        "total_ut_steps": 4, "early_exit_threshold": 1.0, "sliding_window": None, "use_sliding_window": False,
-        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True,
+        "architectures": ["OuroForCausalLM"],
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 65536,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-06,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "total_ut_steps": 4,
+        "early_exit_threshold": 1.0,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
     }
     assert spec_from_config(config, "ouro-1.4b") == PRESETS["ouro-1.4b"]  # head_dim defaults to 2048 / 16
     with pytest.raises(CheckpointError, match="unsupported rope_scaling"):

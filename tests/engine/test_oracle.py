@@ -41,20 +41,27 @@ def check_against_oracle(engine: LLMEngine, rec: HiddenRecorder, ids: list[str])
     compared = 0
     for rid in ids:
         req = engine.requests[rid]
-        oracle, logits = reference_run(engine.spec, sd, engine.max_loops, req.prompt, req.outputs, req.exit_depths)
+        oracle, logits = reference_run(
+            engine.spec, sd, engine.max_loops, req.prompt, req.outputs, req.exit_depths
+        )
         for (pos, loop), h in oracle.hidden.items():
             got = rec.states.get((rid, pos, loop))
             assert got is not None, f"{rid}: no engine state for position {pos} loop {loop}"
             torch.testing.assert_close(got, h.float(), atol=2e-4, rtol=2e-4)
             compared += 1
-        assert [int(l.argmax()) for l in logits] == req.outputs, f"{rid}: greedy tokens differ from the oracle"
+        assert [int(row.argmax()) for row in logits] == req.outputs, (
+            f"{rid}: greedy tokens differ from the oracle"
+        )
     return compared
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_mixed_batch_chunked_prefill_matches_oracle(preset):
     engine, rec = make_engine(
-        preset, scheduler__prefill_chunk_size=7, scheduler__max_num_batched_tokens=12, scheduler__max_num_seqs=3
+        preset,
+        scheduler__prefill_chunk_size=7,
+        scheduler__max_num_batched_tokens=12,
+        scheduler__max_num_seqs=3,
     )
     rng = random.Random(0)
     ids = []
@@ -68,15 +75,22 @@ def test_mixed_batch_chunked_prefill_matches_oracle(preset):
 
 
 def test_ouro_mixed_exit_depths_match_oracle():
-    engine, rec = make_engine("ouro-tiny", exit__policy="threshold", exit__threshold=0.8, exit__min_loops=1,
-                              scheduler__max_num_seqs=4)
+    engine, rec = make_engine(
+        "ouro-tiny",
+        exit__policy="threshold",
+        exit__threshold=0.8,
+        exit__min_loops=1,
+        scheduler__max_num_seqs=4,
+    )
     # A sharper gate so tokens exit at different loops (random init gives logits near 0).
     with torch.no_grad():
         engine.model.model.early_exit_gate.weight.mul_(10.0)
         engine.model.model.early_exit_gate.bias.fill_(0.0)
     rng = random.Random(1)
-    ids = [engine.add_request([rng.randrange(3, 500) for _ in range(9 + 4 * i)], SamplingParams(max_tokens=8))
-           for i in range(4)]
+    ids = [
+        engine.add_request([rng.randrange(3, 500) for _ in range(9 + 4 * i)], SamplingParams(max_tokens=8))
+        for i in range(4)
+    ]
     while engine.has_unfinished_requests():
         engine.step()
     depths = {d for rid in ids for d in engine.requests[rid].exit_depths[1:]}

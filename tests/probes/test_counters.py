@@ -319,11 +319,16 @@ def test_replay_kernels_take_ops_from_the_eager_graph_body(kt) -> None:
     assert a.counters.kernels == 15
     assert {s.key: s.kernels for s in a.breakdown.by_op} == {("norm",): 8, ("mlp",): 6, ("graph",): 1}
     assert {s.key: s.kernels for s in a.breakdown.by_op_role} == {
-        ("norm", "core"): 8, ("mlp", "core"): 4, ("mlp", "-"): 2, ("graph", "-"): 1}
+        ("norm", "core"): 8,
+        ("mlp", "core"): 4,
+        ("mlp", "-"): 2,
+        ("graph", "-"): 1,
+    }
     assert {s.key: s.kernels for s in a.breakdown.by_stage} == {("recurrent",): 15}
     assert a.breakdown.formulas[:2] == [
         "norm: 2 kernels × 1 norm call × 2 layers × 2 loops = 8 kernels/token (53 %)",
-        "mlp: 1 kernel × 1 mlp call × 2 layers × 2 loops + 1 kernel × 1 mlp call × 2 loops = 6 kernels/token (40 %)",
+        "mlp: 1 kernel × 1 mlp call × 2 layers × 2 loops + 1 kernel × 1 mlp call × 2 loops"
+        " = 6 kernels/token (40 %)",
     ]
 
 

@@ -22,7 +22,9 @@ class LoopedModel(nn.Module):
         """Initial loop input when the family derives it from the embedding (Ouro); None = noise/zeros."""
         return None
 
-    def prelude(self, tokens: torch.Tensor, ctx: AttnContext | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prelude(
+        self, tokens: torch.Tensor, ctx: AttnContext | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (embedded-or-prelude output, injection vector or None)."""
         raise NotImplementedError
 
@@ -44,5 +46,3 @@ class LoopedModel(nn.Module):
     @property
     def rope(self) -> nn.Module:
         raise NotImplementedError
-
-
