@@ -103,11 +103,6 @@ class GraphCache:
         entry = self.entries[rows]
         self.fn(*entry.inputs)
 
-    def warm_up(self, rows: int, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Capture ahead of time (for `capture_sizes`)."""
-        if rows not in self.entries:
-            self.entries[rows] = self._capture(inputs)
-
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Entry:
         static = tuple(x.clone() for x in inputs)
         side = torch.cuda.Stream()

@@ -246,6 +246,9 @@ def _category(e) -> str:
         return e.activity_type()
     name = e.name()
     if str(e.device_type()).endswith("CUDA"):
+        # GPU projections of record_function ranges (seen on an H200, torch 2.11) are not kernels.
+        if e.is_user_annotation() or name.startswith(names.PREFIX):
+            return "gpu_user_annotation"
         if name.startswith("Memcpy"):
             return "gpu_memcpy"
         if name.startswith("Memset"):
