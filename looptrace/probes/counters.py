@@ -9,7 +9,7 @@ Annotation convention (the `record_function` names looptrace emits; Kineto recor
     lt.loop/<i>                           0-based loop of the recurrent block
     lt.layer/<role><i>                    e.g. lt.layer/core3, lt.layer/prelude0, lt.layer/coda1
     lt.op/<kind>                          norm | rope | attention | mlp | gate | adapter | embed | head |
-                                          sample | state_init | kv_copy
+                                          sample | state_init | kv_copy | paged_attention | metadata
 
 Windows are time ranges: an event is in the window when its host position (below) lies inside any window
 range, on any thread. Without window ranges the whole trace is the window. Steps are instances of a step
@@ -56,7 +56,8 @@ OP_PREFIX = "lt.op/"
 GRAPH_BODY_PREFIX = "lt.graph/"  # an eager run of a captured graph's body: maps replay kernels to ops
 STAGES = ("prefill", "prelude", "recurrent", "coda", "sample")
 OP_KINDS = (
-    "norm", "rope", "attention", "mlp", "gate", "adapter", "embed", "head", "sample", "state_init", "kv_copy",
+    "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head", "sample",
+    "state_init", "kv_copy", "metadata",
 )  # fmt: skip
 DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#")
 WINDOW_CHOICES = ("auto", "decode", "prefill", "all")
