@@ -96,6 +96,7 @@ def apply_override(data: dict, item: str) -> None:
 
 
 def build_config(data: dict[str, Any], source: str, overrides: list[str] | None = None) -> EngineConfig:
+    _reject_bools(EngineConfig, data, "", source, overrides or [])
     try:
         config = TypeAdapter(EngineConfig).validate_python(data, strict=False)
     except ValidationError as exc:
@@ -107,7 +108,7 @@ def _one_line(exc: ValidationError, source: str, overrides: list[str] | None) ->
     err = exc.errors()[0]
     path = ".".join(str(p) for p in err["loc"])
     origin = source
-    if overrides and any(o.split("=", 1)[0].strip() == path for o in overrides):
+    if overrides and any(_related(o.split("=", 1)[0].strip(), path) for o in overrides):
         origin = "--set"
     if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
         section = _section_for(err["loc"][:-1])
@@ -117,6 +118,31 @@ def _one_line(exc: ValidationError, source: str, overrides: list[str] | None) ->
         msg = f"{origin}: {path}: {err['msg']} (got {err.get('input')!r})"
     more = len(exc.errors()) - 1
     return msg + (f" [+{more} more]" if more else "")
+
+
+def _related(key: str, path: str) -> bool:
+    """An override `key` explains an error at `path` if one is a prefix of the other (`bogus.key` makes
+    `bogus` unknown; `capture_sizes=[1, x]` fails at `capture_sizes.1`)."""
+    return key == path or key.startswith(path + ".") or path.startswith(key + ".")
+
+
+def _reject_bools(obj_cls: type, data: Any, path: str, source: str, overrides: list[str]) -> None:
+    """pydantic's lax mode reads `true` as 1 for an int field; a bool is only accepted for bool fields."""
+    if not isinstance(data, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(obj_cls)}
+    for key, value in data.items():
+        f = fields.get(key)
+        if f is None:
+            continue
+        if dataclasses.is_dataclass(f.default_factory) if callable(f.default_factory) else False:
+            _reject_bools(f.default_factory, value, f"{path}{key}.", source, overrides)  # type: ignore[arg-type]
+        elif isinstance(value, bool) and "bool" not in str(f.type):
+            where = path + key
+            origin = (
+                "--set" if any(_related(o.split("=", 1)[0].strip(), where) for o in overrides) else source
+            )
+            raise RecipeError(f"{origin}: {where}: expected {f.type}, got a boolean ({value!r})")
 
 
 def _section_for(loc) -> type | None:

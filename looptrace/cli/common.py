@@ -266,6 +266,12 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
     return header
 
 
+def check_output_path(output: Path | None) -> None:
+    """Fail before any work when --output cannot be written."""
+    if output is not None and not output.parent.is_dir():
+        raise UsageError(f"--output {output}: directory {output.parent} does not exist")
+
+
 def write_output(text: str, output: Path | None, console: Console) -> None:
     """Print to stdout and, with --output, write the same text (written whole, after success)."""
     if output is not None:

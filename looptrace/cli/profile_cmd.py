@@ -24,6 +24,7 @@ from looptrace.cli.common import (
     UsageError,
     WeightsOpt,
     build_engine,
+    check_output_path,
     dumps,
     err_console,
     friendly_errors,
@@ -92,6 +93,7 @@ def profile(
             raise UsageError("--concurrency, --prompt-len and --decode-steps must be >= 1")
         if trace is not None and not trace.parent.exists():
             raise UsageError(f"--trace {trace}: directory {trace.parent} does not exist")
+        check_output_path(output)
         cfg = ProfileConfig(concurrency, prompt_len, decode_steps, level=level, seed=seed)
         common = dict(model=model, device=device, dtype=dtype, weights=weights, seed=seed, threads=threads)
         if compare is None:
@@ -101,7 +103,11 @@ def profile(
             data = {"schema": "looptrace.profile/1", **_jsonable(side)}
             text = render_single(side, fmt)
         else:
+            from looptrace.recipes import load_recipe
+
             base = list(sets or [])
+            for name, extra in zip(compare, (a_set, b_set)):  # both sides valid before any profiling
+                load_recipe(name, base + list(extra or []))
             sides = [
                 _profile_one(name, base + list(extra or []), cfg, common, trace if i == 0 else None)
                 for i, (name, extra) in enumerate(zip(compare, (a_set, b_set)))

@@ -28,6 +28,7 @@ from looptrace.cli.common import (
     UsageError,
     WeightsOpt,
     build_engine,
+    check_output_path,
     dumps,
     err_console,
     friendly_errors,
@@ -92,7 +93,7 @@ def make_workload(
             raise UsageError("--workload poisson needs --rate (requests per second)")
         return w.PoissonWorkload(
             rate=rate,
-            num_requests=num_requests or concurrency,
+            num_requests=concurrency if num_requests is None else num_requests,
             prompt_len=prompt_len,
             max_tokens=max_tokens,
             seed=seed,
@@ -162,6 +163,7 @@ def run(
     from looptrace.engine.request import SamplingParams
 
     with friendly_errors():
+        check_output_path(output)
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         wl = make_workload(
@@ -190,6 +192,7 @@ def run(
             threads=threads,
             max_model_len=workload_max_len(wl),
         )
+        check_fits(wl, setup.engine.max_model_len)
     header = run_header(setup)
     header["workload"] = repr(wl)
     for note in _notes(setup, concurrency):
@@ -201,11 +204,25 @@ def run(
         run_workload, setup.engine, wl, params, progress and fmt == OutputFormat.table
     )
     metrics = summarize(record)
+    rejected = [r for r in record.requests if r.finish_reason == "rejected"]
+    if rejected:
+        err_console.print(f"[yellow]note:[/] {len(rejected)} request(s) rejected: {rejected[0].error}")
     data = report_data(header, setup.engine, metrics)
     if record.interrupted:
         err_console.print("[yellow]interrupted:[/] reporting what was measured so far")
     text = render(data, fmt)
     write_output(text, output, Console(width=120))
+
+
+def check_fits(workload, max_len: int) -> None:
+    """Every request known up front must fit the context (later session turns are checked as they come)."""
+    for item in workload.initial_items():
+        need = len(item.prompt) + item.max_tokens - 1
+        if need > max_len:
+            raise UsageError(
+                f"prompt of {len(item.prompt)} tokens + max_tokens {item.max_tokens} needs {need} KV "
+                f"positions; max context is {max_len}"
+            )
 
 
 def _notes(setup, concurrency: int) -> list[str]:

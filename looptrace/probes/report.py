@@ -347,8 +347,11 @@ def compare_table(a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B")
     for row in compare_rows(a, b):
         key = row["counter"]
         warn = _is_warning(key, row["a_total"]) or _is_warning(key, row["b_total"])
+        label = COUNTER_LABELS.get(key, key)
+        if a.mode == b.mode == "cpu":
+            label = label.replace("GPU", _time_header("cpu"))
         table.add_row(
-            COUNTER_LABELS.get(key, key),
+            label,
             _fmt(row["a_per_token"], 2),
             _fmt(row["b_per_token"], 2),
             _ratio_text(row),
