@@ -10,6 +10,8 @@ the counters come from the exported Kineto trace, the same code path as `looptra
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -138,6 +140,30 @@ def _activities(engine: LLMEngine) -> dict[str, Any]:
     return {"activities": acts, **kwargs}
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Some torch builds print `USDT: ... profiler_start/stop` lines from C++ on stderr at every start and
+    stop. Capture the native stderr of those calls and pass on every other line (Kineto's warnings, e.g. a
+    truncated GPU buffer, must stay visible)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no usable fd 2 (embedded interpreters): just run
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        try:
+            sys.stderr.flush()
+            os.dup2(captured.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured:
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+
+
 def profile_engine(
     engine: LLMEngine,
     cfg: ProfileConfig,
@@ -170,7 +196,8 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
     _sync(engine)
     windows: dict[str, WindowRun] = {}
     prof = torch.profiler.profile(**_activities(engine))
-    prof.start()
+    with _quiet_native_stderr():
+        prof.start()
     try:
         say(f"decode window: {decode_steps}+ engine steps")
         while engine.step() == []:  # start at a token boundary (right after a coda step)
@@ -205,7 +232,8 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         for rid in new:
             engine.abort_request(rid)
     finally:
-        prof.stop()
+        with _quiet_native_stderr():
+            prof.stop()
     say("exporting and analysing the trace")
     raw = _raw_counts(prof)
     with tempfile.TemporaryDirectory() as tmp:
