@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-from looptrace.engine import EngineConfig, LLMEngine, Observer, SamplingParams
+from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.engine.kv_cache import KVPool
 from looptrace.engine.request import Stage
-from tests.oracle import reference_run
+from tests.oracle import HiddenRecorder, reference_run
 
 COMBOS = [
     ("ouro-tiny", "planes"),
@@ -226,17 +226,6 @@ def test_fixed_stream_aborts_in_every_stage(preset, layout):
 
 
 # --- deterministic reuse after poisoning, checked against the dense oracle --------------------------------
-class HiddenRecorder(Observer):
-    wants_hidden = True
-
-    def __init__(self) -> None:
-        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
-            self.states[(rid, pos, loop_index)] = row.clone()
-
-
 @pytest.mark.parametrize(("preset", "layout"), COMBOS)
 def test_reused_poisoned_blocks_hide_no_stale_history(preset, layout):
     pages = 8  # one 32-position request fills the pool: the second reuses every block of the first

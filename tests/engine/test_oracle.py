@@ -8,21 +8,10 @@ import random
 import pytest
 import torch
 
-from looptrace.engine import EngineConfig, LLMEngine, Observer, SamplingParams
-from tests.oracle import reference_run
+from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.oracle import HiddenRecorder, reference_run
 
 FAMILIES = ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"]
-
-
-class HiddenRecorder(Observer):
-    wants_hidden = True
-
-    def __init__(self) -> None:
-        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden):
-            self.states[(rid, pos, loop_index)] = row.clone()
 
 
 def make_engine(preset: str, **sched) -> tuple[LLMEngine, HiddenRecorder]:

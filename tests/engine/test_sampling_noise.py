@@ -6,23 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, Observer, SamplingParams
+from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, SamplingParams
 from looptrace.engine.request import Request
 from looptrace.engine.sampling import sample
-from tests.oracle import reference_run
+from tests.oracle import HiddenRecorder, reference_run
 
 PROMPT = [17, 250, 3, 99, 411, 64, 8, 300, 12, 45]
-
-
-class HiddenRecorder(Observer):
-    wants_hidden = True
-
-    def __init__(self) -> None:
-        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
-            self.states[(rid, pos, loop_index)] = row.clone()
 
 
 def make_engine(preset="ouro-tiny", noise="zeros", chunk=128, seed=0) -> tuple[LLMEngine, HiddenRecorder]:
