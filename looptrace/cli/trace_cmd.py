@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from looptrace.cli.common import OutputFormat, UsageError, check_output_path, fail
 from looptrace.probes.counters import analyze as analyze_trace
 from looptrace.probes.events import TraceError, load_chrome_trace
 from looptrace.probes.report import render_report, to_csv, to_json
@@ -35,22 +36,11 @@ trace_app = typer.Typer(
 )
 
 
-class OutputFormat(str, Enum):
-    table = "table"
-    json = "json"
-    csv = "csv"
-
-
 class WindowChoice(str, Enum):
     auto = "auto"
     decode = "decode"
     prefill = "prefill"
     all = "all"
-
-
-def _fail(message: str) -> typer.Exit:
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True)
-    return typer.Exit(code=2)
 
 
 def _wrote(output: Path) -> None:
@@ -96,12 +86,13 @@ def analyze(
 ) -> None:
     """Per-token counters (Table A4 shape), kernel attribution by stage/op/layer and top kernels."""
     try:
+        check_output_path(output)
         loaded = load_chrome_trace(trace)
         if not loaded.events:
             raise TraceError(f"{trace}: no complete ('ph': 'X') events in the trace")
         result = analyze_trace(loaded, tokens=tokens, window=window.value, step_marker=step_marker, top=top)
-    except TraceError as exc:
-        raise _fail(str(exc)) from None
+    except (TraceError, UsageError) as exc:
+        raise fail(str(exc)) from None
     header = {"trace": str(trace), "window": result.counters.window, "mode": result.counters.mode}
     if fmt is OutputFormat.json:
         _emit(to_json(result, header) + "\n", output)

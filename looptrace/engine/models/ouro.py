@@ -94,6 +94,8 @@ class OuroForCausalLM(LoopedModel):
         self.spec = spec
         self.model = OuroModel(spec)
         self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:  # no public Ouro ties; a config that says so gets one shared matrix
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def rope(self) -> nn.Module:
