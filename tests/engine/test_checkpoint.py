@@ -302,3 +302,16 @@ def test_olmo_retrofit_recognised_without_flag(tmp_path):
     assert spec == PRESETS["olmo-retrofit-tiny"]
     assert_same_weights(original, loaded)
     assert spec_from_config(config, "x").family == "huginn"  # without the tensors: plain raven
+
+
+def test_tied_ouro_round_trip(tmp_path):
+    """Regression: Ouro ignored tie_embeddings, so a tied model's separately initialised head was lost on
+    save (the file holds only the embedding) and the loaded model computed other logits."""
+    spec = replace(PRESETS["ouro-tiny"], tie_embeddings=True)
+    model = create_model(spec, torch.device("cpu"), torch.float32)
+    init_random(model, 5)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_checkpoint(model, tmp_path)
+    _, loaded = load_checkpoint(tmp_path)
+    h = torch.randn(3, spec.hidden_size)
+    assert torch.equal(model.head(h), loaded.head(h))
