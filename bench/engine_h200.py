@@ -19,10 +19,10 @@ import time
 import torch
 
 from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
-from looptrace.engine.benchmark import run_workload
-from looptrace.engine.metrics import summarize
+from looptrace.drive.benchmark import run_workload
+from looptrace.drive.metrics import summarize
 from looptrace.engine.model_config import PRESETS
-from looptrace.engine.workloads import BurstWorkload
+from looptrace.drive.workloads import BurstWorkload
 
 
 def engine_for(

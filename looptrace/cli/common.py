@@ -44,7 +44,7 @@ def friendly_errors() -> Iterator[None]:
     """Turn our input errors into one line + exit code 2; an unavailable device into exit code 3."""
     from looptrace.engine.llm_engine import EngineInputError
     from looptrace.engine.model_config import UnknownModelError
-    from looptrace.engine.workloads import WorkloadError
+    from looptrace.drive.workloads import WorkloadError
     from looptrace.recipes import RecipeError
 
     bad_input: tuple[type[Exception], ...] = (

@@ -78,7 +78,7 @@ def make_workload(
     tokenizer_dir: Path | None,
 ):
     """CLI options -> a Workload; the workload validates its own numbers (one-line WorkloadError)."""
-    from looptrace.engine import workloads as w
+    from looptrace.drive import workloads as w
 
     if kind == WorkloadKind.burst:
         return w.BurstWorkload(
@@ -158,8 +158,8 @@ def run(
 ) -> None:
     """Serve a workload on the reference engine; print throughput, TTFT/TPOT/ITL/E2EL, engine steps per
     token, KV capacity and CUDA-graph counters."""
-    from looptrace.engine.benchmark import run_workload
-    from looptrace.engine.metrics import summarize
+    from looptrace.drive.benchmark import run_workload
+    from looptrace.drive.metrics import summarize
     from looptrace.engine.request import SamplingParams
 
     with friendly_errors():

@@ -15,10 +15,10 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from looptrace.drive.protocol import ServingEngine
+from looptrace.drive.workloads import WorkItem, Workload
 from looptrace.engine.request import SamplingParams
-from looptrace.engine.workloads import WorkItem, Workload
 
 ProgressFn = Callable[[int, int, int], None]  # (done_requests, total_requests, output_tokens)
 
@@ -91,7 +91,9 @@ class RunRecord:
 class _Driver:
     """State of one run; `run_workload` is the public entry point."""
 
-    def __init__(self, engine: Any, workload: Workload, clock: Callable[[], float], params: SamplingParams):
+    def __init__(
+        self, engine: ServingEngine, workload: Workload, clock: Callable[[], float], params: SamplingParams
+    ):
         self.engine, self.workload, self.clock, self.params = engine, workload, clock, params
         self.pending: list[tuple[float, int, WorkItem]] = []  # heap by (arrival, submission order)
         self.order = itertools.count()
@@ -234,7 +236,7 @@ class _Driver:
 
 
 def run_workload(
-    engine: Any,
+    engine: ServingEngine,
     workload: Workload,
     *,
     on_progress: ProgressFn | None = None,

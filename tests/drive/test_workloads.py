@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from looptrace.engine.workloads import (
+from looptrace.drive.workloads import (
     BurstWorkload,
     JsonlWorkload,
     PoissonWorkload,

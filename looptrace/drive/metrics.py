@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from looptrace.engine.benchmark import ABORTED, REJECTED, RequestRecord, RunRecord
+from looptrace.drive.benchmark import ABORTED, REJECTED, RequestRecord, RunRecord
 
 PERCENTILES: tuple[float, ...] = (90, 99)  # the median (p50) is always reported
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # SLOs in ms, as vLLM's `--goodput ttft:500 tpot:50`

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from looptrace.engine.benchmark import RequestRecord, RunRecord
-from looptrace.engine.metrics import LatencyStats, summarize, tpot_of
+from looptrace.drive.benchmark import RequestRecord, RunRecord
+from looptrace.drive.metrics import LatencyStats, summarize, tpot_of
 
 
 def _req(

@@ -6,10 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from looptrace.engine.benchmark import ABORTED, REJECTED, RunRecord, run_workload
-from looptrace.engine.metrics import summarize
+from looptrace.drive.benchmark import ABORTED, REJECTED, RunRecord, run_workload
+from looptrace.drive.metrics import summarize
+from looptrace.drive.protocol import ServingEngine
+from looptrace.drive.workloads import BurstWorkload, PoissonWorkload, SessionWorkload, WorkItem, Workload
+from looptrace.engine.hooks import Observer
+from looptrace.engine.llm_engine import EngineStats, TokenOutput
 from looptrace.engine.request import SamplingParams
-from looptrace.engine.workloads import BurstWorkload, PoissonWorkload, SessionWorkload, WorkItem, Workload
 
 
 class FakeClock:
@@ -25,21 +28,6 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.t += seconds
-
-
-@dataclass
-class TokenOutput:  # the engine contract's TokenOutput
-    request_id: str
-    token_id: int
-    finished: bool
-    finish_reason: str | None
-    exit_depth: int
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    submissions: int = 0
 
 
 @dataclass
@@ -104,6 +92,12 @@ class FakeEngine:
     def kv_usage(self) -> float:
         return min(1.0, self.kv_per_request * len(self.reqs))
 
+    def attach(self, observer: Observer) -> None:
+        raise NotImplementedError  # the driver never attaches observers
+
+    def detach(self, observer: Observer) -> None:
+        raise NotImplementedError
+
     def step(self) -> list[TokenOutput]:
         self.stats.steps += 1
         self.stats.submissions += self.loops
@@ -129,7 +123,7 @@ class FakeEngine:
         return out
 
 
-def _run(engine: FakeEngine, workload: Workload, **kw) -> RunRecord:
+def _run(engine: ServingEngine, workload: Workload, **kw) -> RunRecord:
     return run_workload(engine, workload, clock=engine.clock, sleep=engine.clock.sleep, **kw)
 
 
