@@ -13,17 +13,28 @@ field's metadata (`ge`/`gt`/`le`), which pydantic applies to dataclass fields.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
 
-from looptrace.engine.config import EngineConfig
+from looptrace.engine import config as engine_config
+from looptrace.engine.config import ConfigError, EngineConfig
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+def _recipe_dir() -> Path:
+    """Installed wheel: the recipes ship as the data package `looptrace.recipe_files` (mapped from the
+    repository's top-level `recipes/`, see setup.py); a source checkout reads `recipes/` directly."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "recipes").is_dir():
+        return root / "recipes"
+    from importlib.resources import files
+
+    return Path(str(files("looptrace.recipe_files")))
+
+
+RECIPE_DIR = _recipe_dir()
 META_KEYS = ("name", "description")
 
 
@@ -96,63 +107,23 @@ def apply_override(data: dict, item: str) -> None:
 
 
 def build_config(data: dict[str, Any], source: str, overrides: list[str] | None = None) -> EngineConfig:
-    _reject_bools(EngineConfig, data, "", source, overrides or [])
     try:
-        config = TypeAdapter(EngineConfig).validate_python(data, strict=False)
-    except ValidationError as exc:
-        raise RecipeError(_one_line(exc, source, overrides)) from None
-    return config
+        return engine_config.build_config(data)
+    except ConfigError as exc:
+        raise RecipeError(f"{_origin(str(exc), source, overrides or [])}: {exc}") from None
 
 
-def _one_line(exc: ValidationError, source: str, overrides: list[str] | None) -> str:
-    err = exc.errors()[0]
-    path = ".".join(str(p) for p in err["loc"])
-    origin = source
-    if overrides and any(_related(o.split("=", 1)[0].strip(), path) for o in overrides):
-        origin = "--set"
-    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        section = _section_for(err["loc"][:-1])
-        expected = ", ".join(f.name for f in dataclasses.fields(section)) if section else ""
-        msg = f"{origin}: unknown key '{path}' (expected one of: {expected})"
-    else:
-        msg = f"{origin}: {path}: {err['msg']} (got {err.get('input')!r})"
-    more = len(exc.errors()) - 1
-    return msg + (f" [+{more} more]" if more else "")
-
-
-def _related(key: str, path: str) -> bool:
-    """An override `key` explains an error at `path` if one is a prefix of the other (`bogus.key` makes
-    `bogus` unknown; `capture_sizes=[1, x]` fails at `capture_sizes.1`)."""
-    return key == path or key.startswith(path + ".") or path.startswith(key + ".")
-
-
-def _reject_bools(obj_cls: type, data: Any, path: str, source: str, overrides: list[str]) -> None:
-    """pydantic's lax mode reads `true` as 1 for an int field; a bool is only accepted for bool fields."""
-    if not isinstance(data, dict):
-        return
-    fields = {f.name: f for f in dataclasses.fields(obj_cls)}
-    for key, value in data.items():
-        f = fields.get(key)
-        if f is None:
-            continue
-        if dataclasses.is_dataclass(f.default_factory) if callable(f.default_factory) else False:
-            _reject_bools(f.default_factory, value, f"{path}{key}.", source, overrides)  # type: ignore[arg-type]
-        elif isinstance(value, bool) and "bool" not in str(f.type):
-            where = path + key
-            origin = (
-                "--set" if any(_related(o.split("=", 1)[0].strip(), where) for o in overrides) else source
-            )
-            raise RecipeError(f"{origin}: {where}: expected {f.type}, got a boolean ({value!r})")
-
-
-def _section_for(loc) -> type | None:
-    cls: type = EngineConfig
-    for part in loc:
-        field = {f.name: f for f in dataclasses.fields(cls)}.get(str(part))
-        if field is None or not isinstance(field.default_factory, type):  # type: ignore[arg-type]
-            return None
-        cls = field.default_factory  # type: ignore[assignment]
-    return cls
+def _origin(message: str, source: str, overrides: list[str]) -> str:
+    """`--set` when an override explains the error (its key path is a prefix of the failing one, or the
+    other way round: `bogus.key` makes `bogus` unknown; `capture_sizes=[1, x]` fails at `capture_sizes.1`),
+    else the recipe file."""
+    words = message.replace("'", " ").replace("=", " ").replace(":", " ").split()
+    paths = [w for w in words if "." in w or w.isidentifier()]
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if any(key == p or key.startswith(p + ".") or p.startswith(key + ".") for p in paths):
+            return "--set"
+    return source
 
 
 def config_from_overrides(overrides: list[str]) -> EngineConfig:

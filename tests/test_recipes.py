@@ -103,7 +103,7 @@ def test_nested_set_errors_are_attributed_to_set(item) -> None:
         ("exit.threshold=2", ["--set: exit.threshold:", "less than or equal to 1", "(got 2)"]),
         ("exit.threshold=0", ["--set: exit.threshold:", "greater than 0"]),
         ("kv.gpu_memory_utilization=1.5", ["--set: kv.gpu_memory_utilization:", "less than or equal to 1"]),
-        ("kv.layout=plane", ["--set: kv.layout:", "'planes' or 'shared'", "'plane'"]),
+        ("kv.layout=plane", ["--set: kv.layout:", "'planes', 'shared' or 'packed'", "'plane'"]),
         ("scheduler.max_num_seqs=abc", ["--set: scheduler.max_num_seqs:", "valid integer"]),
         ("scheduler.max_num_seqs=3.5", ["--set: scheduler.max_num_seqs:", "fractional"]),
         ("kv.prefix_caching=maybe", ["--set: kv.prefix_caching:", "valid boolean"]),

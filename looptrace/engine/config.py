@@ -1,80 +1,198 @@
-"""Engine configuration: every knob and toggle a recipe can set.
+"""Engine configuration: every knob and toggle a recipe can set, validated where it is built.
 
-These are plain dataclasses so the engine has no validation dependency. `looptrace.recipes` validates a
-YAML recipe against them (pydantic reads `__pydantic_config__`, so unknown keys are rejected with their
-path; numeric bounds live in each field's metadata: `ge`, `gt`, `le`). Toggles are data: each
-string-valued choice selects one implementation from a small table in the
-file that owns that role (kv_cache.LAYOUTS, scheduler.POLICIES, exit_policy.EXIT_POLICIES, noise.NOISE).
+Plain dataclasses with their rules in field metadata, checked by pydantic (the same schema the YAML recipes
+are read with): constructing a section validates it, `validate_config` re-checks a whole (possibly mutated)
+config, and both raise `ConfigError` with one line naming the key, the value and what was expected.
+Numeric bounds are `ge`/`gt`/`le` metadata; cross-field rules live in each section's `check()`.
+
+Toggles are data: each string-valued choice selects one implementation from a small table in the file that
+owns that role (kv_cache.LAYOUTS, scheduler.POLICIES, exit_policy.EXIT_POLICIES, noise.NOISE).
+
+Every setting declares its exactness **rung** (metadata `rung`): what changing it away from the base may do
+to the generated tokens. R0: bitwise identical under the same batches; R1: per-row arithmetic unchanged, but
+batch composition (and so GEMM shapes) may change; R2: same distribution, different random numbers; R3:
+changed arithmetic that needs an accuracy check. A choice may grade each value (`{"packed": "R0", ...}`).
+`toggle_rung` reads them; `looptrace diff` grades its evidence against them.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
-_STRICT = {"extra": "forbid"}  # read by pydantic when validating a recipe
+from pydantic import TypeAdapter, ValidationError
+
+_STRICT = {"extra": "forbid"}  # read by pydantic: unknown keys are errors
+RUNGS = ("R0", "R1", "R2", "R3")
+
+
+class ConfigError(ValueError):
+    """An invalid engine setting; the message is one line naming the key, the value and what was expected."""
+
+
+def _meta(rung: str | dict[str, str], **bounds: Any) -> dict[str, Any]:
+    return {"rung": rung, **bounds}
 
 
 @dataclass
 class KVConfig:
     __pydantic_config__ = _STRICT
     # `planes`: one KV plane per recurrence depth (LAST_EXITED); `shared`: one plane, every loop of a core
-    # layer overwrites the same slot.
-    layout: Literal["planes", "shared"] = "planes"
-    block_size: int = field(default=16, metadata={"ge": 1})
+    # layer overwrites the same slot; `packed`: planes with dead slots removed (prelude/coda layers only in
+    # plane 0), the same values at other addresses.
+    layout: Literal["planes", "shared", "packed"] = field(
+        default="planes", metadata=_meta({"planes": "R0", "packed": "R0", "shared": "R3"})
+    )
+    block_size: int = field(default=16, metadata=_meta("R1", ge=1))
     # Pool size in blocks. None: CPU gets `cpu_pool_tokens` tokens; CUDA sizes the pool from free memory.
-    num_blocks: int | None = field(default=None, metadata={"ge": 1})
-    cpu_pool_tokens: int = field(default=8192, metadata={"ge": 1})
-    gpu_memory_utilization: float = field(default=0.90, metadata={"gt": 0, "le": 1})
+    num_blocks: int | None = field(default=None, metadata=_meta("R1", ge=1))
+    cpu_pool_tokens: int = field(default=8192, metadata=_meta("R1", ge=1))
+    gpu_memory_utilization: float = field(default=0.90, metadata=_meta("R1", gt=0, le=1))
     # Blocks kept free at admission (headroom against fragmentation).
-    watermark_blocks: int = field(default=0, metadata={"ge": 0})
-    # Prefix cache over full blocks (chained SHA-256 keys); pages publish only at full coverage.
-    prefix_caching: bool = True
+    watermark_blocks: int = field(default=0, metadata=_meta("R1", ge=0))
+    # Prefix cache over full blocks (chained SHA-256 keys).
+    prefix_caching: bool = field(default=True, metadata=_meta("R1"))
+    # When a cached page is published: `all_planes` (base) only once every plane and layer covers it (Huginn
+    # never publishes); `per_plane` once each plane covers the layers it holds. A hit skips prefill rows,
+    # which changes batch composition (R1); with sequential noise it also shifts the draws (see noise).
+    prefix_publication: Literal["all_planes", "per_plane"] = field(
+        default="all_planes", metadata=_meta({"all_planes": "R0", "per_plane": "R1"})
+    )
     # Debug/test aid: fill freed blocks with a large finite value so stale history would show up.
-    poison_freed_blocks: bool = False
+    poison_freed_blocks: bool = field(default=False, metadata=_meta("R0"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        pass
 
 
 @dataclass
 class SchedulerConfig:
     __pydantic_config__ = _STRICT
     # `refill`: stage choice per step (base engine default); `norefill`: cohort fill -> core -> coda.
-    policy: Literal["refill", "norefill"] = "refill"
-    max_num_seqs: int = field(default=8, metadata={"ge": 1})
-    max_num_batched_tokens: int = field(default=128, metadata={"ge": 1})
-    prefill_chunk_size: int = field(default=128, metadata={"ge": 1})
-    max_prefill_batches_before_decode: int = field(default=1, metadata={"ge": 0})
-    min_coda_batch_size: int = field(default=1, metadata={"ge": 1})
-    admission: Literal["fcfs", "priority"] = "fcfs"
-    admission_scan_limit: int = field(default=64, metadata={"ge": 1})
-    max_admission_bypasses: int = field(default=8, metadata={"ge": 0})
+    policy: Literal["refill", "norefill"] = field(default="refill", metadata=_meta("R1"))
+    # Requests admitted and not finished at once (the carried-state slots); also the rows of one batch.
+    max_num_seqs: int = field(default=8, metadata=_meta("R1", ge=1))
+    max_num_batched_tokens: int = field(default=128, metadata=_meta("R1", ge=1))
+    prefill_chunk_size: int = field(default=128, metadata=_meta("R1", ge=1))
+    max_prefill_batches_before_decode: int = field(default=1, metadata=_meta("R1", ge=0))
+    min_coda_batch_size: int = field(default=1, metadata=_meta("R1", ge=1))
+    admission: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_meta("R1"))
+    admission_scan_limit: int = field(default=64, metadata=_meta("R1", ge=1))
+    max_admission_bypasses: int = field(default=8, metadata=_meta("R1", ge=0))
     # Longest prompt + output (tokens). None: the model's max positions (capped by the pool).
-    max_model_len: int | None = field(default=None, metadata={"ge": 1})
+    max_model_len: int | None = field(default=None, metadata=_meta("R1", ge=1))
+    # ExactLoop: a fixed-depth decode row runs all its loops in one submission (one graph for L loops).
+    loop_fusion: bool = field(default=False, metadata=_meta("R1"))
+    # ExactLoop: after an L-loop fused step, admit up to L prefill batches before the next decode step.
+    prefill_share: bool = field(default=False, metadata=_meta("R1"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        if self.prefill_share and not self.loop_fusion:
+            raise ConfigError("scheduler.prefill_share=true needs scheduler.loop_fusion=true")
 
 
 @dataclass
 class ExitConfig:
     __pydantic_config__ = _STRICT
-    # `fixed`: every token runs max_loops; `threshold`: Ouro's cumulative exit probability with min_loops.
-    policy: Literal["fixed", "threshold"] = "fixed"
-    threshold: float = field(default=1.0, metadata={"gt": 0, "le": 1})
-    min_loops: int = field(default=2, metadata={"ge": 1})
+    # `gate` (base engine): the model's exit gate, evaluated after every loop with a readback of its logit
+    # (Ouro: cumulative exit probability, exit once 1 - remaining >= threshold after min_loops); a model
+    # without a gate runs max_loops. `fixed`: every token runs max_loops and nothing is read back. At
+    # threshold 1.0 the two give the same tokens (R0); a threshold below 1 changes depth (R3).
+    policy: Literal["gate", "fixed"] = field(default="gate", metadata=_meta("R0"))
+    threshold: float = field(default=1.0, metadata=_meta("R3", gt=0, le=1))
+    min_loops: int = field(default=2, metadata=_meta("R3", ge=1))
     # None: the model's default depth (Ouro 4, Huginn 32).
-    max_loops: int | None = field(default=None, metadata={"ge": 1})
+    max_loops: int | None = field(default=None, metadata=_meta("R3", ge=1))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        if self.max_loops is not None and self.min_loops > self.max_loops:
+            raise ConfigError(
+                f"exit.min_loops={self.min_loops} exceeds exit.max_loops={self.max_loops}: expected <="
+            )
 
 
 @dataclass
 class GraphConfig:
     __pydantic_config__ = _STRICT
-    enabled: bool = True  # only on CUDA
-    max_graphs: int = field(default=16, metadata={"ge": 0})
-    max_batch_size: int = field(default=128, metadata={"ge": 1})
+    enabled: bool = field(default=True, metadata=_meta("R0"))  # only on CUDA
+    max_graphs: int = field(default=16, metadata=_meta("R0", ge=0))
+    max_batch_size: int = field(default=128, metadata=_meta("R0", ge=1))
     # `none`: the first `max_graphs` keys stay forever (base engine); `lru`: evict the least recently used.
-    eviction: Literal["none", "lru"] = "none"
+    eviction: Literal["none", "lru"] = field(default="none", metadata=_meta("R0"))
     # None: capture lazily on first use. A list: capture only these row counts, others run eager
     # (fallback reason `unseen_size`).
-    capture_sizes: list[int] | None = None
+    capture_sizes: list[int] | None = field(default=None, metadata=_meta("R0"))
     # Also capture the coda (Huginn coda layers + head; Ouro head) per row count.
-    coda: bool = True
+    coda: bool = field(default=True, metadata=_meta("R0"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        if self.eviction == "lru" and self.max_graphs < 1:
+            raise ConfigError("cuda_graphs.eviction=lru needs cuda_graphs.max_graphs >= 1 (got 0)")
+        bad = [s for s in self.capture_sizes or [] if not 1 <= s <= self.max_batch_size]
+        if bad:
+            raise ConfigError(
+                f"cuda_graphs.capture_sizes: {bad[0]} is outside 1..max_batch_size ({self.max_batch_size})"
+            )
+
+
+@dataclass
+class KernelConfig:
+    __pydantic_config__ = _STRICT
+    # ExactLoop exact fused kernels (RMSNorm, RoPE, SiLU·mul with rounding fences), CUDA only: bitwise equal
+    # to the eager ops, used under graph capture and for eager calls over 256 rows.
+    exact: bool = field(default=False, metadata=_meta("R0"))
+    # q/k/v and gate/up as one GEMM each: R0 only where a startup check finds them bitwise equal on the
+    # device in use (`rung_check: device`), otherwise R3.
+    fused_projections: bool = field(default=False, metadata=_meta("R0", rung_check="device"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class PrefillConfig:
+    __pydantic_config__ = _STRICT
+    # ExactLoop: variable-length packed prefill across requests in one forward instead of per-row; the
+    # attention reduction order changes (R3).
+    packed: bool = field(default=False, metadata=_meta("R3"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class DebugConfig:
+    __pydantic_config__ = _STRICT
+    # Test aid for `looptrace diff --localize`: add one ulp to the output of one op, named
+    # "stage:loop:layer:op" (e.g. "prefill:1:0:mlp"). Changes arithmetic on purpose (R3).
+    perturb: str | None = field(default=None, metadata=_meta("R3"))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        pass
 
 
 @dataclass
@@ -84,10 +202,155 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
     cuda_graphs: GraphConfig = field(default_factory=GraphConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
     # Huginn/OLMo initial recurrent state: `sequential` = per-request generator, trunc-normal draws in
-    # processing order (base engine); `zeros` = deterministic zero state.
-    noise: Literal["sequential", "zeros"] = "sequential"
-    attention: Literal["torch"] = "torch"
+    # processing order (base engine; batch-mates and chunk splits shift the draws); `position_keyed` =
+    # f(seed, position, channel), independent of order (R2); `zeros` = deterministic zero state (R3).
+    noise: Literal["sequential", "position_keyed", "zeros"] = field(
+        default="sequential", metadata=_meta({"sequential": "R0", "position_keyed": "R2", "zeros": "R3"})
+    )
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if is_dataclass(section):
+                section.check()
+
+
+# Validation ---------------------------------------------------------------------------------------------
+_inside_pydantic = contextvars.ContextVar("inside_pydantic", default=False)
+
+
+def _validate_on_build(section: Any) -> None:
+    """Run the section's schema and cross-field rules once, when user code builds it (pydantic itself
+    builds sections while validating; those calls are skipped)."""
+    if _inside_pydantic.get():
+        return
+    _schema_check(type(section), config_to_dict(section), "")
+    section.check()
+
+
+def _schema_check(cls: type, data: dict, prefix: str) -> None:
+    token = _inside_pydantic.set(True)
+    try:
+        _reject_bools(cls, data, prefix)
+        _adapter(cls).validate_python(data, strict=False)
+    except ValidationError as exc:
+        raise ConfigError(format_error(exc, prefix)) from None
+    finally:
+        _inside_pydantic.reset(token)
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def validate_config(cfg: EngineConfig) -> EngineConfig:
+    """Re-check a whole config (sections may have been mutated after they were built)."""
+    _schema_check(EngineConfig, config_to_dict(cfg), "")
+    cfg.check()
+    return cfg
+
+
+def build_config(data: dict[str, Any]) -> EngineConfig:
+    """An EngineConfig from nested plain data (a recipe's mapping); raises ConfigError."""
+    _schema_check(EngineConfig, data, "")
+    token = _inside_pydantic.set(True)
+    try:
+        cfg = _adapter(EngineConfig).validate_python(data, strict=False)
+    finally:
+        _inside_pydantic.reset(token)
+    cfg.check()
+    return cfg
+
+
+def format_error(exc: ValidationError, prefix: str = "") -> str:
+    err = exc.errors()[0]
+    path = prefix + ".".join(str(p) for p in err["loc"])
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        section = section_class(err["loc"][:-1])
+        expected = ", ".join(f.name for f in fields(section)) if section else ""
+        msg = f"unknown key '{path}' (expected one of: {expected})"
+    else:
+        msg = f"{path}: {err['msg']} (got {err.get('input')!r})"
+    more = len(exc.errors()) - 1
+    return msg + (f" [+{more} more]" if more else "")
+
+
+def _reject_bools(cls: type, data: Any, path: str) -> None:
+    """pydantic's lax mode reads `true` as 1 for an int field; a bool is only accepted for bool fields."""
+    if not isinstance(data, dict):
+        return
+    by_name = {f.name: f for f in fields(cls)}
+    for key, value in data.items():
+        f = by_name.get(key)
+        if f is None:
+            continue
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, type) and is_dataclass(sub):
+            _reject_bools(sub, value, f"{path}{key}.")
+        elif isinstance(value, bool) and "bool" not in str(f.type):
+            raise ConfigError(f"{path}{key}: expected {f.type}, got a boolean ({value!r})")
+
+
+def section_class(loc: Any) -> type | None:
+    """The config dataclass at a key path (() is EngineConfig), or None if the path is not a section."""
+    cls: type = EngineConfig
+    for part in loc:
+        f = {f.name: f for f in fields(cls)}.get(str(part))
+        sub = f.default_factory if f is not None else None
+        if not (isinstance(sub, type) and is_dataclass(sub)):
+            return None
+        cls = sub
+    return cls
+
+
+# Rungs --------------------------------------------------------------------------------------------------
+def setting_paths(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Flat {"section.key": value} of every setting."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            out.update(setting_paths(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def _field_at(path: str) -> dataclasses.Field:
+    *sections, key = path.split(".")
+    cls = section_class(sections)
+    by_name = {f.name: f for f in fields(cls)} if cls else {}
+    if key not in by_name:
+        raise ConfigError(f"unknown setting '{path}'")
+    return by_name[key]
+
+
+def toggle_rung(path: str, a: Any, b: Any) -> str:
+    """The declared rung of changing setting `path` from value `a` to `b` (R0 when they are equal)."""
+    if a == b:
+        return "R0"
+    rung = _field_at(path).metadata.get("rung", "R3")
+    if isinstance(rung, dict):
+        return max(rung.get(str(a), "R3"), rung.get(str(b), "R3"), key=RUNGS.index)
+    return rung
+
+
+def rung_check(path: str) -> str | None:
+    """'device' when the declared rung holds only where a startup check on the device confirms it."""
+    return _field_at(path).metadata.get("rung_check")
+
+
+def config_differences(a: EngineConfig, b: EngineConfig) -> dict[str, tuple[Any, Any]]:
+    pa, pb = setting_paths(a), setting_paths(b)
+    return {k: (pa[k], pb[k]) for k in pa if pa[k] != pb[k]}
 
 
 def config_to_dict(obj: Any) -> Any:

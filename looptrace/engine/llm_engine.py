@@ -1,4 +1,8 @@
-"""LLMEngine: the step loop. schedule -> run one stage -> advance request stages -> report.
+"""LLMEngine: the step loop. schedule -> run one stage -> apply the results to requests -> report.
+
+The engine owns the request lifecycle: `_advance` is the one function that changes a request's stage and
+progress (admission, chunk done, prelude done, loop done, token sampled, finish/abort). The scheduler only
+decides and keeps queues; the runner only computes; exit policies only decide.
 
 engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu")
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
@@ -9,14 +13,15 @@ while engine.has_unfinished_requests():
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from looptrace.engine.config import EngineConfig
-from looptrace.engine.exit_policy import EXIT_POLICIES
+from looptrace.engine.config import ConfigError, EngineConfig, validate_config
+from looptrace.engine.exit_policy import make_exit_policy
 from looptrace.engine.hooks import HookDispatcher, Observer, RequestEvent, StepInfo, StepResult
 from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
 from looptrace.engine.model_config import ModelSpec, resolve_preset
@@ -24,7 +29,7 @@ from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
 from looptrace.engine.request import Request, SamplingParams, Stage
 from looptrace.engine.runner import ModelRunner
-from looptrace.engine.scheduler import Batch, Scheduler
+from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
 from looptrace.engine.weights import create_model, init_random
 
 
@@ -41,6 +46,17 @@ def attention_backend(device: torch.device):
 
 class EngineInputError(ValueError):
     """A request or configuration the engine cannot serve (bad prompt, too long, bad setting)."""
+
+
+class Event(enum.Enum):
+    """What just happened to a request (the input of `LLMEngine._advance`)."""
+
+    ADMITTED = "admitted"
+    CHUNK_DONE = "chunk_done"
+    PRELUDE_DONE = "prelude_done"
+    LOOP_DONE = "loop_done"
+    TOKEN = "token"
+    ABORTED = "aborted"
 
 
 @dataclass
@@ -70,17 +86,15 @@ class LLMEngine:
         dtype: torch.dtype,
         seed: int = 0,
     ) -> None:
+        try:  # sections may have been changed after they were built
+            validate_config(cfg)
+        except ConfigError as exc:
+            raise EngineInputError(str(exc)) from None
         self.model, self.spec, self.cfg = model, model.spec, cfg
         self.device, self.dtype, self.seed = device, dtype, seed
         spec = self.spec
         self.max_loops = cfg.exit.max_loops or spec.default_loops
-        if self.max_loops < 1:
-            raise EngineInputError(f"exit.max_loops must be >= 1, got {self.max_loops}")
-        self.exit_policy = EXIT_POLICIES[cfg.exit.policy](cfg.exit, self.max_loops)
-        if self.exit_policy.needs_gate and spec.family != "ouro":
-            raise EngineInputError(
-                f"exit.policy '{cfg.exit.policy}' needs an exit gate; {spec.name} has none"
-            )
+        self.exit_policy = make_exit_policy(cfg.exit, self.max_loops, has_gate=spec.family == "ouro")
         self.layout = LAYOUTS[cfg.kv.layout](spec, self.max_loops)
         num_blocks = size_pool_blocks(
             spec,
@@ -112,8 +126,8 @@ class LLMEngine:
         self.hooks = HookDispatcher()
         self.noise = NOISE[cfg.noise](spec)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, cfg.kv.watermark_blocks)
-        self.scheduler.on_admit = self._on_admit
-        max_slots = max(1, min(num_blocks // self.layout.num_planes, 4096))
+        # One carried-state slot per request that may be active at once: admission caps them.
+        max_slots = cfg.scheduler.max_num_seqs
         self.runner = ModelRunner(
             model,
             cfg,
@@ -130,6 +144,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._early_exits: list[Request] = []
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
 
     # Construction ---------------------------------------------------------------------------------------
@@ -220,32 +235,22 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
-        self._finish(req, "abort")
+        self._advance(req, Event.ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
-    def _on_admit(self, req: Request, cached_tokens: int) -> None:
-        if not self.runner.take_slot(req):  # pragma: no cover - slots are sized to the pool
-            raise RuntimeError("no carried-state slot left")
-        if self.noise.uses_generator or not req.params.greedy:
-            seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.seq
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
-        if self.hooks.active:
-            self.hooks.request_event(RequestEvent("admitted", req.request_id, time.perf_counter()))
+    def num_running(self) -> int:
+        """Admitted and not finished (at most scheduler.max_num_seqs)."""
+        return len(self.scheduler.running)
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.remove(req)
-        req.stage, req.finish_reason = Stage.FINISHED, reason
-        self.blocks.free_request(req.request_id)
-        self.runner.release_slot(req)
-        if self.hooks.active:
-            kind = "aborted" if reason == "abort" else "finished"
-            self.hooks.request_event(RequestEvent(kind, req.request_id, time.perf_counter(), reason=reason))
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     # The step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
-        batch = self.scheduler.schedule()
+        """Schedule one batch (one stage), run it, apply the results. Returns the tokens sampled."""
+        batch = self._schedule()
         if batch is None:
             return []
         self.stats.steps += 1
@@ -253,78 +258,135 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.step_begin(self._step_info(batch))
         t0 = time.perf_counter()
-        outputs = self._execute(batch)
+        with torch.inference_mode(), attention_backend(self.device):
+            outputs = self._run(batch)
         self.stats.submissions = self.runner.submissions
         if self.hooks.active:
             self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
         return outputs
 
-    def _execute(self, batch: Batch) -> list[TokenOutput]:
-        with torch.inference_mode(), attention_backend(self.device):
-            if batch.stage == Stage.PREFILL:
-                self._run_prefill(batch)
-            elif batch.stage == Stage.PRELUDE:
-                self.runner.prelude(batch.requests)
-                for r in batch.requests:
-                    self.scheduler.enqueue(r, Stage.RECURRENT)
-            elif batch.stage == Stage.RECURRENT:
-                self._run_recurrent(batch)
-            else:
-                return self._run_coda(batch)
+    def _schedule(self) -> Batch | None:
+        """The scheduler decides; admissions it makes are applied here before the batch is taken (an
+        admitted request's cached prefix decides where its first chunk starts)."""
+        choice = self.scheduler.choose()
+        if choice == ADMIT:
+            for admission in self.scheduler.admit():
+                self._advance(admission.request, Event.ADMITTED, admission=admission)
+            choice = self.scheduler.choose_after_admission()
+        return self.scheduler.take(choice) if choice is not None else None
+
+    def _run(self, batch: Batch) -> list[TokenOutput]:
+        """The runner computes; `_advance` applies each row's result."""
+        if batch.stage == Stage.PREFILL:
+            self.runner.prefill(batch.spans)
+            for span in batch.spans:
+                self._advance(span.request, Event.CHUNK_DONE, chunk=span.length)
+        elif batch.stage == Stage.PRELUDE:
+            self.runner.prelude(batch.requests)
+            for req in batch.requests:
+                self._advance(req, Event.PRELUDE_DONE)
+        elif batch.stage == Stage.RECURRENT:
+            gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
+            self._early_exits = []
+            for i, req in enumerate(batch.requests):
+                self._advance(req, Event.LOOP_DONE, gate=gates[i] if gates is not None else None)
+            if self._early_exits:  # one batched plane copy for every row that left early
+                self.runner.finalize_exits(self._early_exits)
+        else:
+            tokens = self.runner.coda(batch.requests)
+            return [self._advance(req, Event.TOKEN, token=tok) for req, tok in zip(batch.requests, tokens)]
         return []
 
-    def _run_prefill(self, batch: Batch) -> None:
-        self.runner.prefill(batch.spans)
-        unfinished = []
-        for span in batch.spans:
-            req = span.request
-            req.num_prefilled += span.length
+    def _advance(
+        self,
+        req: Request,
+        event: Event,
+        *,
+        admission: Admission | None = None,
+        chunk: int = 0,
+        gate: float | None = None,
+        token: int = 0,
+    ) -> TokenOutput | None:
+        """The request state machine: every stage transition and progress update happens here.
+
+        WAITING --ADMITTED--> PREFILL --CHUNK_DONE--> PREFILL (tail of the queue) | CODA (last chunk)
+        CODA --TOKEN--> PRELUDE | FINISHED;  PRELUDE --PRELUDE_DONE--> RECURRENT
+        RECURRENT --LOOP_DONE--> RECURRENT | CODA (exit; an early exit copies its KV slot deeper)
+        any --ABORTED--> FINISHED
+        """
+        if event == Event.ADMITTED:
+            assert admission is not None
+            req.num_cached = req.num_prefilled = admission.cached_tokens
+            req.state_slot = self.runner.take_slot()
+            if self.noise.uses_generator or not req.params.greedy:
+                seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.seq
+                req.generator = torch.Generator(device=self.device).manual_seed(seed)
+            req.stage = Stage.PREFILL  # the scheduler already queued it for this step's prefill
+            self._emit(req, "admitted")
+        elif event == Event.CHUNK_DONE:
+            req.num_prefilled += chunk
             self.blocks.publish(req.request_id, req.num_prefilled, len(req.prompt))
-            if span.is_last_chunk:
+            if req.num_prefilled == len(req.prompt):
                 req.loops_done = self.max_loops  # the first output token always has full depth
-                self.scheduler.enqueue(req, Stage.CODA)
+                self._move(req, Stage.CODA)
             else:
-                unfinished.append(req)
-        for req in reversed(unfinished):  # chunked prompts keep their place at the head of the queue
-            self.scheduler.enqueue(req, Stage.PREFILL, front=True)
+                self._move(req, Stage.PREFILL)
+        elif event == Event.PRELUDE_DONE:
+            req.loops_done, req.remaining_probability = 0, 1.0
+            self._move(req, Stage.RECURRENT)
+        elif event == Event.LOOP_DONE:
+            req.loops_done += 1
+            decision = self.exit_policy.decide(req.loops_done, req.remaining_probability, gate)
+            req.remaining_probability = decision.remaining_probability
+            if not decision.exited:
+                self._move(req, Stage.RECURRENT)
+            else:
+                if req.loops_done < self.max_loops:
+                    self._early_exits.append(req)  # its KV slot is copied deeper before the step ends
+                self._move(req, Stage.CODA)
+        elif event == Event.TOKEN:
+            return self._emit_token(req, token)
+        elif event == Event.ABORTED:
+            self._finish(req, "abort")
+        return None
 
-    def _run_recurrent(self, batch: Batch) -> None:
-        gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
-        exited = []
-        for i, req in enumerate(batch.requests):
-            if self.exit_policy.after_loop(req, gates[i] if gates is not None else None):
-                exited.append(req)
-            else:
-                self.scheduler.enqueue(req, Stage.RECURRENT)
-        early = [r for r in exited if r.loops_done < self.max_loops]
-        if early:
-            self.runner.finalize_exits(early)
-        for req in exited:
-            self.scheduler.enqueue(req, Stage.CODA)
+    def _emit_token(self, req: Request, token: int) -> TokenOutput:
+        req.outputs.append(token)
+        req.exit_depths.append(req.loops_done)
+        self.stats.output_tokens += 1
+        reason = None
+        if not req.params.ignore_eos and token in self.spec.eos_token_ids:
+            reason = "stop"
+        elif len(req.outputs) >= req.params.max_tokens:
+            reason = "length"
+        if self.hooks.active:
+            kind = "first_token" if len(req.outputs) == 1 else "token"
+            now = time.perf_counter()
+            self.hooks.request_event(
+                RequestEvent(kind, req.request_id, now, token, exit_depth=req.loops_done)
+            )
+        if reason is None:
+            self._move(req, Stage.PRELUDE)
+        else:
+            self._finish(req, reason)
+        return TokenOutput(req.request_id, token, reason is not None, reason, req.loops_done)
 
-    def _run_coda(self, batch: Batch) -> list[TokenOutput]:
-        tokens = self.runner.coda(batch.requests)
-        now, outputs = time.perf_counter(), []
-        for req, tok in zip(batch.requests, tokens):
-            req.outputs.append(tok)
-            req.exit_depths.append(req.loops_done)
-            self.stats.output_tokens += 1
-            reason = None
-            if not req.params.ignore_eos and tok in self.spec.eos_token_ids:
-                reason = "stop"
-            elif len(req.outputs) >= req.params.max_tokens:
-                reason = "length"
-            if self.hooks.active:
-                kind = "first_token" if len(req.outputs) == 1 else "token"
-                self.hooks.request_event(
-                    RequestEvent(kind, req.request_id, now, tok, exit_depth=req.loops_done)
-                )
-            if reason is None:
-                self.scheduler.enqueue(req, Stage.PRELUDE)
-            else:
-                self._finish(req, reason)
-            outputs.append(TokenOutput(req.request_id, tok, reason is not None, reason, req.loops_done))
-        return outputs
+    def _move(self, req: Request, stage: Stage) -> None:
+        req.stage = stage
+        self.scheduler.enqueue(req, stage)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        req.stage, req.finish_reason = Stage.FINISHED, reason
+        self.blocks.free_request(req.request_id)
+        if req.state_slot >= 0:
+            self.runner.release_slot(req.state_slot)
+            req.state_slot = -1
+        self._emit(req, "aborted" if reason == "abort" else "finished", reason=reason)
+
+    def _emit(self, req: Request, kind: str, reason: str | None = None) -> None:
+        if self.hooks.active:
+            self.hooks.request_event(RequestEvent(kind, req.request_id, time.perf_counter(), reason=reason))
 
     def _step_info(self, batch: Batch) -> StepInfo:
         loops = [r.loops_done for r in batch.requests] if batch.stage == Stage.RECURRENT else []

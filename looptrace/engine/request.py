@@ -54,7 +54,6 @@ class Request:
     finish_reason: str | None = None
     state_slot: int = -1  # row in the runner's carried-state pool
     generator: torch.Generator | None = None  # created on first use (noise and sampling share it)
-    admission_bypasses: int = 0
     seq: int = field(default_factory=lambda: next(_ids))  # FCFS tie-break; the engine numbers its own
 
     def __post_init__(self) -> None:

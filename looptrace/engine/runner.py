@@ -2,7 +2,8 @@
 
 The runner owns device tensors (KV pool, carried recurrent state, per-traversal metadata, CUDA graphs);
 it asks the block manager for addresses and keeps the written-state guard up to date. Each call of
-`execute` is one submission (one engine step). Stages:
+stage method (`prefill`, `prelude`, `recurrent`, `coda`) is one submission (one engine step). The runner
+computes and returns results; it never changes a request's stage or progress (the engine does). Stages:
 
 - PREFILL: one chunk per request, all loops in this step, depth-major (every chunk row does loop 1, then
   loop 2, ...). Huginn/OLMo also run the coda layers on non-final prompt positions to fill coda KV.
@@ -163,16 +164,12 @@ class ModelRunner:
         self.last_fallback: str | None = None
 
     # Carried-state slots ----------------------------------------------------------------------------------
-    def take_slot(self, req: Request) -> bool:
-        if not self.free_slots:
-            return False
-        req.state_slot = self.free_slots.pop()
-        return True
+    def take_slot(self) -> int:
+        """A free carried-state row; there is one per admissible request (scheduler.max_num_seqs)."""
+        return self.free_slots.pop()
 
-    def release_slot(self, req: Request) -> None:
-        if req.state_slot >= 0:
-            self.free_slots.append(req.state_slot)
-            req.state_slot = -1
+    def release_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
 
     # Metadata -------------------------------------------------------------------------------------------
     def _raw(self, rows: list[Row], plane_sets: list[list[int]], width: int) -> np.ndarray:
@@ -339,8 +336,6 @@ class ModelRunner:
         self.state_pool.index_copy_(0, slots, state)
         if inject is not None:
             self.inject_pool.index_copy_(0, slots, inject)
-        for r in requests:
-            r.loops_done, r.remaining_probability = 0, 1.0
 
     def _raw_no_kv(self, rows: list[Row]) -> np.ndarray:
         raw = np.zeros((1, len(rows), META_FIXED + 1), dtype=np.int64)
@@ -380,8 +375,6 @@ class ModelRunner:
                         "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel))
                     )
             self.hooks.loop_end("recurrent", loop_tag)
-        for r in requests:
-            r.loops_done += 1
         return out[1].float().tolist() if need_gate and len(out) > 1 else None
 
     def finalize_exits(self, requests: list[Request]) -> None:

@@ -1,8 +1,9 @@
 """Scheduler: stage queues, the per-step stage choice, admission by block budget.
 
 A batch is always one stage: prefill never shares a launch with decode, nor prelude/coda with the core.
-Recurrent batches mix depths (each row reads its own plane). The scheduler owns queues and progress;
-the runner owns tensors; the block manager owns blocks.
+Recurrent batches mix depths (each row reads its own plane). The scheduler decides (queues, admission,
+which rows form the batch); the runner computes; the engine applies the results to requests and moves them
+between stages; the block manager owns blocks.
 """
 
 from __future__ import annotations
@@ -39,23 +40,51 @@ class Batch:
         return sum(s.length for s in self.spans) if self.stage == Stage.PREFILL else len(self.requests)
 
 
+@dataclass
+class Admission:
+    request: Request
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What a stage policy sees. Policies are pure functions of it."""
+
+    prefill: int
+    prelude: int
+    recurrent: int
+    coda: int
+    decode_due: bool  # enough prefill batches since the last recurrent step
+    running: int  # admitted and not finished
+
+
+ADMIT = "admit"  # a policy's answer: run admission, then ask `after_admission`
+
+
 class RefillPolicy:
     """Base engine default: (1) PRELUDE if queued; (2) CODA if enough rows or no recurrent work;
     (3) RECURRENT if decode is due; (4) admit, then PREFILL; (5) PRELUDE, CODA, RECURRENT."""
 
-    def choose(self, s: Scheduler) -> Stage | None:
-        q, cfg = s.queues, s.cfg
-        if q[Stage.PRELUDE]:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.min_coda = cfg.min_coda_batch_size
+
+    def choose(self, v: QueueView) -> Stage | str | None:
+        if v.prelude:
             return Stage.PRELUDE
-        if q[Stage.CODA] and (len(q[Stage.CODA]) >= cfg.min_coda_batch_size or not q[Stage.RECURRENT]):
+        if v.coda and (v.coda >= self.min_coda or not v.recurrent):
             return Stage.CODA
-        if q[Stage.RECURRENT] and s.prefill_batches_since_recurrent >= cfg.max_prefill_batches_before_decode:
+        if v.recurrent and v.decode_due:
             return Stage.RECURRENT
-        s.admit()
-        if q[Stage.PREFILL]:
-            return Stage.PREFILL
-        for stage in (Stage.PRELUDE, Stage.CODA, Stage.RECURRENT):
-            if q[stage]:
+        return ADMIT
+
+    def after_admission(self, v: QueueView) -> Stage | None:
+        for stage, n in (
+            (Stage.PREFILL, v.prefill),
+            (Stage.PRELUDE, v.prelude),
+            (Stage.CODA, v.coda),
+            (Stage.RECURRENT, v.recurrent),
+        ):
+            if n:
                 return stage
         return None
 
@@ -63,11 +92,20 @@ class RefillPolicy:
 class NoRefillPolicy:
     """Cohorts: admit only when nothing runs; fill (prefill, prelude) -> core -> coda."""
 
-    def choose(self, s: Scheduler) -> Stage | None:
-        if not s.running:
-            s.admit()
-        for stage in (Stage.PREFILL, Stage.PRELUDE, Stage.RECURRENT, Stage.CODA):
-            if s.queues[stage]:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        pass
+
+    def choose(self, v: QueueView) -> Stage | str | None:
+        return ADMIT if not v.running else self.after_admission(v)
+
+    def after_admission(self, v: QueueView) -> Stage | None:
+        for stage, n in (
+            (Stage.PREFILL, v.prefill),
+            (Stage.PRELUDE, v.prelude),
+            (Stage.RECURRENT, v.recurrent),
+            (Stage.CODA, v.coda),
+        ):
+            if n:
                 return stage
         return None
 
@@ -76,69 +114,96 @@ POLICIES = {"refill": RefillPolicy, "norefill": NoRefillPolicy}
 
 
 class Scheduler:
+    """Owns the queues (which request waits where), admission and the KV claims of a batch. It never
+    changes a request's stage or progress: the engine applies every transition (`LLMEngine._advance`) and
+    places the request with `enqueue`."""
+
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, watermark_blocks: int) -> None:
         self.cfg, self.blocks, self.watermark = cfg, blocks, watermark_blocks
-        self.policy = POLICIES[cfg.policy]()
+        self.policy = POLICIES[cfg.policy](cfg)
         self.waiting: deque[Request] = deque()
         self.queues: dict[Stage, deque[Request]] = {st: deque() for st in (Stage.PREFILL, *DECODE_STAGES)}
-        self.running: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}  # admitted, not finished: at most cfg.max_num_seqs
+        self.bypasses: dict[str, int] = {}  # times a waiting request was passed over at admission
         self.prefill_batches_since_recurrent = 0
-        self.on_admit = None  # callback(request, cached_tokens), set by the engine
 
     # Queues ---------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def enqueue(self, req: Request, stage: Stage, front: bool = False) -> None:
-        req.stage = stage
-        (self.queues[stage].appendleft if front else self.queues[stage].append)(req)
+    def enqueue(self, req: Request, stage: Stage) -> None:
+        """Place a request at the tail of a stage queue (round-robin: an unfinished prefill goes behind
+        the requests already waiting for a chunk)."""
+        self.queues[stage].append(req)
 
     def remove(self, req: Request) -> None:
-        """Abort at any stage: drop from whichever queue holds it."""
+        """Finish or abort at any stage: drop from whichever queue holds it."""
         for q in (self.waiting, *self.queues.values()):
             if req in q:
                 q.remove(req)
         self.running.pop(req.request_id, None)
+        self.bypasses.pop(req.request_id, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.queues.values())
 
     # Admission ------------------------------------------------------------------------------------------
-    def admit(self) -> None:
-        """FCFS (or priority) scan of at most `admission_scan_limit` waiting requests; a request that does
-        not fit may be bypassed at most `max_admission_bypasses` times, then it blocks the queue."""
+    def admit(self) -> list[Admission]:
+        """FCFS (or priority) scan of at most `admission_scan_limit` waiting requests while fewer than
+        `max_num_seqs` run; a request that does not fit may be bypassed at most `max_admission_bypasses`
+        times, then it blocks the queue. Admitted requests claim their blocks and join the PREFILL queue."""
         if not self.waiting:
-            return
+            return []
         order = list(self.waiting)
         if self.cfg.admission == "priority":
             order.sort(key=lambda r: (r.params.priority, r.seq))
+        admitted: list[Admission] = []
         blocked: Request | None = None
         for req in order[: self.cfg.admission_scan_limit]:
+            if len(self.running) >= self.cfg.max_num_seqs:
+                break
             if self.blocks.can_admit(req.request_id, req.prompt, req.max_kv_tokens, self.watermark):
-                self._admit_one(req)
+                admitted.append(self._admit_one(req))
                 if blocked is not None:
-                    blocked.admission_bypasses += 1
-                    if blocked.admission_bypasses >= self.cfg.max_admission_bypasses:
-                        return
+                    n = self.bypasses[blocked.request_id] = self.bypasses.get(blocked.request_id, 0) + 1
+                    if n >= self.cfg.max_admission_bypasses:
+                        break
             elif blocked is None:
                 blocked = req
-                if req.admission_bypasses >= self.cfg.max_admission_bypasses:
-                    return
+                if self.bypasses.get(req.request_id, 0) >= self.cfg.max_admission_bypasses:
+                    break
+        return admitted
 
-    def _admit_one(self, req: Request) -> None:
+    def _admit_one(self, req: Request) -> Admission:
         self.waiting.remove(req)
+        self.bypasses.pop(req.request_id, None)
         cached = self.blocks.admit(req.request_id, req.prompt, req.max_kv_tokens)
-        req.num_cached = req.num_prefilled = cached
         self.running[req.request_id] = req
-        if self.on_admit is not None:
-            self.on_admit(req, cached)
-        self.enqueue(req, Stage.PREFILL)
+        self.queues[Stage.PREFILL].append(req)
+        return Admission(req, cached)
 
     # Batches --------------------------------------------------------------------------------------------
-    def schedule(self) -> Batch | None:
-        stage = self.policy.choose(self)
-        if stage is None:
-            return None
+    def view(self) -> QueueView:
+        q = self.queues
+        return QueueView(
+            prefill=len(q[Stage.PREFILL]),
+            prelude=len(q[Stage.PRELUDE]),
+            recurrent=len(q[Stage.RECURRENT]),
+            coda=len(q[Stage.CODA]),
+            decode_due=self.prefill_batches_since_recurrent >= self.cfg.max_prefill_batches_before_decode,
+            running=len(self.running),
+        )
+
+    def choose(self) -> Stage | str | None:
+        """The policy's pick for this step: a stage, ADMIT (run `admit`, then `choose_after_admission`),
+        or None when nothing can run."""
+        return self.policy.choose(self.view())
+
+    def choose_after_admission(self) -> Stage | None:
+        return self.policy.after_admission(self.view())
+
+    def take(self, stage: Stage) -> Batch | None:
+        """Pop the rows of one batch of `stage` (claiming the KV pages they will write)."""
         batch = self._take_prefill() if stage == Stage.PREFILL else self._take_rows(stage)
         if not batch.requests:
             return None

@@ -37,10 +37,10 @@ def make_engine(preset: str, layout: str, pages: int, exit_policy: str = "fixed"
     # (the shared layout's results depend on chunk boundaries, so solo and stream runs must chunk alike)
     sched = cfg.scheduler
     sched.prefill_chunk_size, sched.max_num_seqs, sched.max_num_batched_tokens = 8, 4, 32
-    if exit_policy == "threshold":
-        cfg.exit.policy, cfg.exit.threshold, cfg.exit.min_loops = "threshold", 0.8, 1
+    if exit_policy == "gate":
+        cfg.exit.policy, cfg.exit.threshold, cfg.exit.min_loops = "gate", 0.8, 1
     engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=5)
-    if exit_policy == "threshold":  # a sharper gate so tokens exit at mixed depths (as in test_oracle)
+    if exit_policy == "gate":  # a sharper gate so tokens exit at mixed depths (as in test_oracle)
         with torch.no_grad():
             engine.model.model.early_exit_gate.weight.mul_(10.0)
             engine.model.model.early_exit_gate.bias.fill_(0.0)
@@ -117,7 +117,7 @@ class Spec:
 @st.composite
 def streams(draw):
     preset, layout = draw(st.sampled_from(COMBOS))
-    exit_policy = draw(st.sampled_from(["fixed", "threshold"])) if preset == "ouro-tiny" else "fixed"
+    exit_policy = draw(st.sampled_from(["fixed", "gate"])) if preset == "ouro-tiny" else "fixed"
     pages = draw(st.integers(12, 20))  # the longest request (40 + 6 - 1 positions) needs 12 pages
     base = draw(st.lists(st.integers(3, 511), min_size=40, max_size=40))  # prompts share prefixes of it
     specs = []

@@ -66,7 +66,7 @@ def test_mixed_batch_chunked_prefill_matches_oracle(preset):
 def test_ouro_mixed_exit_depths_match_oracle():
     engine, rec = make_engine(
         "ouro-tiny",
-        exit__policy="threshold",
+        exit__policy="gate",
         exit__threshold=0.8,
         exit__min_loops=1,
         scheduler__max_num_seqs=4,

@@ -211,7 +211,7 @@ def test_blocked_head_request_is_bypassed_at_most_max_admission_bypasses_times()
     for i in range(4):
         engine.add_request(prompt(2, 300 + i), SamplingParams(max_tokens=1), request_id=f"S{i}")  # 1 page
     engine.step()
-    assert rec.kinds("admitted") == ["A", "S0", "S1"] and engine.requests["H"].admission_bypasses == 2
+    assert rec.kinds("admitted") == ["A", "S0", "S1"] and engine.scheduler.bypasses["H"] == 2
     s2 = engine.requests["S2"]  # it would fit, but H has used up its bypasses: S2 waits behind H
     assert engine.blocks.can_admit("S2", s2.prompt, s2.max_kv_tokens, 0)
     drain(engine)
