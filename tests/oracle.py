@@ -4,7 +4,8 @@ Written independently of the engine: plain functions over the checkpoint's publi
 position at a time, a dense K/V list per (physical layer, loop). Complex-number RoPE for Huginn, explicit
 rotate-half for Ouro/OLMo, explicit softmax attention. Semantics of the `planes` layout: at loop t a
 query reads each earlier position's key of loop t, or — if that position exited at depth e <= t — its
-key of loop e (the exit plane copied into deeper planes).
+key of loop e (the exit plane copied into deeper planes). Semantics of the `shared` layout: one slot per
+(layer, position) that every loop overwrites, so a query reads each earlier position's key of its last loop.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class DenseKV:
 
     kv: dict[tuple[int, int], list] = field(default_factory=dict)
 
-    def put(self, layer: int, loop: int, pos: int, k, v) -> None:
+    def put(self, layer: int, loop: int, pos: int, k, v, overwrite: bool = False) -> None:
         lst = self.kv.setdefault((layer, loop), [])
+        if overwrite and len(lst) == pos + 1:  # shared layout: a later loop replaces the slot
+            lst[pos] = (k, v)
+            return
         assert len(lst) == pos, f"layer {layer} loop {loop}: writing {pos} after {len(lst)}"
         lst.append((k, v))
 
@@ -79,8 +83,10 @@ class DenseKV:
 
 
 class Oracle:
-    def __init__(self, spec: ModelSpec, state_dict: dict[str, torch.Tensor], max_loops: int) -> None:
-        self.s, self.w, self.L = spec, state_dict, max_loops
+    def __init__(
+        self, spec: ModelSpec, state_dict: dict[str, torch.Tensor], max_loops: int, shared: bool = False
+    ) -> None:
+        self.s, self.w, self.L, self.shared = spec, state_dict, max_loops, shared
         self.kv = DenseKV()
         self.pos = 0
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # (pos, loop) -> state after the loop
@@ -105,7 +111,8 @@ class Oracle:
             k = k + w[prefix + "qk_bias"][1, 0]
         rope = rope_interleaved if s.rope_style == "interleaved" else rope_half
         q, k = rope(q, pos, s.rope_theta), rope(k, pos, s.rope_theta)
-        self.kv.put(layer, loop, pos, k, v)
+        loop = 0 if self.shared else loop
+        self.kv.put(layer, loop, pos, k, v, overwrite=self.shared)
         keys, vals = self.kv.read(layer, loop, pos)
         out = attend(q, keys, vals)
         return out @ w[prefix + ("o_proj.weight" if s.family == "ouro" else "proj.weight")].T
@@ -172,6 +179,8 @@ class Oracle:
         return logits
 
     def _copy_deeper(self, pos: int, depth: int, layers) -> None:
+        if self.shared:  # one slot per position already holds the exit loop's key
+            return
         for layer in layers:
             k, v = self.kv.kv[(layer, depth - 1)][pos]
             for t in range(depth, self.L):
@@ -179,11 +188,17 @@ class Oracle:
 
 
 def reference_run(
-    spec: ModelSpec, state_dict, max_loops: int, prompt: list[int], outputs: list[int], depths: list[int]
+    spec: ModelSpec,
+    state_dict,
+    max_loops: int,
+    prompt: list[int],
+    outputs: list[int],
+    depths: list[int],
+    shared: bool = False,
 ) -> tuple[Oracle, list[torch.Tensor]]:
     """Teacher-forced dense run: the prompt at full depth, then each fed-back output at its exit depth.
     Returns the oracle (hidden states, gates) and the logits that produced each output token."""
-    o = Oracle(spec, state_dict, max_loops)
+    o = Oracle(spec, state_dict, max_loops, shared)
     logits = []
     for tok in prompt[:-1]:
         o.step(tok, max_loops)

@@ -244,7 +244,17 @@ class ModelRunner:
 
     # Stages ---------------------------------------------------------------------------------------------
     def prefill(self, spans: list[PrefillSpan]) -> None:
+        """One chunk per request, all loops, depth-major. Under a layout that overwrites one plane per
+        loop (`shared`) the chunk runs one position per request at a time, so each row reads earlier
+        positions at their final loop and the result does not depend on the chunk size (base engine)."""
         self.submissions += 1
+        if not getattr(self.layout, "prefill_position_by_position", False):
+            self._prefill_rows(spans)
+            return
+        for k in range(max(s.length for s in spans)):
+            self._prefill_rows([PrefillSpan(s.request, s.start + k, 1) for s in spans if k < s.length])
+
+    def _prefill_rows(self, spans: list[PrefillSpan]) -> None:
         rows = [
             Row(s.request, p, s.request.prompt[p]) for s in spans for p in range(s.start, s.start + s.length)
         ]
@@ -268,17 +278,7 @@ class ModelRunner:
         if state is None:
             state = self.ops.state_init(embedded, [(s.request, s.length) for s in spans])
 
-        for t in range(self.max_loops):
-            plane = core_planes[t]
-            self._check(rows, plane, "core")
-            if self.hooks.active:
-                self.hooks.loop_begin("prefill", t)
-            state, _ = self.model.core(state, inject, ctx_of[plane])
-            self._mark(rows, plane, "core")
-            if self.hooks.active:
-                if self.hooks.wants_hidden:
-                    self._emit_hidden("prefill", t, rows, state)
-                self.hooks.loop_end("prefill", t)
+        state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
 
         last_rows = self._last_rows(spans)
         if self.model.has_coda_layers:
@@ -289,6 +289,27 @@ class ModelRunner:
             self.state_pool.index_copy_(0, slots, state.index_select(0, idx))
             if inject is not None:
                 self.inject_pool.index_copy_(0, slots, inject.index_select(0, idx))
+
+    def _core_loops(
+        self,
+        rows: list[Row],
+        state: torch.Tensor,
+        inject: torch.Tensor | None,
+        ctxs: list,
+        planes: list[int],
+    ) -> torch.Tensor:
+        """Every loop on these rows, depth-major: all rows do loop 1, then loop 2, ... (loop t on plane t)."""
+        for t in range(self.max_loops):
+            self._check(rows, planes[t], "core")
+            if self.hooks.active:
+                self.hooks.loop_begin("prefill", t)
+            state, _ = self.model.core(state, inject, ctxs[t])
+            self._mark(rows, planes[t], "core")
+            if self.hooks.active:
+                if self.hooks.wants_hidden:
+                    self._emit_hidden("prefill", t, rows, state)
+                self.hooks.loop_end("prefill", t)
+        return state
 
     @staticmethod
     def _last_rows(spans: list[PrefillSpan]) -> dict[str, int]:
@@ -413,6 +434,8 @@ class ModelRunner:
         (logits,) = self._maybe_graph(self.coda_graphs, len(rows), self._coda_pass, (raw, state))
         if has_kv:
             self._mark(rows, plane, "coda")
+        if self.hooks.active and self.hooks.wants_logits:
+            self.hooks.logits([r.request_id for r in requests], logits)
         tokens = self.ops.sampler(logits, requests)
         return self._to_host(tokens)
 

@@ -31,7 +31,13 @@ def check_against_oracle(engine: LLMEngine, rec: HiddenRecorder, ids: list[str])
     for rid in ids:
         req = engine.requests[rid]
         oracle, logits = reference_run(
-            engine.spec, sd, engine.max_loops, req.prompt, req.outputs, req.exit_depths
+            engine.spec,
+            sd,
+            engine.max_loops,
+            req.prompt,
+            req.outputs,
+            req.exit_depths,
+            shared=engine.cfg.kv.layout == "shared",
         )
         for (pos, loop), h in oracle.hidden.items():
             got = rec.states.get((rid, pos, loop))
@@ -85,3 +91,27 @@ def test_ouro_mixed_exit_depths_match_oracle():
     depths = {d for rid in ids for d in engine.requests[rid].exit_depths[1:]}
     assert len(depths) >= 3, f"expected mixed exit depths, got {depths}"
     check_against_oracle(engine, rec, ids)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_shared_layout_is_chunk_invariant_and_matches_oracle(preset):
+    """The shared layout prefills one position at a time (base engine), so chunk 1, 3 and 128 give the same
+    states bit for bit (one request at a time, so GEMM row counts match), and they match the dense
+    shared-slot oracle."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 17, 11)]
+    runs = []
+    for chunk in (1, 3, 128):
+        engine, rec = make_engine(
+            preset, kv__layout="shared", scheduler__prefill_chunk_size=chunk, scheduler__max_num_seqs=1
+        )
+        ids = [engine.add_request(p, SamplingParams(max_tokens=3)) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+        check_against_oracle(engine, rec, ids)
+        runs.append((rec.states, [engine.requests[i].outputs for i in ids]))
+    (base_states, base_tokens), *others = runs
+    for states, tokens in others:
+        assert tokens == base_tokens
+        assert states.keys() == base_states.keys()
+        assert all(torch.equal(states[k], base_states[k]) for k in base_states)
