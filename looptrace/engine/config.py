@@ -220,6 +220,11 @@ class EngineConfig:
             section = getattr(self, f.name)
             if is_dataclass(section):
                 section.check()
+        if self.scheduler.loop_fusion and self.exit.policy == "gate" and self.exit.threshold < 1.0:
+            raise ConfigError(
+                "scheduler.loop_fusion=true needs fixed-depth decode rows: exit.threshold="
+                f"{self.exit.threshold} lets tokens exit early (use exit.threshold=1.0 or exit.policy=fixed)"
+            )
 
 
 # Validation ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class FixedDepth:
     """Every token runs `max_loops`; nothing is read back (Huginn's only mode)."""
 
     needs_gate = False
+    can_exit_early = False
 
     def __init__(self, cfg: ExitConfig, max_loops: int) -> None:
         self.max_loops = max_loops
@@ -41,6 +42,7 @@ class GateExit:
 
     def __init__(self, cfg: ExitConfig, max_loops: int) -> None:
         self.max_loops, self.threshold, self.min_loops = max_loops, cfg.threshold, cfg.min_loops
+        self.can_exit_early = cfg.threshold < 1.0
 
     def decide(self, loops_done: int, remaining: float, gate_logit: float | None) -> ExitDecision:
         assert gate_logit is not None

@@ -55,6 +55,7 @@ class Event(enum.Enum):
     CHUNK_DONE = "chunk_done"
     PRELUDE_DONE = "prelude_done"
     LOOP_DONE = "loop_done"
+    LOOPS_DONE = "loops_done"
     TOKEN = "token"
     ABORTED = "aborted"
 
@@ -125,7 +126,11 @@ class LLMEngine:
         self.max_model_len = min(cfg.scheduler.max_model_len or spec.max_position, spec.max_position, cap)
         self.hooks = HookDispatcher()
         self.noise = NOISE[cfg.noise](spec)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, cfg.kv.watermark_blocks)
+        # Loop fusion: a decode row that cannot exit early runs all its loops in one submission.
+        self.fuse_loops = cfg.scheduler.loop_fusion and not self.exit_policy.can_exit_early
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.blocks, cfg.kv.watermark_blocks, self.max_loops if self.fuse_loops else 1
+        )
         # One carried-state slot per request that may be active at once: admission caps them.
         max_slots = cfg.scheduler.max_num_seqs
         self.runner = ModelRunner(
@@ -146,6 +151,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self._early_exits: list[Request] = []
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
+        from looptrace.engine.perturb import install_perturbation  # debug.perturb (test aid)
+
+        self.perturbation = install_perturbation(self, cfg.debug.perturb)
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -285,6 +293,10 @@ class LLMEngine:
             self.runner.prelude(batch.requests)
             for req in batch.requests:
                 self._advance(req, Event.PRELUDE_DONE)
+        elif batch.stage == Stage.RECURRENT and self.fuse_loops:
+            self.runner.recurrent_fused(batch.requests)
+            for req in batch.requests:
+                self._advance(req, Event.LOOPS_DONE)
         elif batch.stage == Stage.RECURRENT:
             gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
             self._early_exits = []
@@ -312,6 +324,7 @@ class LLMEngine:
         WAITING --ADMITTED--> PREFILL --CHUNK_DONE--> PREFILL (tail of the queue) | CODA (last chunk)
         CODA --TOKEN--> PRELUDE | FINISHED;  PRELUDE --PRELUDE_DONE--> RECURRENT
         RECURRENT --LOOP_DONE--> RECURRENT | CODA (exit; an early exit copies its KV slot deeper)
+        RECURRENT --LOOPS_DONE--> CODA (loop fusion: every loop in one step)
         any --ABORTED--> FINISHED
         """
         if event == Event.ADMITTED:
@@ -344,6 +357,9 @@ class LLMEngine:
                 if req.loops_done < self.max_loops:
                     self._early_exits.append(req)  # its KV slot is copied deeper before the step ends
                 self._move(req, Stage.CODA)
+        elif event == Event.LOOPS_DONE:  # loop fusion: all loops in one step, no early exit
+            req.loops_done = self.max_loops
+            self._move(req, Stage.CODA)
         elif event == Event.TOKEN:
             return self._emit_token(req, token)
         elif event == Event.ABORTED:
@@ -443,7 +459,7 @@ class LLMEngine:
         """(graph name, rows, thunk) for every captured CUDA graph; the thunk runs the graph's body eagerly
         (see GraphCache.run_body_eagerly) under the same modes as an engine step."""
         out = []
-        for cache in (self.runner.recurrent_graphs, self.runner.coda_graphs):
+        for cache in (self.runner.recurrent_graphs, self.runner.fused_graphs, self.runner.coda_graphs):
             if cache is None:
                 continue
             for rows in list(cache.entries):
@@ -457,7 +473,12 @@ class LLMEngine:
 
     def graph_counters(self) -> dict:
         out = {}
-        for name, cache in (("recurrent", self.runner.recurrent_graphs), ("coda", self.runner.coda_graphs)):
+        caches = (
+            ("recurrent", self.runner.recurrent_graphs),
+            ("recurrent_fused", self.runner.fused_graphs),
+            ("coda", self.runner.coda_graphs),
+        )
+        for name, cache in caches:
             if cache is not None:
                 out[name] = cache.counters.as_dict()
         return out

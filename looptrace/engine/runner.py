@@ -154,10 +154,13 @@ class ModelRunner:
         self.staging = HostStaging(device)
         self.submissions = 0
         self.recurrent_graphs: GraphCache | None = None
+        self.fused_graphs: GraphCache | None = None
         self.coda_graphs: GraphCache | None = None
         if device.type == "cuda" and cfg.cuda_graphs.enabled:
             mempool = torch.cuda.graph_pool_handle()
             self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
+            if cfg.scheduler.loop_fusion:
+                self.fused_graphs = GraphCache("recurrent_fused", self._fused_pass, cfg.cuda_graphs, mempool)
             if cfg.cuda_graphs.coda:
                 self.coda_graphs = GraphCache("coda", self._coda_pass, cfg.cuda_graphs, mempool)
         self.last_graph_mode: str | None = None
@@ -397,6 +400,44 @@ class ModelRunner:
                     )
             self.hooks.loop_end("recurrent", loop_tag)
         return out[1].float().tolist() if need_gate and len(out) > 1 else None
+
+    def recurrent_fused(self, requests: list[Request]) -> None:
+        """Loop fusion (ExactLoop): every row is a fresh token at depth 0 that cannot exit early; run all
+        `max_loops` loops in one submission (one CUDA graph for the L loops). Per-row arithmetic is that of
+        L single-loop steps; only the batch each loop runs in may differ (R1)."""
+        self.submissions += 1
+        loops = self.max_loops
+        rows = [Row(r, r.decode_position) for r in requests]
+        plane_sets = [[self.layout.plane("core", t)] * len(rows) for t in range(loops)]
+        for planes in plane_sets:
+            self._check(rows, planes[0], "core")
+        raw = self.staging.to_device(self._raw(rows, plane_sets, self._decode_width(rows)))
+        slots = raw[0][:, META_SLOT]
+        inputs = (raw, self.state_pool.index_select(0, slots))
+        if self.inject_pool is not None:
+            inputs += (self.inject_pool.index_select(0, slots),)
+        if self.hooks.active:  # observers see every loop: run them one by one, eagerly
+            state = inputs[1]
+            for t in range(loops):
+                self.hooks.loop_begin("recurrent", t)
+                (state,) = self._fused_pass(raw[t : t + 1], state, *inputs[2:])
+                if self.hooks.wants_hidden:
+                    self._emit_hidden("recurrent", t, rows, state)
+                self.hooks.loop_end("recurrent", t)
+            self.last_graph_mode, self.last_fallback = None, None
+            out = (state,)
+        else:
+            out = self._maybe_graph(self.fused_graphs, len(rows), self._fused_pass, inputs)
+        self.state_pool.index_copy_(0, slots, out[0])
+        for t in range(loops):
+            self._mark(rows, plane_sets[t][0], "core")
+
+    def _fused_pass(self, raw: torch.Tensor, state: torch.Tensor, inject: torch.Tensor | None = None):
+        """raw [loops, R, ...]: loop t reads and writes plane t."""
+        for t in range(raw.shape[0]):
+            ctx = self.metadata(raw[t], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+            state, _ = self.model.core(state, inject, ctx)
+        return (state,)
 
     def finalize_exits(self, requests: list[Request]) -> None:
         """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes

@@ -118,8 +118,15 @@ class Scheduler:
     changes a request's stage or progress: the engine applies every transition (`LLMEngine._advance`) and
     places the request with `enqueue`."""
 
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, watermark_blocks: int) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, blocks: BlockManager, watermark_blocks: int, fused_loops: int = 1
+    ) -> None:
         self.cfg, self.blocks, self.watermark = cfg, blocks, watermark_blocks
+        # Prefill batches allowed between two recurrent steps. With prefill share, an L-loop fused step
+        # is followed by up to L prefill batches (ExactLoop: fusion would otherwise admit L x less often).
+        self.prefill_allowance = cfg.max_prefill_batches_before_decode
+        if cfg.prefill_share:
+            self.prefill_allowance *= fused_loops
         self.policy = POLICIES[cfg.policy](cfg)
         self.waiting: deque[Request] = deque()
         self.queues: dict[Stage, deque[Request]] = {st: deque() for st in (Stage.PREFILL, *DECODE_STAGES)}
@@ -190,7 +197,7 @@ class Scheduler:
             prelude=len(q[Stage.PRELUDE]),
             recurrent=len(q[Stage.RECURRENT]),
             coda=len(q[Stage.CODA]),
-            decode_due=self.prefill_batches_since_recurrent >= self.cfg.max_prefill_batches_before_decode,
+            decode_due=self.prefill_batches_since_recurrent >= self.prefill_allowance,
             running=len(self.running),
         )
 
