@@ -24,14 +24,13 @@ from looptrace.engine.config import ConfigError, EngineConfig
 
 
 def _recipe_dir() -> Path:
-    """Installed wheel: the recipes ship as the data package `looptrace.recipe_files` (mapped from the
-    repository's top-level `recipes/`, see setup.py); a source checkout reads `recipes/` directly."""
-    root = Path(__file__).resolve().parent.parent
+    """A source checkout reads the top-level `recipes/`; an installed wheel carries them as the data
+    package `looptrace/recipe_files/` (mapped from `recipes/` by setup.py)."""
+    package = Path(__file__).resolve().parent
+    root = package.parent
     if (root / "pyproject.toml").is_file() and (root / "recipes").is_dir():
         return root / "recipes"
-    from importlib.resources import files
-
-    return Path(str(files("looptrace.recipe_files")))
+    return package / "recipe_files"
 
 
 RECIPE_DIR = _recipe_dir()
