@@ -48,18 +48,39 @@ class Sampler(nn.Module):
         return sample(logits, requests)
 
 
+class GateReadback(nn.Module):
+    """The exit gate's logits read back to the host after a recurrent step (the `gate` exit policy): one
+    device->host copy and one blocking sync per step on CUDA, as in the base engine."""
+
+    op_kind = "readback"
+
+    def forward(self, gate_logits: torch.Tensor) -> list[float]:
+        if not gate_logits.is_cuda:
+            return gate_logits.float().reshape(-1).tolist()
+        host = torch.empty(gate_logits.numel(), dtype=torch.float32, pin_memory=True)
+        host.copy_(gate_logits.float().reshape(-1), non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host.tolist()
+
+
 class StateInit(nn.Module):
-    """Initial recurrent state for Huginn/OLMo rows: one draw per run of rows of one request."""
+    """Initial recurrent state for Huginn/OLMo rows. `runs` lists the rows in order as runs of one request:
+    `(request, first position, rows)` (or `(request, rows)` where the positions are unknown). The noise
+    implementation decides what it uses: `sequential` one draw per run from the request's generator (in
+    processing order), `position_keyed` the request's seed and the positions (computed on the device)."""
 
     op_kind = "state_init"
 
     def __init__(self, noise) -> None:
         super().__init__()
         self.noise = noise
+        self.staging: HostStaging | None = None  # its own ring: per-row keys go up without a blocking copy
 
-    def forward(self, like: torch.Tensor, runs: list[tuple[Request, int]]) -> torch.Tensor:
-        parts = [self.noise.draw(n, like, req.generator) for req, n in runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def forward(self, like: torch.Tensor, runs: list[tuple]) -> torch.Tensor:
+        runs = [r if len(r) == 3 else (r[0], None, r[1]) for r in runs]
+        if self.staging is None:
+            self.staging = HostStaging(like.device)
+        return self.noise.initial_state(like, runs, self.staging.to_device)
 
 
 class PlaneCopy(nn.Module):
@@ -71,7 +92,7 @@ class PlaneCopy(nn.Module):
         super().__init__()
         self.pool = pool
 
-    def forward(self, copies: torch.Tensor) -> None:  # [n, 4]: src block, src offset, dst block, dst offset
+    def forward(self, copies: torch.Tensor) -> None:  # [n, 4]: src entry, src offset, dst entry, dst offset
         self.pool.copy_slots(copies)
 
 
@@ -147,6 +168,7 @@ class ModelRunner:
             dict(
                 metadata=self.metadata,
                 sampler=Sampler(),
+                gate_readback=GateReadback(),
                 state_init=StateInit(noise),
                 kv_copy=PlaneCopy(pool),
             )
@@ -181,6 +203,7 @@ class ModelRunner:
         bs = self.block_size
         raw = np.full((len(plane_sets), len(rows), META_FIXED + width), -1, dtype=np.int64)
         written = set()
+        entries: dict[tuple[str, int], np.ndarray] = {}  # (request, plane) -> entry base of every page
         for i, row in enumerate(rows):
             rid = row.request.request_id
             raw[:, i, META_SLOT] = row.request.state_slot
@@ -190,12 +213,15 @@ class ModelRunner:
             raw[:, i, META_TOKEN] = row.token
             need = row.pos // bs + 1
             for j, planes in enumerate(plane_sets):
-                table = self.blocks.table(rid, planes[i])
+                key = (rid, planes[i])
+                if key not in entries:
+                    entries[key] = self.blocks.entries(rid, planes[i])
+                table = entries[key]
                 raw[j, i, META_WBLOCK] = table[row.pos // bs]
                 raw[j, i, META_FIXED : META_FIXED + need] = table[:need]
-                slot = (planes[i], table[row.pos // bs], row.pos % bs)
+                slot = (planes[i], int(table[row.pos // bs]), row.pos % bs)
                 if slot in written:  # two rows of one traversal must never write the same slot
-                    raise RuntimeError(f"duplicate KV write at plane/block/offset {slot}")
+                    raise RuntimeError(f"duplicate KV write at plane/entry/offset {slot}")
                 written.add(slot)
         return raw
 
@@ -209,16 +235,28 @@ class ModelRunner:
     def _decode_width(self, rows: list[Row]) -> int:
         return self.fixed_width or self._width(rows)
 
-    def _check(self, rows: list[Row], plane: int, role: str) -> None:
+    def _check(self, rows: list[Row], plane: int, role) -> None:
+        """Every layer of `role` (or the given physical layer ids) in `plane` wrote each row's history."""
         firsts: dict[str, int] = {}
         for r in rows:  # a chunk's later rows see the rows written before them in this traversal
             firsts.setdefault(r.request.request_id, r.pos)
         for rid, pos in firsts.items():
             self.blocks.check_history(rid, plane, role, pos)
 
-    def _mark(self, rows: list[Row], plane: int, role: str) -> None:
+    def _mark(self, rows: list[Row], plane: int, role) -> None:
+        """Marks each row's position written by every layer of `role` (or the given layer ids) in `plane`;
+        consecutive positions of one request are marked as one range."""
+        run: list = []  # [request id, start, stop]
         for r in rows:
-            self.blocks.mark_written(r.request.request_id, plane, role, r.pos, r.pos + 1)
+            rid = r.request.request_id
+            if run and run[0] == rid and run[2] == r.pos:
+                run[2] += 1
+                continue
+            if run:
+                self.blocks.mark_written(run[0], plane, role, run[1], run[2])
+            run = [rid, r.pos, r.pos + 1]
+        if run:
+            self.blocks.mark_written(run[0], plane, role, run[1], run[2])
 
     # Traversals (also the bodies captured into CUDA graphs) ------------------------------------------------
     def _core_pass(self, raw: torch.Tensor, state: torch.Tensor, inject: torch.Tensor | None = None):
@@ -279,7 +317,7 @@ class ModelRunner:
             self._mark(rows, boundary, "prelude")
         state = self.model.first_state(embedded)
         if state is None:
-            state = self.ops.state_init(embedded, [(s.request, s.length) for s in spans])
+            state = self.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
 
         state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
 
@@ -355,7 +393,7 @@ class ModelRunner:
             self._mark(rows, plane, "prelude")
         state = self.model.first_state(embedded)
         if state is None:
-            state = self.ops.state_init(embedded, [(r, 1) for r in requests])
+            state = self.ops.state_init(embedded, [(r, r.decode_position, 1) for r in requests])
         slots = raw[:, META_SLOT]
         self.state_pool.index_copy_(0, slots, state)
         if inject is not None:
@@ -399,7 +437,7 @@ class ModelRunner:
                         "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel))
                     )
             self.hooks.loop_end("recurrent", loop_tag)
-        return out[1].float().tolist() if need_gate and len(out) > 1 else None
+        return self.ops.gate_readback(out[1]) if need_gate and len(out) > 1 else None
 
     def recurrent_fused(self, requests: list[Request]) -> None:
         """Loop fusion (ExactLoop): every row is a fresh token at depth 0 that cannot exit early; run all
@@ -440,14 +478,16 @@ class ModelRunner:
         return (state,)
 
     def finalize_exits(self, requests: list[Request]) -> None:
-        """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes
-        layout only; the shared layout already holds version e) and mark them written."""
+        """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes and
+        packed layouts; the shared layout already holds version e) and mark them written. The exit plane
+        must hold the position in every core layer (base rule), else `KVHistoryError`."""
         copies, marks = [], []
         for r in requests:
             e = r.loops_done
             exit_plane = self.layout.plane("core", e - 1)
             deeper = sorted({self.layout.plane("core", d) for d in range(e, self.max_loops)} - {exit_plane})
             pos = r.decode_position
+            self.blocks.check_written(r.request_id, exit_plane, "core", pos)
             src = self.blocks.slot(r.request_id, exit_plane, pos)
             for p in deeper:
                 copies.append((*src, *self.blocks.slot(r.request_id, p, pos)))

@@ -35,6 +35,7 @@ OP_KINDS = (
     "state_init",
     "kv_copy",
     "metadata",
+    "readback",
 )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, Observer, SamplingParams
 from looptrace.engine.model_config import PRESETS, with_overrides
@@ -321,3 +323,76 @@ def test_request_that_passes_validation_is_eventually_served_with_a_watermark():
             break
         engine.step()
     assert engine.requests[rid].finish_reason == "length"
+
+
+# --- active-request cap, round-robin prefill, gate default ---------------------------------------------
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seats=st.integers(1, 5),
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=14),
+    aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 40)), max_size=6),
+)
+def test_active_requests_never_exceed_max_num_seqs(seats, lengths, aborts):
+    """Requests beyond `max_num_seqs` wait; aborts free seats; nothing crashes; every request ends."""
+    engine, rec = make_engine(scheduler__max_num_seqs=seats)
+    ids = [engine.add_request(prompt(n, 10 + i), SamplingParams(max_tokens=3)) for i, n in enumerate(lengths)]
+    abort_at = {step: ids[i % len(ids)] for i, step in aborts}
+    for step in range(5000):
+        if step in abort_at:
+            engine.abort_request(abort_at[step])
+        active = [r for r in engine.requests.values() if r.stage.value not in ("waiting", "finished")]
+        assert len(active) == engine.num_running() <= seats
+        assert len(engine.runner.free_slots) == seats - len(active)
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert all(r.is_finished for r in engine.requests.values())
+    admitted_at_once = 0
+    live: set[str] = set()
+    for e in rec.events:
+        if e.kind == "admitted":
+            live.add(e.request_id)
+        elif e.kind in ("finished", "aborted"):
+            live.discard(e.request_id)
+        admitted_at_once = max(admitted_at_once, len(live))
+    assert admitted_at_once <= seats
+
+
+def test_more_requests_than_any_slot_pool_wait_instead_of_crashing():
+    """4,200 one-token requests (the old engine crashed past 4,096 admitted: 'no carried-state slot')."""
+    engine, rec = make_engine(scheduler__max_num_seqs=64)
+    for i in range(4200):
+        engine.add_request([3 + i % 400], SamplingParams(max_tokens=1))
+    drain(engine, limit=100_000)
+    assert len(rec.kinds("finished")) == 4200
+    assert max(s.num_rows for s in rec.steps) <= 64
+
+
+def test_unfinished_prefill_chunks_go_to_the_tail_round_robin():
+    """Two 400-token prompts with a 128-token budget: A, B, A, B, A, B, then both tails in one batch."""
+    engine, rec = make_engine(scheduler__max_num_batched_tokens=128, scheduler__prefill_chunk_size=128)
+    engine.add_request(prompt(400), SamplingParams(max_tokens=1), request_id="A")
+    engine.add_request(prompt(400, 20), SamplingParams(max_tokens=1), request_id="B")
+    drain(engine)
+    prefills = [s.request_ids for s in rec.steps if s.stage == "prefill"]
+    assert prefills == [["A"], ["B"], ["A"], ["B"], ["A"], ["B"], ["A", "B"]]
+
+
+def test_gate_policy_is_the_default_and_reads_the_gate_back_every_recurrent_step():
+    from looptrace.recipes import load_recipe
+
+    assert EngineConfig().exit.policy == "gate" == load_recipe("base").config.exit.policy
+    calls = {}
+    for policy in ("gate", "fixed"):
+        engine, rec = make_engine(exit__policy=policy)
+        count = [0]
+        engine.runner.ops.gate_readback.register_forward_hook(lambda *a, c=count: c.__setitem__(0, c[0] + 1))
+        engine.add_request(prompt(5), SamplingParams(max_tokens=4))
+        drain(engine)
+        calls[policy] = (count[0], engine.requests[next(iter(engine.requests))].outputs)
+    recurrent_steps = 4 * 3  # 3 decoded tokens x 4 loops
+    assert calls["gate"][0] == recurrent_steps and calls["fixed"][0] == 0
+    assert calls["gate"][1] == calls["fixed"][1]  # threshold 1.0: the same tokens (R0)
+    # Huginn has no gate: `gate` runs every token to max_loops, with no readback.
+    engine, _ = make_engine("huginn-tiny")
+    assert not engine.exit_policy.needs_gate
