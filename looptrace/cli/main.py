@@ -46,6 +46,26 @@ def _register_optional() -> None:
     from looptrace.cli.trace_cmd import trace_app
 
     app.add_typer(trace_app, name="trace")
+    # serve/top: module imports are light; fastapi, uvicorn and textual load inside the commands.
+    from looptrace.cli.serve_cmd import EPILOG as SERVE_EPILOG
+    from looptrace.cli.serve_cmd import serve
+    from looptrace.cli.top_cmd import EPILOG as TOP_EPILOG
+    from looptrace.cli.top_cmd import top
+
+    app.command(epilog=SERVE_EPILOG)(serve)
+    app.command(epilog=TOP_EPILOG)(top)
+    from looptrace.cli.diff_cmd import EPILOG as DIFF_EPILOG
+    from looptrace.cli.diff_cmd import diff
+
+    app.command(epilog=DIFF_EPILOG)(diff)
+    # issue #9: depth analysis and tiny-model training (torch/numpy load inside the commands).
+    from looptrace.cli.depth_cmd import EPILOG as DEPTH_EPILOG
+    from looptrace.cli.depth_cmd import depth
+    from looptrace.cli.train_cmd import EPILOG as TRAIN_EPILOG
+    from looptrace.cli.train_cmd import train_tiny
+
+    app.command(epilog=DEPTH_EPILOG)(depth)
+    app.command("train-tiny", epilog=TRAIN_EPILOG)(train_tiny)
 
 
 _register_optional()

@@ -1,0 +1,123 @@
+"""`looptrace top`: the live dashboard on a looptrace server, a vLLM Prometheus endpoint or a replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from looptrace.cli.common import EXIT_NO_ENV, UsageError, fail, friendly_errors
+
+EPILOG = """\
+[bold]EXAMPLES[/]
+
+  looptrace top                                        # the server at http://127.0.0.1:8000
+  looptrace top http://10.0.0.5:9000 --record s.jsonl  # record every snapshot while watching
+  looptrace top --replay s.jsonl --speed 4             # replay a recorded session 4x faster
+  looptrace top --prometheus http://vllm-host:8000/metrics   # any vLLM server's metrics
+  looptrace top --once                                 # one snapshot as a table (scripts, CI logs)
+  looptrace top --diff diff.json                       # with a diff result for the `d` screen
+
+[bold]KEYS[/]  q quit, ? help, p pause, r record, s sort, d diff screen, Tab next panel.
+Exit codes: 0 ok, 2 bad input (unreachable URL, malformed replay file), 3 environment missing.
+"""
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def top(
+    url: Annotated[str | None, typer.Argument(help="looptrace server URL.", show_default=DEFAULT_URL)] = None,
+    prometheus: Annotated[
+        str | None,
+        typer.Option(help="Watch a Prometheus endpoint (vLLM's /metrics) instead of a looptrace server."),
+    ] = None,
+    replay: Annotated[Path | None, typer.Option(help="Replay a session recorded with --record.")] = None,
+    speed: Annotated[float, typer.Option(help="Replay speed factor (0: as fast as possible).")] = 1.0,
+    record: Annotated[Path | None, typer.Option(help="Record every snapshot to this JSONL file.")] = None,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot as a table and exit.")] = False,
+    diff: Annotated[Path | None, typer.Option(help="A diff result JSON for the diff screen (d).")] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between snapshots.")] = 1.0,
+    screenshot: Annotated[
+        Path | None, typer.Option(help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
+    ] = None,
+) -> None:
+    """Live dashboard: throughput, TTFT/TPOT, requests by stage and loop, per-token probe counters, KV pool,
+    CUDA graphs, prefix cache and prefill depth."""
+    try:
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise fail(
+            f"`looptrace top` needs the serve extra ({exc.name} is missing): pip install 'looptrace[serve]'",
+            EXIT_NO_ENV,
+        ) from None
+    from looptrace.tui.sources import (
+        LooptraceSource,
+        PrometheusSource,
+        ReplayError,
+        ReplaySource,
+        SourceError,
+    )
+
+    with friendly_errors():
+        chosen = [x for x in (url, prometheus, replay) if x is not None]
+        if len(chosen) > 1:
+            raise UsageError("give one of URL, --prometheus URL or --replay FILE")
+        if interval <= 0 or speed < 0:
+            raise UsageError("--interval must be > 0 and --speed >= 0")
+        for path, opt in ((record, "--record"), (screenshot, "--screenshot")):
+            if path is not None and not path.parent.is_dir():
+                raise UsageError(f"{opt} {path}: directory {path.parent} does not exist")
+        diff_requests = None
+        if diff is not None:
+            from looptrace.tui.diff_data import DiffDataError, load_diff
+
+            try:
+                diff_requests = load_diff(diff)
+            except DiffDataError as exc:
+                raise UsageError(str(exc)) from None
+        try:
+            if replay is not None:
+                source = ReplaySource(replay)
+            elif prometheus is not None:
+                source = PrometheusSource(prometheus)
+            else:
+                source = LooptraceSource(url or DEFAULT_URL)
+            first = source.fetch()  # unreachable or wrong endpoint: fail here, in one line
+        except (ReplayError, SourceError) as exc:
+            raise UsageError(str(exc)) from None
+
+    if once:
+        from rich.console import Console
+
+        from looptrace.tui.once import snapshot_table
+
+        throughput = None
+        if replay is not None:
+            from looptrace.tui.model import DashboardModel
+
+            model = DashboardModel()
+            for _, snap in source.frames:
+                model.ingest(snap)
+            throughput = model.throughput[-1] if model.throughput else None
+        Console(width=110).print(snapshot_table(first, source.label, throughput))
+        return
+    try:
+        from looptrace.tui.app import LooptraceTop
+    except ImportError as exc:
+        raise fail(
+            f"`looptrace top` needs textual ({exc.name} is missing): pip install textual", EXIT_NO_ENV
+        ) from None
+    app = LooptraceTop(
+        source,
+        interval=interval,
+        speed=speed,
+        record_path=record,
+        diff=diff_requests,
+        screenshot=screenshot,
+    )
+    if screenshot is not None:
+        app.run(headless=True, size=(140, 44))
+    else:
+        app.run()

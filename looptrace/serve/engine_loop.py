@@ -1,0 +1,489 @@
+"""The engine thread: the only code that touches the engine while the server runs.
+
+HTTP handlers call `submit()` / `abort()`, which put a command on a thread-safe queue and return; the thread
+drains the queue between engine steps, steps the engine while it has work, and hands every event of a
+request (accepted, rejected, token, error) to that request's `sink`, a callable the handler gives it (the
+server's sink moves the event onto the handler's asyncio queue with `call_soon_threadsafe`). An abort is
+applied before the next step, so a disconnected client's KV blocks are freed within one engine step.
+
+The thread also publishes a stats snapshot (a plain dict, replaced whole, so readers never see a
+half-built one) every `snapshot_interval` seconds and whenever the engine goes idle: /metrics, /v1/stats,
+the stats stream and the in-process dashboard read it without touching the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from looptrace.engine.request import SamplingParams
+
+log = logging.getLogger("looptrace.serve")
+
+SCHEMA = "looptrace.stats/1"
+LATENCY_WINDOW_S = 60.0  # latency percentiles in a snapshot cover requests of the last minute
+MAX_LISTED_REQUESTS = 64
+
+
+# Events sent to a request's sink ---------------------------------------------------------------------------
+@dataclass
+class Accepted:
+    request_id: str
+
+
+@dataclass
+class Rejected:
+    message: str
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Accepted | Rejected | TokenEvent | Failed
+Sink = Callable[[Event], None]
+
+
+# Commands ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Submit:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: str
+
+
+@dataclass
+class _Track:
+    """What the loop keeps per live request (timings for the latency metrics)."""
+
+    sink: Sink
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class _Window:
+    """(time, value) pairs of the last LATENCY_WINDOW_S seconds."""
+
+    items: deque = field(default_factory=lambda: deque(maxlen=8192))
+
+    def add(self, t: float, v: float) -> None:
+        self.items.append((t, v))
+
+    def summary(self, now: float) -> dict[str, float | int | None]:
+        while self.items and self.items[0][0] < now - LATENCY_WINDOW_S:
+            self.items.popleft()
+        if not self.items:
+            return {"p50": None, "p99": None, "n": 0}
+        v = np.fromiter((x for _, x in self.items), dtype=float)
+        p50, p99 = np.percentile(v, [50, 99])
+        return {"p50": float(p50), "p99": float(p99), "n": int(v.size)}
+
+
+class EngineLoop:
+    """Owns an engine on a dedicated thread. Thread-safe methods: submit, abort, snapshot, hold, wait_*."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model_name: str = "looptrace",
+        metrics: Any = None,  # looptrace.serve.metrics.ServerMetrics (observes latencies and tokens)
+        probe: Any = None,  # looptrace.serve.live_probe.LiveProbe
+        snapshot_interval: float = 0.25,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine, self.model_name, self.metrics, self.probe = engine, model_name, metrics, probe
+        self.snapshot_interval = snapshot_interval
+        self.info = info or {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0  # submitted, not yet drained by the thread
+        self._wake = threading.Event()
+        self._gate = threading.Event()  # cleared while held: the thread neither drains nor steps
+        self._gate.set()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self._windows = {k: _Window() for k in ("ttft", "tpot", "itl", "e2el")}
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "aborted": 0}
+        self._started = time.time()
+        self._last_snapshot = 0.0
+        self._snapshot: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="looptrace-engine", daemon=True)
+        self.error: BaseException | None = None
+        self._publish(time.perf_counter())
+
+    # Public, thread-safe --------------------------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._gate.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.probe is not None:
+            self.probe.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def new_request_id(self, prefix: str = "cmpl") -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000:05d}"
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None
+    ) -> str:
+        rid = request_id or self.new_request_id()
+        with self._cond:
+            self._pending += 1
+            self._idle.clear()
+            self._cond.notify_all()
+        self._commands.put(_Submit(rid, list(prompt), params, sink, time.perf_counter()))
+        self._wake.set()
+        return rid
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._commands.put(_Abort(request_id, reason))
+        self._wake.set()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._snapshot
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Queue submissions without admitting them; on exit they are all added before the next step, in
+        submission order (one batch, as an offline run that adds them together)."""
+        self._gate.clear()
+        try:
+            yield
+        finally:
+            self._gate.set()
+            self._wake.set()
+
+    def wait_pending(self, n: int, timeout: float = 30.0) -> bool:
+        """Until at least `n` submissions wait to be drained (with `hold()`: queued requests)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending >= n, timeout)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Until nothing is queued or running and a fresh snapshot has been published."""
+        return self._idle.wait(timeout)
+
+    # The thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._gate.wait()
+            if self._stop.is_set():
+                break
+            self._drain()
+            busy = self.engine.has_unfinished_requests()
+            if busy:
+                self._step()
+            now = time.perf_counter()
+            if not busy or now - self._last_snapshot >= self.snapshot_interval:
+                self._publish(now)
+            if not busy:
+                with self._cond:
+                    if self._pending == 0 and self._commands.empty():
+                        self._idle.set()
+                self._wake.wait(self.snapshot_interval)
+                self._wake.clear()
+        self._abort_all("server shutting down")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Submit):
+                self._add(cmd)
+                with self._cond:
+                    self._pending -= 1
+            else:
+                self._abort(cmd.request_id, cmd.reason)
+
+    def _add(self, cmd: _Submit) -> None:
+        from looptrace.engine.llm_engine import EngineInputError
+
+        try:
+            rid = self.engine.add_request(
+                cmd.prompt, cmd.params, request_id=cmd.request_id, arrival_time=None
+            )
+        except (EngineInputError, ValueError) as exc:
+            _send(cmd.sink, Rejected(str(exc)))
+            return
+        self._tracks[rid] = _Track(cmd.sink, cmd.arrival, len(cmd.prompt), cmd.params.max_tokens)
+        self._totals["prompt_tokens"] += len(cmd.prompt)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(cmd.prompt))
+        _send(cmd.sink, Accepted(rid))
+
+    def _abort(self, rid: str, reason: str) -> None:
+        track = self._tracks.pop(rid, None)
+        if track is None:
+            return
+        self.engine.abort_request(rid)
+        self._forget(rid)
+        self._totals["aborted"] += reason == "abort"
+        self._finished(track, time.perf_counter(), reason)
+
+    def _abort_all(self, message: str) -> None:
+        for rid, track in list(self._tracks.items()):
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(rid)
+            self._forget(rid)
+            _send(track.sink, Failed(message))
+        self._tracks.clear()
+
+    def _forget(self, rid: str) -> None:
+        # The engine keeps finished requests in `requests`; a server must not grow without bound.
+        with contextlib.suppress(Exception):
+            self.engine.requests.pop(rid, None)
+
+    def _step(self) -> None:
+        probe = self.probe
+        if probe is not None:
+            probe.before_step()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
+            log.exception("engine step failed; failing the requests in flight")
+            self.error = exc
+            if probe is not None:
+                probe.abandon()
+            self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+            return
+        if probe is not None:
+            probe.after_step(len(outputs))
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            track = self._tracks.get(out.request_id)
+            if track is None:
+                continue
+            track.tokens += 1
+            self._totals["generation_tokens"] += 1
+            if m is not None:
+                m.generation_tokens.inc()
+            if track.first is None:
+                track.first = now
+                self._windows["ttft"].add(now, now - track.arrival)
+                if m is not None:
+                    m.ttft.observe(now - track.arrival)
+            else:
+                self._windows["itl"].add(now, now - track.last)
+                if m is not None:
+                    m.itl.observe(now - track.last)
+            track.last = now
+            _send(track.sink, TokenEvent(out.token_id, out.finished, out.finish_reason))
+            if out.finished:
+                self._tracks.pop(out.request_id, None)
+                self._forget(out.request_id)
+                self._finished(track, now, out.finish_reason or "length")
+
+    def _finished(self, track: _Track, now: float, reason: str) -> None:
+        self._totals["requests_finished"] += 1
+        m = self.metrics
+        e2el = now - track.arrival
+        self._windows["e2el"].add(now, e2el)
+        tpot = None
+        if track.tokens > 1 and track.first is not None and track.last is not None:
+            tpot = (track.last - track.first) / (track.tokens - 1)
+            self._windows["tpot"].add(now, tpot)
+        if m is not None:
+            m.finished(reason)
+            m.e2el.observe(e2el)
+            if tpot is not None:
+                m.tpot.observe(tpot)
+
+    # Snapshot -------------------------------------------------------------------------------------------
+    def _publish(self, now: float) -> None:
+        try:
+            self._snapshot = self._build_snapshot(now)
+        except Exception:  # noqa: BLE001 - stats must never stop serving
+            log.exception("building the stats snapshot failed")
+        self._last_snapshot = now
+
+    def _build_snapshot(self, now: float) -> dict[str, Any]:
+        e = self.engine
+        reqs = list(getattr(e, "requests", {}).values())
+        live = [r for r in reqs if getattr(r, "stage", None) is not None and _stage(r) != "finished"]
+        waiting = [r for r in live if _stage(r) == "waiting"]
+        running = [r for r in live if _stage(r) != "waiting"]
+        max_loops = int(getattr(e, "max_loops", 0) or 0)
+        listed = []
+        for r in sorted(live, key=lambda r: getattr(r, "arrival_time", 0.0))[:MAX_LISTED_REQUESTS]:
+            listed.append(
+                {
+                    "id": r.request_id,
+                    "stage": _stage(r),
+                    "loop": int(getattr(r, "loops_done", 0)),
+                    "max_loops": max_loops,
+                    "tokens": len(getattr(r, "outputs", [])),
+                    "max_tokens": int(getattr(getattr(r, "params", None), "max_tokens", 0) or 0),
+                    "prompt_tokens": len(getattr(r, "prompt", [])),
+                    "age_s": round(max(0.0, now - float(getattr(r, "arrival_time", now))), 3),
+                }
+            )
+        stats = getattr(e, "stats", None)
+        steps = int(getattr(stats, "steps", 0))
+        subs = int(getattr(stats, "submissions", 0))
+        out_tokens = int(getattr(stats, "output_tokens", 0))
+        return {
+            "schema": SCHEMA,
+            "source": "looptrace",
+            "time": time.time(),
+            "uptime_s": round(time.time() - self._started, 3),
+            "model": self.model_name,
+            "info": self.info,
+            "requests": {"running": len(running), "waiting": len(waiting), "list": listed},
+            "tokens": {
+                "prompt_total": self._totals["prompt_tokens"],
+                "generation_total": self._totals["generation_tokens"],
+                "requests_finished": self._totals["requests_finished"],
+                "requests_aborted": self._totals["aborted"],
+            },
+            "latency": {k: w.summary(now) for k, w in self._windows.items()},
+            "engine": {
+                "steps": steps,
+                "submissions": subs,
+                "output_tokens": out_tokens,
+                "steps_per_token": steps / out_tokens if out_tokens else None,
+                "submissions_per_token": subs / out_tokens if out_tokens else None,
+                "steps_by_stage": dict(getattr(stats, "steps_by_stage", {}) or {}),
+            },
+            "kv": kv_state(e),
+            "graphs": _graphs(e),
+            "prefix": _prefix(e),
+            "prefill_depth": _prefill_depth(e),
+            "probe": self.probe.result() if self.probe is not None else None,
+        }
+
+
+def _send(sink: Sink, event: Event) -> None:
+    try:
+        sink(event)
+    except Exception:  # noqa: BLE001 - a closed client loop must not hurt the engine thread
+        log.debug("dropping an event for a closed client", exc_info=True)
+
+
+def _stage(req: Any) -> str:
+    stage = getattr(req, "stage", "")
+    return str(getattr(stage, "value", stage))
+
+
+def kv_state(e: Any) -> dict[str, Any]:
+    """Blocks held by requests, by the prefix cache only (evictable) and free; live vs dead slots per plane
+    for the pages requests hold. Read defensively: engine internals may be renamed."""
+    blocks = getattr(e, "blocks", None)
+    num = int(getattr(blocks, "num_blocks", 0) or 0)
+    used = int(blocks.used_blocks()) if blocks is not None else 0
+    cache = getattr(blocks, "cache", None) or {}
+    refcount = getattr(blocks, "refcount", None)
+    cached_only = 0
+    if refcount is not None:
+        cached_only = sum(1 for bl in cache.values() for b in bl if int(refcount[b]) == 1)
+    request_blocks = max(0, used - cached_only)
+    layout = getattr(e, "layout", None)
+    spec = getattr(e, "spec", None)
+    planes: list[dict[str, Any]] = []
+    num_planes = int(getattr(layout, "num_planes", 1) or 1)
+    block_size = int(getattr(blocks, "block_size", 0) or 0)
+    tokens_per_plane = request_blocks // num_planes * block_size
+    if layout is not None and spec is not None and hasattr(layout, "roles_in_plane"):
+        per_role = {"prelude": spec.n_prelude, "core": spec.n_core, "coda": spec.n_coda}
+        for p in range(num_planes):
+            live = sum(per_role.get(r, 0) for r in layout.roles_in_plane(p))
+            dead = spec.num_layers - live
+            planes.append(
+                {"plane": p, "live_slots": live * tokens_per_plane, "dead_slots": dead * tokens_per_plane}
+            )
+    return {
+        "layout": getattr(layout, "name", None),
+        "num_blocks": num,
+        "block_size": block_size,
+        "used_blocks": used,
+        "request_blocks": request_blocks,
+        "cached_blocks": cached_only,
+        "free_blocks": num - used,
+        "usage": request_blocks / num if num else 0.0,
+        "planes": planes,
+    }
+
+
+def _graphs(e: Any) -> dict[str, Any]:
+    try:
+        counters = e.graph_counters()
+    except Exception:  # noqa: BLE001
+        counters = {}
+    out: dict[str, Any] = {"enabled": bool(counters), "caches": {}}
+    runner = getattr(e, "runner", None)
+    for name, c in counters.items():
+        cache = getattr(runner, f"{name}_graphs", None)
+        entries = len(getattr(cache, "entries", {}) or {})
+        out["caches"][name] = {
+            **c,
+            "fallback_reasons": dict(c.get("fallback_reasons", {})),
+            "graphs": entries,
+        }
+    return out
+
+
+def _prefix(e: Any) -> dict[str, Any]:
+    blocks = getattr(e, "blocks", None)
+    st = dict(getattr(blocks, "stats", {}) or {})
+    hits, queries = int(st.get("prefix_hit_tokens", 0)), int(st.get("prefix_query_tokens", 0))
+    return {
+        "enabled": bool(getattr(blocks, "prefix_caching", False)),
+        "hit_tokens": hits,
+        "query_tokens": queries,
+        "hit_rate": hits / queries if queries else None,
+        "evictions": int(st.get("evictions", 0)),
+    }
+
+
+def _prefill_depth(e: Any) -> float | None:
+    """Current prefill depth P, once the engine exposes one (`prefill_depth` attribute or stats field)."""
+    for obj in (e, getattr(e, "stats", None), getattr(e, "runner", None)):
+        value = getattr(obj, "prefill_depth", None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None

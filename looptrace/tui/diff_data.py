@@ -1,0 +1,80 @@
+"""The diff screen's input: two token streams per request (arms A and B) and where they first diverge.
+
+Format (what `looptrace diff` writes, or any dict of the same shape):
+
+    {"requests": [{"id": "r0", "a_tokens": [1, 2, 3], "b_tokens": [1, 2, 4], "first_divergence": 2}, ...]}
+
+`first_divergence` is the index of the first differing position (a length difference counts at the shorter
+length), or null when the streams are identical; when the key is missing it is computed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class DiffDataError(ValueError):
+    pass
+
+
+@dataclass
+class DiffRequest:
+    id: str
+    a_tokens: list[int]
+    b_tokens: list[int]
+    first_divergence: int | None
+    a_text: list[str] | None = None  # optional decoded pieces, one per token
+    b_text: list[str] | None = None
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _tokens(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise DiffDataError(f"{where}: expected a list of token ids")
+    return list(value)
+
+
+def parse_diff(data: Any, source: str = "diff data") -> list[DiffRequest]:
+    if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
+        raise DiffDataError(f'{source}: expected {{"requests": [...]}}')
+    out = []
+    for i, r in enumerate(data["requests"]):
+        where = f"{source}: requests[{i}]"
+        if not isinstance(r, dict):
+            raise DiffDataError(f"{where}: expected an object")
+        a, b = (
+            _tokens(r.get("a_tokens"), f"{where}.a_tokens"),
+            _tokens(r.get("b_tokens"), f"{where}.b_tokens"),
+        )
+        if "first_divergence" in r:
+            fd = r["first_divergence"]
+            if fd is not None and (not isinstance(fd, int) or isinstance(fd, bool) or fd < 0):
+                raise DiffDataError(f"{where}.first_divergence: expected a non-negative integer or null")
+        else:
+            fd = first_divergence(a, b)
+        texts = [r.get(k) if isinstance(r.get(k), list) else None for k in ("a_text", "b_text")]
+        out.append(DiffRequest(str(r.get("id", i)), a, b, fd, *texts))
+    return out
+
+
+def load_diff(source: str | Path | dict) -> list[DiffRequest]:
+    """A diff result file (JSON) or an already-loaded dict -> requests. DiffDataError on bad input."""
+    if isinstance(source, dict):
+        return parse_diff(source)
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DiffDataError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DiffDataError(f"{path}: not a JSON file ({exc})") from None
+    return parse_diff(data, str(path))

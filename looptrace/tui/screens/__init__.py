@@ -1,0 +1,1 @@
+"""One Screen per view: dashboard, diff, help."""

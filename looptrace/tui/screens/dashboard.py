@@ -1,0 +1,57 @@
+"""The live dashboard: every panel, redrawn from the `DashboardModel` by `refresh_from()`."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+
+from looptrace.tui.model import DashboardModel, fmt_ms, fmt_num
+from looptrace.tui.widgets.cache_panel import CachePanel
+from looptrace.tui.widgets.graphs_panel import GraphsPanel
+from looptrace.tui.widgets.kv_panel import KVPanel
+from looptrace.tui.widgets.probe_panel import ProbePanel
+from looptrace.tui.widgets.requests_panel import RequestsPanel
+from looptrace.tui.widgets.spark_panel import SparkPanel
+
+
+class DashboardScreen(Screen[None]):
+    BINDINGS = [Binding("tab", "app.focus_next", "Panel", key_display="Tab")]
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Grid(id="dashboard"):
+            yield SparkPanel("Output tokens/s", id="throughput")
+            yield SparkPanel("TTFT", id="ttft")
+            yield SparkPanel("TPOT", id="tpot")
+            yield RequestsPanel(id="requests")
+            yield ProbePanel(id="probe")
+            yield KVPanel(id="kv")
+            yield GraphsPanel(id="graphs")
+            yield CachePanel(id="cache")
+        yield Static("", id="status-line")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#throughput").focus()
+
+    def refresh_from(self, model: DashboardModel, status: str) -> None:
+        tp = list(model.throughput)
+        cur = tp[-1] if tp else None
+        peak = max(tp) if tp else None
+        self.query_one("#throughput", SparkPanel).show(
+            tp, f"[b]{fmt_num(cur)}[/] tok/s   peak {fmt_num(peak)}"
+        )
+        lat = model.section("latency") or {}
+        for key, p50s in (("ttft", model.ttft_p50), ("tpot", model.tpot_p50)):
+            d = lat.get(key) or {}
+            text = f"p50 [b]{fmt_ms(d.get('p50'))}[/]   p99 [b]{fmt_ms(d.get('p99'))}[/]   n={d.get('n', 0)}"
+            self.query_one(f"#{key}", SparkPanel).show(list(p50s), text)
+        self.query_one(RequestsPanel).show(model)
+        self.query_one(ProbePanel).show(model)
+        self.query_one(KVPanel).show(model)
+        self.query_one(GraphsPanel).show(model)
+        self.query_one(CachePanel).show(model)
+        self.query_one("#status-line", Static).update(status)

@@ -1,0 +1,1 @@
+"""Dashboard widgets: one per file, each drawing one panel from a `DashboardModel`."""

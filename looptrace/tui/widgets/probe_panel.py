@@ -1,0 +1,48 @@
+"""Per-token counters from the live probe: kernels, copies, syncs, graph replays, eager fallbacks."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.widgets import Static
+
+from looptrace.tui.model import DashboardModel, fmt_num
+
+
+class ProbePanel(Static, can_focus=True):
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id, classes="panel")
+        self.border_title = "Per token (live probe)"
+
+    def show(self, model: DashboardModel) -> None:
+        probe = model.section("probe")
+        engine = model.section("engine") or {}
+        t = Table.grid(padding=(0, 2))
+        t.add_column()
+        t.add_column(justify="right")
+        if not probe or "per_token" not in probe:
+            note = (probe or {}).get("error") or (
+                "no probe for this source"
+                if model.latest and engine is None
+                else "waiting for the first window"
+            )
+            t.add_row("probe", f"[dim]{note}[/]")
+            t.add_row("steps / token", fmt_num(engine.get("steps_per_token"), 2) if engine else "n/a")
+            t.add_row(
+                "submissions / token", fmt_num(engine.get("submissions_per_token"), 2) if engine else "n/a"
+            )
+            self.update(t)
+            return
+        pt = probe["per_token"]
+        mode = probe.get("mode", "?")
+        t.add_row("kernels" if mode == "gpu" else "ops (CPU)", fmt_num(pt.get("kernels")))
+        t.add_row("copies", fmt_num(pt.get("copies")))
+        t.add_row("syncs", fmt_num(pt.get("syncs"), 2))
+        t.add_row("graph replays", fmt_num(pt.get("graph_replays"), 2))
+        t.add_row("eager fallbacks", fmt_num(pt.get("eager_fallbacks"), 2))
+        reasons = probe.get("fallback_reasons") or {}
+        t.add_row("  reasons", ", ".join(f"{k} {v}" for k, v in reasons.items()) or "-")
+        t.add_row("steps / token", fmt_num(pt.get("steps"), 2))
+        t.add_row("submissions / token", fmt_num(pt.get("submissions"), 2))
+        w = probe.get("window") or {}
+        t.add_row("[dim]window[/]", f"[dim]{w.get('steps', '?')} steps, {w.get('tokens', '?')} tok[/]")
+        self.update(t)

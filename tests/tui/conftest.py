@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("textual")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SESSION = FIXTURES / "session.jsonl"
+DIFF = {
+    "requests": [
+        {"id": "same", "a_tokens": [5, 6, 7, 8], "b_tokens": [5, 6, 7, 8], "first_divergence": None},
+        {
+            "id": "req-1",
+            "a_tokens": [1, 2, 3, 4, 5, 6],
+            "b_tokens": [1, 2, 3, 9, 5, 6],
+            "first_divergence": 3,
+        },
+        {"id": "short", "a_tokens": [1, 2], "b_tokens": [1, 2, 3]},
+    ]
+}
+
+
+@pytest.fixture
+def vllm_endpoint():
+    """A loopback HTTP server that answers /metrics with recorded vLLM scrapes, one after the other
+    (the last one repeats)."""
+    scrapes = [(FIXTURES / f"vllm_metrics_{i}.txt").read_bytes() for i in (1, 2)]
+    served = {"n": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            body = scrapes[min(served["n"], len(scrapes) - 1)]
+            served["n"] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics", served
+    httpd.shutdown()
+    httpd.server_close()

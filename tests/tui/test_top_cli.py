@@ -1,0 +1,58 @@
+"""`looptrace top` from the command line: --once tables, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import socket
+
+from typer.testing import CliRunner
+
+from looptrace.cli.main import app
+from tests.tui.conftest import SESSION
+
+runner = CliRunner()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_once_on_a_replay_prints_a_table():
+    result = runner.invoke(app, ["top", "--replay", str(SESSION), "--once"])
+    assert result.exit_code == 0, result.output
+    assert "output tokens/s" in result.output and "TTFT p50 / p99" in result.output
+    assert "depth P" in result.output and "n/a" in result.output
+
+
+def test_once_on_a_vllm_endpoint(vllm_endpoint):
+    url, _ = vllm_endpoint
+    result = runner.invoke(app, ["top", "--prometheus", url, "--once"])
+    assert result.exit_code == 0, result.output
+    assert "12 / 3" in result.output  # running / waiting
+    assert "21.5 %" in result.output  # vllm:kv_cache_usage_perc
+
+
+def test_unreachable_url_is_exit_2():
+    result = runner.invoke(app, ["top", f"http://127.0.0.1:{_free_port()}", "--once"])
+    assert result.exit_code == 2
+    assert "cannot connect" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_malformed_replay_is_exit_2(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"schema": "looptrace.top-session/1"}\n{"t": 0, "snapshot": [1]}\n')
+    result = runner.invoke(app, ["top", "--replay", str(bad)])
+    assert result.exit_code == 2 and f"{bad}:2:" in result.output.replace("\n", "")
+    result = runner.invoke(app, ["top", "--replay", str(tmp_path / "missing.jsonl")])
+    assert result.exit_code == 2 and "no such file" in result.output
+
+
+def test_conflicting_sources_and_bad_diff_are_exit_2(tmp_path):
+    result = runner.invoke(app, ["top", "http://127.0.0.1:1", "--replay", str(SESSION)])
+    assert result.exit_code == 2
+    bad = tmp_path / "d.json"
+    bad.write_text("[]")
+    result = runner.invoke(app, ["top", "--replay", str(SESSION), "--diff", str(bad), "--once"])
+    assert result.exit_code == 2 and "requests" in result.output
