@@ -109,25 +109,50 @@ class RotaryInterleaved(nn.Module):
 class AttnContext:
     """Per-traversal attention metadata on the device, derived once and reused by every layer.
 
-    The KV pool is `[num_blocks, num_layers, block_size, kv_heads, head_dim]` (a block holds all layers).
-    Each row writes its K/V at (write_block, write_offset) and reads the blocks of its own plane's table.
+    Addressing is by *entry* (kv_cache.py): the pool `[num_blocks, num_layers, block_size, kv_heads,
+    head_dim]` is seen as `[num_blocks * num_layers, block_size, ...]`; slot s of block b is entry
+    `b * num_layers + s`. The metadata carries per-row *entry bases* (the layout's unit stride and plane
+    offset already applied); layer l reads and writes entry `base + l`. Each row writes its K/V at
+    (write_entry + l, write_offset) and reads the pages of its own plane's table.
     """
 
-    k_cache: torch.Tensor
+    k_cache: torch.Tensor  # entry view [num_blocks * num_layers, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor
-    write_block: torch.Tensor  # [R] int64
+    write_entry: torch.Tensor  # [R] int64 entry base of the page holding the row's position
     write_offset: torch.Tensor  # [R] int64
-    gather_blocks: torch.Tensor  # [R * nb] int64, -1 padding clamped to block 0 (masked out)
+    gather_entries: torch.Tensor  # [R * nb] int64 entry bases, -1 padding clamped to 0 (masked out)
     mask: torch.Tensor  # [R, 1, 1, nb * block_size] bool: key position < context length
     cos: torch.Tensor
     sin: torch.Tensor
     table_width: int  # nb
+    packed: PackedRows | None = None  # packed prefill: rows grouped into one query block per request
+
+
+@dataclass
+class PackedRows:
+    """Packed (variable-length) prefill: the rows of one request's chunk form one causal query block that
+    reads its request's pages once, instead of one query row per token with its own gathered table.
+    `slot_rows[s * n_max + i]` is the batch row of query i of sequence s (-1: padding); `table_rows[s]` the
+    row whose table (the sequence's last position) all its queries read; `row_slots[r]` where row r sits in
+    the packed block. Same function as per-row attention, another reduction shape (R3)."""
+
+    slot_rows: torch.Tensor  # [S * n_max] int64
+    table_rows: torch.Tensor  # [S] int64
+    row_slots: torch.Tensor  # [R] int64
+    n_max: int
 
 
 # Column layout of the raw per-row metadata tensor (one host->device copy per traversal): carried-state
-# slot, position, context length (= pos + 1), write block and offset, token id, then the block table.
+# slot, position, context length (= pos + 1), write entry base and offset, token id, then the row's page
+# table as entry bases (-1 padded).
 META_SLOT, META_POS, META_CTX, META_WBLOCK, META_WOFF, META_TOKEN = range(6)
+META_WENTRY = META_WBLOCK
 META_FIXED = 6
+
+
+def entry_view(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, num_layers, bs, kvh, D] -> [num_blocks * num_layers, bs, kvh, D] (a view)."""
+    return cache if cache.dim() == 4 else cache.flatten(0, 1)
 
 
 class AttentionMetadata(nn.Module):
@@ -148,11 +173,11 @@ class AttentionMetadata(nn.Module):
         mask = (key_pos[None, :] < raw[:, META_CTX, None]).view(rows, 1, 1, -1)
         cos, sin = rope.tables(positions, dtype)
         return AttnContext(
-            k_cache=k_cache,
-            v_cache=v_cache,
-            write_block=raw[:, META_WBLOCK],
+            k_cache=entry_view(k_cache),
+            v_cache=entry_view(v_cache),
+            write_entry=raw[:, META_WENTRY],
             write_offset=raw[:, META_WOFF],
-            gather_blocks=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
+            gather_entries=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
             mask=mask,
             cos=cos,
             sin=sin,
@@ -161,17 +186,18 @@ class AttentionMetadata(nn.Module):
 
     @staticmethod
     def for_plane(raw: torch.Tensor, base: AttnContext) -> AttnContext:
-        """Same rows, another plane: only the write address and the gathered blocks change."""
+        """Same rows, another plane: only the write address and the gathered entries change."""
         return AttnContext(
             k_cache=base.k_cache,
             v_cache=base.v_cache,
-            write_block=raw[:, META_WBLOCK],
+            write_entry=raw[:, META_WENTRY],
             write_offset=raw[:, META_WOFF],
-            gather_blocks=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
+            gather_entries=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
             mask=base.mask,
             cos=base.cos,
             sin=base.sin,
             table_width=base.table_width,
+            packed=base.packed,
         )
 
 
@@ -188,13 +214,16 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]
-        k_layer = ctx.k_cache[:, self.layer_id]  # [N, bs, kvh, D] view
-        v_layer = ctx.v_cache[:, self.layer_id]
-        k_layer.index_put_((ctx.write_block, ctx.write_offset), k)
-        v_layer.index_put_((ctx.write_block, ctx.write_offset), v)
-        keys = k_layer.index_select(0, ctx.gather_blocks).view(rows, -1, self.num_kv_heads, self.head_dim)
-        vals = v_layer.index_select(0, ctx.gather_blocks).view(rows, -1, self.num_kv_heads, self.head_dim)
+        # Entry view shifted by this layer: row e is entry e + layer_id (no per-layer index arithmetic).
+        k_layer = ctx.k_cache[self.layer_id :]
+        v_layer = ctx.v_cache[self.layer_id :]
+        k_layer.index_put_((ctx.write_entry, ctx.write_offset), k)
+        v_layer.index_put_((ctx.write_entry, ctx.write_offset), v)
+        keys = k_layer.index_select(0, ctx.gather_entries).view(rows, -1, self.num_kv_heads, self.head_dim)
+        vals = v_layer.index_select(0, ctx.gather_entries).view(rows, -1, self.num_kv_heads, self.head_dim)
         gqa = {"enable_gqa": True} if self.num_heads != self.num_kv_heads else {}
+        if ctx.packed is not None:
+            return self._packed(q, k_layer, v_layer, ctx, gqa)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys.transpose(1, 2),
@@ -204,3 +233,24 @@ class PagedAttention(nn.Module):
             **gqa,
         )
         return out.reshape(rows, self.num_heads * self.head_dim)
+
+    def _packed(self, q, k_layer, v_layer, ctx: AttnContext, gqa: dict) -> torch.Tensor:
+        pk, rows = ctx.packed, q.shape[0]
+        seqs = pk.table_rows.shape[0]
+        entries = ctx.gather_entries.view(rows, -1).index_select(0, pk.table_rows).reshape(-1)
+        keys = k_layer.index_select(0, entries).view(seqs, -1, self.num_kv_heads, self.head_dim)
+        vals = v_layer.index_select(0, entries).view(seqs, -1, self.num_kv_heads, self.head_dim)
+        take = pk.slot_rows.clamp_min(0)
+        qp = q.index_select(0, take).view(seqs, pk.n_max, self.num_heads, self.head_dim)
+        mask = ctx.mask.view(rows, -1).index_select(0, take).view(seqs, 1, pk.n_max, -1)
+        mask = mask | (pk.slot_rows < 0).view(seqs, 1, pk.n_max, 1)  # padding rows: any finite result
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2),
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            **gqa,
+        )  # [S, H, n_max, D]
+        out = out.transpose(1, 2).reshape(seqs * pk.n_max, self.num_heads * self.head_dim)
+        return out.index_select(0, pk.row_slots)

@@ -34,6 +34,7 @@ from looptrace.engine.layers import (
     META_WBLOCK,
     META_WOFF,
     AttentionMetadata,
+    PackedRows,
 )
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.request import Request
@@ -307,6 +308,8 @@ class ModelRunner:
         ctx0 = self.metadata(
             raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
         )
+        if self.cfg.prefill.packed:
+            ctx0.packed = self._packed_rows(spans)
         ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw_of[p], ctx0) for p in planes}
         tokens = raw_of[boundary][:, META_TOKEN]
 
@@ -351,6 +354,20 @@ class ModelRunner:
                     self._emit_hidden("prefill", t, rows, state)
                 self.hooks.loop_end("prefill", t)
         return state
+
+    def _packed_rows(self, spans: list[PrefillSpan]) -> PackedRows:
+        """Packed prefill: one query block per span (its rows are consecutive), padded to the longest."""
+        n_max = max(s.length for s in spans)
+        slot_rows = np.full(len(spans) * n_max, -1, dtype=np.int64)
+        row_slots, table_rows, offset = [], [], 0
+        for i, s in enumerate(spans):
+            slot_rows[i * n_max : i * n_max + s.length] = np.arange(offset, offset + s.length)
+            row_slots.extend(range(i * n_max, i * n_max + s.length))
+            table_rows.append(offset + s.length - 1)
+            offset += s.length
+        staged = self.staging.to_device(np.concatenate([slot_rows, table_rows, row_slots]))
+        a, b = len(slot_rows), len(slot_rows) + len(spans)
+        return PackedRows(staged[:a], staged[a:b], staged[b:], n_max)
 
     @staticmethod
     def _last_rows(spans: list[PrefillSpan]) -> dict[str, int]:
