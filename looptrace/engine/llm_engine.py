@@ -21,12 +21,21 @@ from dataclasses import dataclass, field
 import torch
 
 from looptrace.engine.config import ConfigError, EngineConfig, validate_config
+from looptrace.engine.depth_control import queue_age_p
 from looptrace.engine.exit_policy import make_exit_policy
-from looptrace.engine.hooks import HookDispatcher, Observer, RequestEvent, StepInfo, StepResult
+from looptrace.engine.hooks import (
+    DepthEvent,
+    HookDispatcher,
+    Observer,
+    RequestEvent,
+    StepInfo,
+    StepResult,
+)
 from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
+from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
 from looptrace.engine.request import Request, SamplingParams, Stage
 from looptrace.engine.runner import ModelRunner
 from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
@@ -93,6 +102,11 @@ class LLMEngine:
             raise EngineInputError(str(exc)) from None
         self.model, self.spec, self.cfg = model, model.spec, cfg
         self.device, self.dtype, self.seed = device, dtype, seed
+        # Rungs that a startup check on this device decides (config.rung_check == "device").
+        self.checked_rungs: dict[str, str] = {}
+        if cfg.kernels.fused_projections and fuse_model_projections(model):
+            exact = fused_gemm_is_exact(model.spec, device, dtype)
+            self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
         spec = self.spec
         self.max_loops = cfg.exit.max_loops or spec.default_loops
         self.exit_policy = make_exit_policy(cfg.exit, self.max_loops, has_gate=spec.family == "ouro")
@@ -107,16 +121,18 @@ class LLMEngine:
             cfg.kv.cpu_pool_tokens,
             cfg.kv.gpu_memory_utilization,
         )
-        if num_blocks < self.layout.num_planes:
+        if num_blocks < self.layout.blocks_per_page:
             raise EngineInputError(
-                f"kv.num_blocks={num_blocks} holds no page for {self.layout.num_planes} planes"
+                f"kv.num_blocks={num_blocks} holds no page of {self.layout.blocks_per_page} blocks"
             )
-        self.blocks = BlockManager(self.layout, num_blocks, cfg.kv.block_size, cfg.kv.prefix_caching)
+        self.blocks = BlockManager(
+            self.layout, num_blocks, cfg.kv.block_size, cfg.kv.prefix_caching, cfg.kv.prefix_publication
+        )
         self.pool = KVPool(spec, num_blocks, cfg.kv.block_size, dtype, device)
         if cfg.kv.poison_freed_blocks:
             self.blocks.on_freed = self.pool.poison
         # The watermark is never admitted into, so a request must fit in the rest of the pool.
-        usable = (num_blocks - cfg.kv.watermark_blocks) // self.layout.num_planes * cfg.kv.block_size
+        usable = (num_blocks - cfg.kv.watermark_blocks) // self.layout.blocks_per_page * cfg.kv.block_size
         if usable < 1:
             raise EngineInputError(
                 f"kv.watermark_blocks={cfg.kv.watermark_blocks} leaves no usable page "
@@ -147,6 +163,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_slots=max_slots,
         )
+        self._init_depth()  # LoopDuet split depth (issue #9)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._early_exits: list[Request] = []
@@ -261,6 +278,8 @@ class LLMEngine:
         batch = self._schedule()
         if batch is None:
             return []
+        if self._depth_on:
+            self._pick_depth()
         self.stats.steps += 1
         self.stats.steps_by_stage[batch.stage.value] = self.stats.steps_by_stage.get(batch.stage.value, 0) + 1
         if self.hooks.active:
@@ -272,6 +291,36 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
         return outputs
+
+    def _init_depth(self) -> None:
+        d = self.cfg.depth
+        self._depth_on = d.active
+        if not d.active:
+            return
+        s = self.max_loops
+        p = d.prefill_loops if d.prefill_loops is not None else s
+        if p > s:
+            raise EngineInputError(f"depth.prefill_loops={p} exceeds S = exit.max_loops = {s}")
+        self._p_max = min(d.p_max if d.p_max is not None else p, s)
+        if d.controller != "off" and d.p_min > self._p_max:
+            raise EngineInputError(f"depth.p_min={d.p_min} exceeds P_max={self._p_max}")
+        self.runner.prefill_loops = p
+
+    def _pick_depth(self) -> None:
+        """Before each step: the queue-age controller sets P; observers get the (S, P) in force."""
+        d, q = self.cfg.depth, None
+        if d.controller == "queue_age":
+            now = time.perf_counter()
+            waiting = [
+                now - r.arrival_time
+                for r in self.requests.values()
+                if not r.outputs and r.stage not in (Stage.WAITING, Stage.FINISHED)
+            ]
+            q = max(waiting, default=0.0)
+            self.runner.prefill_loops = queue_age_p(q, self._p_max, d.p_min, d.q_low, d.q_high)
+        if self.hooks.active:
+            p = self.runner.prefill_loops
+            self.hooks.depth(DepthEvent(self.stats.steps + 1, time.perf_counter(), p, self.max_loops, q))
 
     def _schedule(self) -> Batch | None:
         """The scheduler decides; admissions it makes are applied here before the batch is taken (an
@@ -443,16 +492,21 @@ class LLMEngine:
             "layout": self.layout.name,
             "planes": self.layout.num_planes,
             "block_size": self.blocks.block_size,
-            "num_blocks": self.blocks.num_blocks,
+            "num_blocks": self.blocks.pool_blocks,
+            "blocks_per_page": self.layout.blocks_per_page,
             "capacity_tokens": self.blocks.capacity_tokens,
+            # what the `planes` layout would hold in this pool (packed: more tokens in the same bytes)
+            "planes_capacity_tokens": self.blocks.pool_blocks // self.max_loops * self.blocks.block_size,
             "reserved_slots_per_token": reserved,
             "live_slots_per_token": live,
-            "dead_slots_per_token": reserved - live,
+            "dead_slots_per_token": self.layout.dead_slots_per_token,
+            "padding_slots_per_token": self.layout.padding_slots_per_token,
             "reserved_bytes_per_token": reserved * slot_bytes,
             "live_bytes_per_token": live * slot_bytes,
             "pool_bytes": 2 * self.pool.k_cache.numel() * self.pool.k_cache.element_size(),
             "max_model_len": self.max_model_len,
             "prefix_caching": self.blocks.prefix_caching,
+            **self.blocks.prefix_summary(),  # publication rule, query/hit tokens, hit rate
         }
 
     def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:

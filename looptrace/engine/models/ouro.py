@@ -34,12 +34,20 @@ class OuroAttention(nn.Module):
         self.rope = [rope]  # shared module, kept out of this layer's state dict
         self.paged = PagedAttention(layer_id, nh, kvh, d)
         self.shape = (nh, kvh, d)
+        self.qkv: torch.Tensor | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one GEMM: the three weights become views of one concatenated tensor (no extra memory,
+        checkpoint names unchanged)."""
+        self.qkv = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         nh, kvh, d = self.shape
-        q = self.q_proj(x).view(-1, nh, d)
-        k = self.k_proj(x).view(-1, kvh, d)
-        v = self.v_proj(x).view(-1, kvh, d)
+        if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
+            q, k, v = F.linear(x, self.qkv).split([nh * d, kvh * d, kvh * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
         q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
         return self.o_proj(self.paged(q, k, v, ctx))
 
@@ -53,8 +61,27 @@ class OuroMLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
+        self.gate_up: torch.Tensor | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        self.gate_up = _fuse([self.gate_proj, self.up_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class OuroLayer(nn.Module):

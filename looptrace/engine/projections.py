@@ -1,0 +1,48 @@
+"""Fused projections (ExactLoop): q/k/v and gate/up as one GEMM each, and the startup check that grades it.
+
+One GEMM over the concatenated weights computes the same dot products as the separate GEMMs, but the
+library may pick another algorithm for the wider output, so bits can differ. The toggle is R0 only where
+`fused_gemm_is_exact` finds every tested row count bitwise equal on the device in use; otherwise R3.
+Huginn and OLMo checkpoints already store fused `Wqkv` / `fc` weights: only Ouro changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looptrace.engine.model_config import ModelSpec
+
+CHECK_ROWS = (1, 2, 3, 8, 17, 64, 257)  # row buckets: decode batches, graph sizes, eager prefill
+
+
+def fuse_model_projections(model: nn.Module) -> int:
+    """Fuse every module that supports it; returns how many were fused."""
+    fused = 0
+    for module in model.modules():
+        if module is not model and hasattr(module, "fuse_projections"):
+            module.fuse_projections()
+            fused += 1
+    return fused
+
+
+def fused_gemm_is_exact(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> bool:
+    """Do `linear(x, cat(W1, W2, ...))` slices equal `linear(x, Wi)` bit for bit for the model's shapes?"""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    h, nh, kvh, d, inter = (
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.intermediate_size,
+    )
+    for widths in ((nh * d, kvh * d, kvh * d), (inter, inter)):
+        weights = [(torch.randn(w, h, generator=gen) * h**-0.5).to(device, dtype) for w in widths]
+        fused = torch.cat(weights)
+        for rows in CHECK_ROWS:
+            x = torch.randn(rows, h, generator=gen).to(device, dtype)
+            parts = F.linear(x, fused).split(list(widths), dim=-1)
+            if not all(torch.equal(p, F.linear(x, w)) for p, w in zip(parts, weights)):
+                return False
+    return True
