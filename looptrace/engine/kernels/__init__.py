@@ -1,0 +1,148 @@
+"""Exact fused kernels (ExactLoop R0): RMSNorm, RoPE, SiLU·mul in Triton with rounding fences.
+
+Each function has the signature and result of the engine's eager op, bit for bit on CUDA (see
+`tests/engine/test_gpu_kernels.py`, `bench/results/kernels_h200.md`), and falls back to the eager math for
+inputs it does not handle (CPU tensors, other dtypes). Triton is imported lazily, on the first call:
+importing this package (or `looptrace.engine`) never imports Triton.
+
+Policy (exactness.md §5): use the kernels only while a CUDA graph is being captured or for eager calls over
+256 rows; `use_exact(rows, capturing)` says which. Eager launches of Triton kernels cost more host time
+than the eager kernels they replace at small row counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+
+EAGER_ROWS_THRESHOLD = 256
+
+
+def use_exact(rows: int, capturing: bool) -> bool:
+    """True inside CUDA-graph capture, or for an eager call over 256 rows."""
+    return capturing or rows > EAGER_ROWS_THRESHOLD
+
+
+def is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """CUDA present and Triton importable (checked without importing it)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str = "auto") -> torch.Tensor:
+    """`layers.RMSNorm.forward`: `(x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight`."""
+    from looptrace.engine.kernels import rmsnorm
+
+    return rmsnorm.rms_norm(x, weight, eps, form)
+
+
+def rope_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`layers.RotaryHalf.forward(q, k, cos, sin)` (Ouro, OLMo)."""
+    from looptrace.engine.kernels import rope
+
+    return rope.rope_half(q, k, cos, sin)
+
+
+def rope_interleaved(q, k, cos, sin, qk_bias: torch.Tensor | None = None):
+    """`layers.RotaryInterleaved.forward(q + qk_bias[0], k + qk_bias[1], cos, sin)` (Huginn)."""
+    from looptrace.engine.kernels import rope
+
+    return rope.rope_interleaved(q, k, cos, sin, qk_bias)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` (named apart from the submodule `silu_mul`, which would shadow it on import)."""
+    from looptrace.engine.kernels.silu_mul import silu_mul
+
+    return silu_mul(gate, up)
+
+
+def calibrate(
+    device: torch.device | str = "cuda", widths=(2048, 5280), rows=(1, 2, 4, 8, 16, 300), trials: int = 4
+) -> dict:
+    """Check the one-kernel RMSNorm mean order against this GPU's torch `mean` once (before any capture).
+
+    Tries the torch-version default shuffle order, then the other one; keeps the first that matches on
+    every (width, bucket) with random data of wide dynamic range; if none does, disables the one-kernel
+    form (RMSNorm then uses the three-kernel form, exact by construction). Returns what it chose.
+    """
+    from looptrace.engine.kernels import reduce_order, rmsnorm
+
+    gen = torch.Generator(device=device).manual_seed(1234)
+    first = reduce_order.default_shuffle_order()
+    for order in (first, "asc" if first == "desc" else "desc"):
+        ok = True
+        for n in widths:
+            for m in rows:
+                if not reduce_order.reduce_shape(m, n).one_kernel_ok:
+                    continue
+                for _ in range(trials):
+                    x = torch.randn(m, n, generator=gen, device=device) * torch.exp2(
+                        torch.randint(-12, 12, (m, n), generator=gen, device=device).float()
+                    )
+                    x = x.bfloat16()
+                    w = torch.ones(n, dtype=torch.bfloat16, device=device)
+                    mean = torch.empty(m, dtype=torch.float32, device=device)
+                    rmsnorm.rms_norm_fused(x, w, 1e-6, order=order, mean_out=mean)
+                    ok = ok and torch.equal(mean, x.float().pow(2).mean(-1))
+                if not ok:
+                    break
+            if not ok:
+                break
+        if ok:
+            rmsnorm.set_order(order, one_kernel=True)
+            return {"order": order, "one_kernel": True}
+    rmsnorm.set_order(None, one_kernel=False)
+    return {"order": None, "one_kernel": False}
+
+
+def warmup(device: torch.device | str = "cuda", specs=()) -> None:
+    """Compile every kernel variant the given shapes need, outside graph capture.
+
+    specs: iterable of dicts with keys `hidden`, `heads`, `kv_heads`, `head_dim`, `intermediate`,
+    `rope` ('half' | 'interleaved'), `qk_bias` (bool), `rows` (iterable of row counts to cover).
+    """
+    from looptrace.engine.kernels import reduce_order
+
+    for spec in specs:
+        h, d = spec["hidden"], spec["head_dim"]
+        for m in spec.get("rows", (1, 2, 4, 8, 16, 512)):
+            x = torch.zeros(m, h, dtype=torch.bfloat16, device=device)
+            w = torch.ones(h, dtype=torch.bfloat16, device=device)
+            rms_norm(x, w, 1e-6)
+            if not reduce_order.reduce_shape(m, h).one_kernel_ok:
+                rms_norm(x, w, 1e-6, form="three")
+            q = torch.zeros(m, spec["heads"], d, dtype=torch.bfloat16, device=device)
+            k = torch.zeros(m, spec["kv_heads"], d, dtype=torch.bfloat16, device=device)
+            if spec.get("rope", "half") == "half":
+                c = torch.zeros(m, d, dtype=torch.bfloat16, device=device)
+                rope_half(q, k, c, c)
+            else:
+                c = torch.zeros(m, d // 2, dtype=torch.float32, device=device)
+                bias = None
+                if spec.get("qk_bias"):
+                    bias = torch.zeros(2, 1, spec["heads"], d, dtype=torch.bfloat16, device=device)
+                rope_interleaved(q, k, c, c, bias)
+            g = torch.zeros(m, spec["intermediate"], dtype=torch.bfloat16, device=device)
+            silu_and_mul(g, g)
+    torch.cuda.synchronize(device)
+
+
+__all__ = [
+    "EAGER_ROWS_THRESHOLD",
+    "available",
+    "calibrate",
+    "is_capturing",
+    "rms_norm",
+    "rope_half",
+    "rope_interleaved",
+    "silu_and_mul",
+    "use_exact",
+    "warmup",
+]

@@ -1,0 +1,120 @@
+"""Rounding fences: single IEEE operations pinned with inline PTX (imports Triton; load lazily).
+
+Every fp32 operation the eager code rounds separately is written as one PTX instruction with an explicit
+rounding mode (`mul.rn`, `add.rn`, `sub.rn`, `div.rn`, `cvt.rn.bf16`). LLVM cannot contract through inline
+asm and ptxas never fuses `.rn` instructions, so the products are never turned into FMAs whatever
+`enable_fp_fusion` says. `rsqrt.approx.f32` is the instruction CUDA's `rsqrtf` (ATen's `torch.rsqrt`) emits.
+
+Under `TRITON_INTERPRET=1` inline PTX cannot run: the fences become plain numpy ops (IEEE, no FMA) so the
+reduction-order logic can be checked on a CPU; bf16 casts there round toward zero (exactness.md §4), so only
+the fp32 parts of an interpreted run are meaningful.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FENCE = tl.constexpr(not INTERPRET)
+
+# Launch options for every exact kernel: no FMA contraction below the TTGIR, libdevice without
+# flush-to-zero (ATen is not built with -ftz). Interpreted launches take no backend options.
+EXACT_OPTIONS: dict = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+@triton.jit
+def mul_rn(a, b):
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def add_rn(a, b):
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a + b
+
+
+@triton.jit
+def sub_rn(a, b):
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a - b
+
+
+@triton.jit
+def div_rn(a, b):
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "div.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a / b
+
+
+@triton.jit
+def neg(a):
+    """Sign flip (`neg.f32`); Triton's unary minus is `0 - x`, which turns -(+0) into +0, not -0."""
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "neg.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return -a
+
+
+@triton.jit
+def rsqrt_approx(a):
+    """CUDA `rsqrtf` without -ftz: `rsqrt.approx.f32` (what ATen's rsqrt kernel executes)."""
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "rsqrt.approx.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / tl.sqrt(a)
+
+
+@triton.jit
+def to_bf16(a):
+    """fp32 -> bf16, round to nearest even (`cvt.rn.bf16.f32`, the instruction of c10::BFloat16 on sm_80+)."""
+    if FENCE:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16.f32 $0, $1;", "=h,f", [a], dtype=tl.bfloat16, is_pure=True, pack=1
+        )
+    else:
+        return a.to(tl.bfloat16)
+
+
+@triton.jit
+def round_bf16(a):
+    """Round an fp32 value to bf16 and widen it back (exact); the compiler cannot fold the pair."""
+    return to_bf16(a).to(tl.float32)
+
+
+__all__ = [
+    "EXACT_OPTIONS",
+    "FENCE",
+    "INTERPRET",
+    "add_rn",
+    "div_rn",
+    "mul_rn",
+    "neg",
+    "round_bf16",
+    "rsqrt_approx",
+    "sub_rn",
+    "to_bf16",
+    "triton",
+]

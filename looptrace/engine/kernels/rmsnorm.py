@@ -1,0 +1,283 @@
+"""Exact RMSNorm (HF/raven form of `looptrace.engine.layers.RMSNorm`), bit-identical to eager on CUDA.
+
+Eager: `h = x.float(); h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps); h.to(x.dtype) * weight`.
+
+Two forms (exactness.md §2, §5):
+- three kernels: Triton square -> PyTorch `mean` (the same ATen kernel on the same contiguous fp32 tensor,
+  so the same order whatever the version) -> fenced Triton tail. Works for every shape.
+- one kernel: replays PyTorch's `mean(-1)` order for the row bucket (lanes per row from the row count,
+  4 strided accumulators per lane, shared-memory halving, warp-shuffle tree, `sum * fl32(M / (M*N))`).
+  Only shapes whose eager mean splits a row across lanes alone (`ReduceShape.one_kernel_ok`); a shape whose
+  mean would split across warps falls back to three kernels.
+Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looptrace.engine.kernels import _fences as fx
+from looptrace.engine.kernels._fences import (
+    EXACT_OPTIONS,
+    add_rn,
+    mul_rn,
+    round_bf16,
+    rsqrt_approx,
+    to_bf16,
+    triton,
+)
+from looptrace.engine.kernels.reduce_order import VEC, default_shuffle_order, mean_factor, reduce_shape
+
+tl = triton.language
+
+# Shuffle order of the one-kernel mean: None = the torch-version default; calibrate() may set it, or
+# disable the one-kernel form (False) when neither order matches on this GPU / torch build.
+_ORDER: str | None = None
+_ONE_KERNEL_ENABLED = True
+
+
+@triton.jit
+def _square_kernel(x_ptr, sq_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(sq_ptr + row.to(tl.int64) * N + cols, mul_rn(x, x), mask=m)
+
+
+@triton.jit
+def _norm_tail(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    row,
+    stride_xm,
+    stride_om,
+    r,
+    N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """out = rn( rn_bf16(x * r) * w ) over one row, CHUNK columns at a time; r: fp32 [1] tensor."""
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        m = cols < N
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        h = round_bf16(mul_rn(x, r))
+        o = mul_rn(h, w)
+        if OUT_BF16:
+            tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, to_bf16(o), mask=m)
+        else:
+            tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, o, mask=m)
+
+
+@triton.jit
+def _tail_kernel(
+    x_ptr,
+    mean_ptr,
+    w_ptr,
+    out_ptr,
+    stride_xm,
+    stride_om,
+    eps,
+    N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    row = tl.program_id(0)
+    mean = tl.load(mean_ptr + row + tl.zeros([1], tl.int32))
+    r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
+    _norm_tail(x_ptr, w_ptr, out_ptr, row, stride_xm, stride_om, r, N, CHUNK, OUT_BF16)
+
+
+@triton.jit
+def _halve(s, HALF: tl.constexpr, ADJACENT: tl.constexpr):
+    """[1, 2 HALF] -> [1, HALF]: v[x] + v[x + HALF] (halving / descending shuffle) or v[2x] + v[2x + 1]."""
+    pairs = tl.reshape(s, [1, HALF, 2]) if ADJACENT else tl.permute(tl.reshape(s, [1, 2, HALF]), (0, 2, 1))
+    lo, hi = tl.split(pairs)
+    return add_rn(lo, hi)
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    mean_ptr,
+    stride_xm,
+    stride_om,
+    factor,
+    eps,
+    N: tl.constexpr,
+    LANES: tl.constexpr,
+    K: tl.constexpr,
+    DESC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    STORE_MEAN: tl.constexpr,
+):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_xm
+    lanes = tl.arange(0, LANES)[None, :]  # [1, LANES]
+    n_vec = N // 4
+    acc0 = tl.zeros([1, LANES], tl.float32)
+    acc1 = tl.zeros([1, LANES], tl.float32)
+    acc2 = tl.zeros([1, LANES], tl.float32)
+    acc3 = tl.zeros([1, LANES], tl.float32)
+    # lane x reads vectors x, x + LANES, x + 2 LANES, ...; accumulator i takes element i of each vector
+    for k in tl.static_range(K):
+        vec = k * LANES + lanes
+        m = vec < n_vec
+        p = base + vec * 4
+        x0 = tl.load(p + 0, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(p + 1, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(p + 2, mask=m, other=0.0).to(tl.float32)
+        x3 = tl.load(p + 3, mask=m, other=0.0).to(tl.float32)
+        acc0 = add_rn(acc0, mul_rn(x0, x0))
+        acc1 = add_rn(acc1, mul_rn(x1, x1))
+        acc2 = add_rn(acc2, mul_rn(x2, x2))
+        acc3 = add_rn(acc3, mul_rn(x3, x3))
+    s = add_rn(add_rn(add_rn(acc0, acc1), acc2), acc3)  # [1, LANES]
+    # block_x_reduce: shared-memory halving v[x] += v[x + off] for off = LANES/2 .. 32, then the warp
+    # shuffle v[x] += v[x + off] (descending 16..1) or adjacent-first (ascending 1..16)
+    if LANES >= 512:
+        s = _halve(s, 256, False)
+    if LANES >= 256:
+        s = _halve(s, 128, False)
+    if LANES >= 128:
+        s = _halve(s, 64, False)
+    if LANES >= 64:
+        s = _halve(s, 32, False)
+    s = _halve(s, 16, not DESC)
+    s = _halve(s, 8, not DESC)
+    s = _halve(s, 4, not DESC)
+    s = _halve(s, 2, not DESC)
+    s = _halve(s, 1, not DESC)
+    total = tl.reshape(s, [1])
+    mean = mul_rn(total, tl.full([1], factor, tl.float32))
+    if STORE_MEAN:
+        tl.store(mean_ptr + row + tl.zeros([1], tl.int32), mean)
+    r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
+    _norm_tail(x_ptr, w_ptr, out_ptr, row, stride_xm, stride_om, r, N, CHUNK, OUT_BF16)
+
+
+def _prep(x: torch.Tensor, weight: torch.Tensor):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out_dtype = torch.result_type(torch.empty(0, dtype=x.dtype), weight)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    return x2, weight.contiguous(), out, out_dtype == torch.bfloat16
+
+
+def _chunk(n: int) -> int:
+    return min(triton.next_power_of_2(n), 2048)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and weight.dim() == 1
+        and weight.shape[0] == x.shape[-1]
+        and x.numel() > 0
+    )
+
+
+def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton square -> torch mean -> fenced Triton tail. Same result as eager for every shape."""
+    x2, w, out, out_bf16 = _prep(x, weight)
+    m, n = x2.shape
+    sq = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    _square_kernel[(m, triton.cdiv(n, block))](
+        x2, sq, x2.stride(0), n, BLOCK=block, num_warps=4, **EXACT_OPTIONS
+    )
+    mean = sq.mean(-1, keepdim=True)
+    _tail_kernel[(m,)](
+        x2,
+        mean,
+        w,
+        out,
+        x2.stride(0),
+        out.stride(0),
+        eps,
+        n,
+        CHUNK=_chunk(n),
+        OUT_BF16=out_bf16,
+        num_warps=4,
+        **EXACT_OPTIONS,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def one_kernel_ok(rows: int, width: int) -> bool:
+    return _ONE_KERNEL_ENABLED and reduce_shape(rows, width).one_kernel_ok
+
+
+def rms_norm_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    order: str | None = None,
+    mean_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One kernel replaying PyTorch's mean order; falls back to `rms_norm_three` where it cannot."""
+    x2, w, out, out_bf16 = _prep(x, weight)
+    m, n = x2.shape
+    shape = reduce_shape(m, n)
+    if not shape.one_kernel_ok or (order is None and not _ONE_KERNEL_ENABLED):
+        return rms_norm_three(x, weight, eps)
+    order = order or _ORDER or default_shuffle_order()
+    lanes = shape.lanes
+    _fused_kernel[(m,)](
+        x2,
+        w,
+        out,
+        mean_out if mean_out is not None else out,
+        x2.stride(0),
+        out.stride(0),
+        mean_factor(m, n),
+        eps,
+        n,
+        LANES=lanes,
+        K=shape.vectors_per_lane,
+        DESC=order == "desc",
+        CHUNK=_chunk(n),
+        OUT_BF16=out_bf16,
+        STORE_MEAN=mean_out is not None,
+        num_warps=max(1, min(lanes // 32, 8)) if lanes >= 128 else 4,
+        **EXACT_OPTIONS,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str = "auto") -> torch.Tensor:
+    """`RMSNorm.forward` of the engine, exact. form: 'auto' (one kernel where replayable), 'one', 'three'."""
+    if not supported(x, weight):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return h.to(x.dtype) * weight
+    if form == "three":
+        return rms_norm_three(x, weight, eps)
+    return rms_norm_fused(x, weight, eps)
+
+
+def set_order(order: str | None, one_kernel: bool = True) -> None:
+    global _ORDER, _ONE_KERNEL_ENABLED
+    _ORDER, _ONE_KERNEL_ENABLED = order, one_kernel
+
+
+__all__ = [
+    "VEC",
+    "fx",
+    "one_kernel_ok",
+    "rms_norm",
+    "rms_norm_fused",
+    "rms_norm_three",
+    "set_order",
+    "supported",
+]
