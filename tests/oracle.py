@@ -15,21 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looptrace.engine.hooks import Observer
 from looptrace.engine.model_config import ModelSpec
+from tests.helpers import Recorder
 
 
-class HiddenRecorder(Observer):
-    """Keeps the engine's state after every loop, by (request id, position, loop)."""
-
-    wants_hidden = True
-
-    def __init__(self) -> None:
-        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden):
-        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
-            self.states[(rid, pos, loop_index)] = row.clone()
+def HiddenRecorder() -> Recorder:  # noqa: N802 - the states-only recorder the oracle tests attach
+    return Recorder(hidden=True)
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from looptrace.engine import SamplingParams
 from looptrace.engine.projections import fused_gemm_is_exact
-from tests.oracle import HiddenRecorder
+from tests.helpers import Recorder, build_engine
 
 
 def run(fused: bool):
-    cfg = EngineConfig(noise="zeros")
-    cfg.kernels.fused_projections = fused
-    engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cpu", seed=0)
-    rec = HiddenRecorder()
-    engine.attach(rec)
+    rec = Recorder(hidden=True)
+    engine = build_engine("ouro-tiny", observers=(rec,), kernels__fused_projections=fused)
     out = engine.generate([[5, 9, 13, 7, 21], [40, 41, 42]], SamplingParams(max_tokens=5))
     return engine, out, rec.states
 

@@ -5,24 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from looptrace.engine import LLMEngine, SamplingParams
+from tests.helpers import build_engine
 
 pytestmark = pytest.mark.gpu
 
 
-def _engine(preset: str, graphs: bool, **exit_kw) -> LLMEngine:
-    cfg = EngineConfig()
-    cfg.cuda_graphs.enabled = graphs
-    cfg.scheduler.max_model_len = 256
-    cfg.kv.num_blocks = 4096
-    for k, v in exit_kw.items():
-        setattr(cfg.exit, k, v)
-    return LLMEngine.from_preset(preset, cfg, device="cuda", seed=1)
+def _engine(preset: str, graphs: bool, **settings) -> LLMEngine:
+    return build_engine(
+        preset,
+        device="cuda",
+        seed=1,
+        noise="sequential",
+        cuda_graphs__enabled=graphs,
+        scheduler__max_model_len=256,
+        kv__num_blocks=4096,
+        **settings,
+    )
 
 
 def test_huginn_one_request_five_positions_three_depths_counts():
     """Base-engine check: 5 fed-back positions x 3 loops = 15 recurrent steps -> 1 capture, 15 replays."""
-    eng = _engine("huginn-tiny", True, max_loops=3)
+    eng = _engine("huginn-tiny", True, exit__max_loops=3)
     eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=6, seed=7))
     rec = eng.graph_counters()["recurrent"]
     assert (rec["captures"], rec["replays"], rec["fallbacks"]) == (1, 15, 0)
@@ -39,11 +43,15 @@ def test_graph_replay_equals_eager_bitwise(preset):
 
 
 def test_budget_full_falls_back_with_reason():
-    cfg = EngineConfig()
-    cfg.cuda_graphs.max_graphs = 1
-    cfg.cuda_graphs.coda = False
-    cfg.scheduler.max_model_len = 128
-    eng = LLMEngine.from_preset("ouro-tiny", cfg, device="cuda", seed=1)
+    eng = build_engine(
+        "ouro-tiny",
+        device="cuda",
+        seed=1,
+        noise="sequential",
+        cuda_graphs__max_graphs=1,
+        cuda_graphs__coda=False,
+        scheduler__max_model_len=128,
+    )
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     while eng.has_unfinished_requests():
         eng.step()
@@ -54,3 +62,33 @@ def test_budget_full_falls_back_with_reason():
     assert rec["captures"] == 1 and rec["fallbacks"] > 0
     assert set(rec["fallback_reasons"]) == {"budget_full"}
     torch.cuda.synchronize()
+
+
+def test_lru_eviction_captures_evicts_and_recaptures_with_counters():
+    """max_graphs=1 + LRU: a new row count evicts the old graph; returning to it captures it again."""
+    eng = build_engine(
+        "ouro-tiny",
+        device="cuda",
+        seed=1,
+        noise="sequential",
+        cuda_graphs__max_graphs=1,
+        cuda_graphs__eviction="lru",
+        cuda_graphs__coda=False,
+        scheduler__max_model_len=128,
+    )
+    for batch in ([[1, 2, 3]], [[4, 5, 6], [7, 8, 9]], [[1, 2, 4]]):
+        eng.generate(batch, SamplingParams(max_tokens=3))
+    rec = eng.graph_counters()["recurrent"]
+    assert rec["fallbacks"] == 0 and rec["captures"] == 3 and rec["evictions"] == 2
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+def test_fused_loop_graph_equals_eager_and_replays_once_per_token(preset):
+    outs, counters = [], []
+    for graphs in (True, False):
+        eng = _engine(preset, graphs, scheduler__loop_fusion=True, scheduler__prefill_share=True)
+        outs.append(eng.generate([[3, 4, 5, 6], [7, 8, 9]], SamplingParams(max_tokens=5, seed=3)))
+        counters.append(eng.graph_counters())
+    assert outs[0] == outs[1]
+    fused = counters[0]["recurrent_fused"]
+    assert fused["fallbacks"] == 0 and fused["replays"] + fused["captures"] >= 4

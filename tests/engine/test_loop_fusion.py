@@ -7,26 +7,16 @@ import pytest
 
 from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, Observer, SamplingParams
 from looptrace.engine.config import ConfigError
+from tests.helpers import Recorder, build_engine
 
 PROMPTS = [[5 + i, 9, 13 + 2 * i, 7, 21, 3 + i] for i in range(4)]
 
 
-class StageLog(Observer):
-    def __init__(self) -> None:
-        self.stages: list[str] = []
-        self.loops: list[list[int]] = []
-
-    def on_step_begin(self, info) -> None:
-        self.stages.append(info.stage)
-        self.loops.append(info.loop_indices)
-
-
 def engine(preset: str, fusion: bool, share: bool = False, **sched) -> LLMEngine:
-    cfg = EngineConfig()
-    cfg.scheduler.loop_fusion, cfg.scheduler.prefill_share = fusion, share
-    for key, value in sched.items():
-        setattr(cfg.scheduler, key, value)
-    return LLMEngine.from_preset(preset, cfg, device="cpu", seed=0)
+    settings = {f"scheduler__{k}": v for k, v in sched.items()}
+    return build_engine(
+        preset, noise="sequential", scheduler__loop_fusion=fusion, scheduler__prefill_share=share, **settings
+    )
 
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
@@ -46,7 +36,7 @@ def test_fusion_is_identical_at_batch_1_and_takes_three_steps_per_token(preset):
 
 def test_fused_step_runs_every_loop_and_reports_each_to_observers():
     e = engine("huginn-tiny", True)
-    log = StageLog()
+    log = Recorder()
     e.attach(log)
     loops = []
     e.attach(type("Loops", (Observer,), {"on_loop_begin": lambda self, st, t: loops.append((st, t))})())
@@ -60,7 +50,7 @@ def test_prefill_share_admits_up_to_l_prefill_batches_after_a_fused_step():
     # A decode row keeps running while later requests arrive one chunk-batch at a time.
     for share, allowance in ((False, 1), (True, 4)):
         e = engine("ouro-tiny", True, share, max_num_batched_tokens=4, prefill_chunk_size=4)
-        log = StageLog()
+        log = Recorder()
         e.attach(log)
         e.add_request(PROMPTS[0], SamplingParams(max_tokens=40))
         while "coda" not in log.stages:

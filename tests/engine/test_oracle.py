@@ -8,24 +8,19 @@ import random
 import pytest
 import torch
 
-from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.oracle import HiddenRecorder, reference_run
+from looptrace.engine import LLMEngine, SamplingParams
+from tests.helpers import Recorder, build_engine
+from tests.oracle import reference_run
 
 FAMILIES = ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"]
 
 
-def make_engine(preset: str, **sched) -> tuple[LLMEngine, HiddenRecorder]:
-    cfg = EngineConfig(noise="zeros")
-    for k, v in sched.items():
-        section, key = k.split("__")
-        setattr(getattr(cfg, section), key, v)
-    engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=3)
-    rec = HiddenRecorder()
-    engine.attach(rec)
-    return engine, rec
+def make_engine(preset: str, **settings) -> tuple[LLMEngine, Recorder]:
+    rec = Recorder(hidden=True)
+    return build_engine(preset, seed=3, observers=(rec,), **settings), rec
 
 
-def check_against_oracle(engine: LLMEngine, rec: HiddenRecorder, ids: list[str]) -> int:
+def check_against_oracle(engine: LLMEngine, rec: Recorder, ids: list[str]) -> int:
     sd = {k: v.float() for k, v in engine.model.state_dict().items()}
     compared = 0
     for rid in ids:
@@ -69,9 +64,11 @@ def test_mixed_batch_chunked_prefill_matches_oracle(preset):
     assert compared > 0
 
 
-def test_ouro_mixed_exit_depths_match_oracle():
+@pytest.mark.parametrize("layout", ["planes", "packed"])
+def test_ouro_mixed_exit_depths_match_oracle(layout):
     engine, rec = make_engine(
         "ouro-tiny",
+        kv__layout=layout,
         exit__policy="gate",
         exit__threshold=0.8,
         exit__min_loops=1,

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from looptrace.engine import SamplingParams
 from tests.engine.test_oracle import check_against_oracle
-from tests.oracle import HiddenRecorder
+from tests.helpers import Recorder, build_engine
 
 PROMPTS = [[3 + (i * 7 + n) % 400 for i in range(n)] for n in (5, 17, 30)]
 
 
 def run(preset: str, packed: bool):
-    cfg = EngineConfig(noise="zeros")
-    cfg.prefill.packed = packed
-    cfg.scheduler.prefill_chunk_size, cfg.scheduler.max_num_batched_tokens = 7, 20  # chunks of mixed length
-    engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=0)
-    rec = HiddenRecorder()
-    engine.attach(rec)
+    rec = Recorder(hidden=True)
+    engine = build_engine(  # chunks of mixed length
+        preset,
+        observers=(rec,),
+        prefill__packed=packed,
+        scheduler__prefill_chunk_size=7,
+        scheduler__max_num_batched_tokens=20,
+    )
     ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in PROMPTS]
     while engine.has_unfinished_requests():
         engine.step()

@@ -10,50 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, Observer, SamplingParams
+from looptrace.engine import EngineConfig, EngineInputError, LLMEngine, SamplingParams
 from looptrace.engine.model_config import PRESETS, with_overrides
+from tests.helpers import Recorder, build_engine, drain
 
 
-class Recorder(Observer):
-    def __init__(self) -> None:
-        self.steps = []  # StepInfo
-        self.events = []  # RequestEvent
-
-    def on_step_begin(self, info) -> None:
-        self.steps.append(info)
-
-    def on_request_event(self, event) -> None:
-        self.events.append(event)
-
-    @property
-    def stages(self) -> list[str]:
-        return [s.stage for s in self.steps]
-
-    def kinds(self, kind: str) -> list[str]:
-        return [e.request_id for e in self.events if e.kind == kind]
-
-
-def make_engine(preset: str = "ouro-tiny", spec=None, **overrides) -> tuple[LLMEngine, Recorder]:
-    """overrides: `section__key=value` on EngineConfig (e.g. scheduler__max_num_seqs=2)."""
-    cfg = EngineConfig(noise="zeros")
-    for k, v in overrides.items():
-        section, key = k.split("__")
-        setattr(getattr(cfg, section), key, v)
-    if spec is not None:
-        engine = LLMEngine.from_spec(spec, cfg, device="cpu", seed=0)
-    else:
-        engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=0)
+def make_engine(preset: str = "ouro-tiny", spec=None, **settings) -> tuple[LLMEngine, Recorder]:
     rec = Recorder()
-    engine.attach(rec)
-    return engine, rec
-
-
-def drain(engine: LLMEngine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if not engine.has_unfinished_requests():
-            return
-        engine.step()
-    raise AssertionError("engine did not drain")
+    return build_engine(preset, spec=spec, observers=(rec,), **settings), rec
 
 
 def prompt(n: int, start: int = 10) -> list[int]:

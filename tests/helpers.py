@@ -1,0 +1,87 @@
+"""The one engine builder and the one recorder the tests share.
+
+    engine = build_engine("huginn-tiny", scheduler__max_num_seqs=2, kv__layout="shared")
+    rec = Recorder(hidden=True); engine.attach(rec)
+
+`section__key=value` sets one setting of EngineConfig (`noise=...` a top-level one). Tests default to
+`noise="zeros"`, a deterministic initial state, so the dense oracle can replay them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from looptrace.engine import EngineConfig, LLMEngine, Observer
+from looptrace.engine.config import validate_config
+
+
+def build_config(noise: str = "zeros", **settings: Any) -> EngineConfig:
+    cfg = EngineConfig(noise=noise)
+    for key, value in settings.items():
+        section, _, name = key.partition("__")
+        if name:
+            setattr(getattr(cfg, section), name, value)
+        else:
+            setattr(cfg, section, value)
+    return validate_config(cfg)
+
+
+def build_engine(
+    preset: str = "ouro-tiny",
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    spec=None,
+    observers: tuple[Observer, ...] = (),
+    **settings: Any,
+) -> LLMEngine:
+    cfg = build_config(**settings)
+    if spec is not None:
+        engine = LLMEngine.from_spec(spec, cfg, device=device, seed=seed)
+    else:
+        engine = LLMEngine.from_preset(preset, cfg, device=device, seed=seed)
+    for observer in observers:
+        engine.attach(observer)
+    return engine
+
+
+class Recorder(Observer):
+    """Everything an engine reports: step begins/ends, request events and (hidden=True) the state after
+    every loop, by (request id, position, loop)."""
+
+    def __init__(self, hidden: bool = False) -> None:
+        self.wants_hidden = hidden
+        self.steps = []  # StepInfo
+        self.results = []  # StepResult
+        self.events = []  # RequestEvent
+        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def on_step_begin(self, info) -> None:
+        self.steps.append(info)
+
+    def on_step_end(self, result) -> None:
+        self.results.append(result)
+
+    def on_request_event(self, event) -> None:
+        self.events.append(event)
+
+    def on_loop_hidden(self, stage, loop_index, request_ids, positions, hidden) -> None:
+        for rid, pos, row in zip(request_ids, positions, hidden, strict=True):
+            self.states[(rid, pos, loop_index)] = row.clone()
+
+    @property
+    def stages(self) -> list[str]:
+        return [s.stage for s in self.steps]
+
+    def kinds(self, kind: str) -> list[str]:
+        return [e.request_id for e in self.events if e.kind == kind]
+
+
+def drain(engine: LLMEngine, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise AssertionError("engine did not drain")
