@@ -13,6 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looptrace.engine import kernels as K  # imports no Triton until a kernel runs
+
+
+def exact_kernels_on(rows: int) -> bool:
+    """ExactLoop's scope for the exact kernels: inside CUDA-graph capture, or eager calls over 256 rows
+    (below that an eager Triton launch costs more host time than the eager kernels it replaces)."""
+    return K.use_exact(rows, K.is_capturing())
+
+
+def enable_exact_kernels(model: nn.Module) -> int:
+    """Switch every op that has an exact Triton kernel to it (CUDA only); returns how many ops."""
+    count = 0
+    for module in model.modules():
+        if hasattr(type(module), "exact"):
+            module.exact = True
+            count += 1
+    return count
+
 
 class RMSNorm(nn.Module):
     """HF/raven RMSNorm: fp32 `x * rsqrt(mean(x^2) + eps)`, cast back, times weight (8 eager kernels)."""
@@ -24,7 +42,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    exact = False  # kernels.exact: the fenced Triton kernel where it pays (see exact_kernels_on)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact and exact_kernels_on(x.numel() // x.shape[-1]):
+            return K.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype) * self.weight
@@ -71,7 +93,11 @@ class RotaryHalf(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
+    exact = False
+
     def forward(self, q, k, cos, sin):  # q: [R, H, D], cos/sin: [R, D]
+        if self.exact and exact_kernels_on(q.shape[0]):
+            return K.rope_half(q, k, cos, sin)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin

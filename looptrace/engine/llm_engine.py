@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from looptrace.engine import kernels
 from looptrace.engine.config import ConfigError, EngineConfig, validate_config
 from looptrace.engine.depth_control import queue_age_p
 from looptrace.engine.exit_policy import make_exit_policy
@@ -32,6 +33,7 @@ from looptrace.engine.hooks import (
     StepResult,
 )
 from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
+from looptrace.engine.layers import enable_exact_kernels
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
@@ -51,6 +53,20 @@ def attention_backend(device: torch.device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def kernel_shapes(spec: ModelSpec) -> dict:
+    """The shapes `kernels.warmup` compiles for (every width the model's exact ops see)."""
+    return {
+        "hidden": spec.hidden_size,
+        "heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate": spec.intermediate_size,
+        "rope": spec.rope_style,
+        "qk_bias": spec.qk_bias,
+        "qk_norm": spec.qk_norm,
+    }
 
 
 class EngineInputError(ValueError):
@@ -104,6 +120,16 @@ class LLMEngine:
         self.device, self.dtype, self.seed = device, dtype, seed
         # Rungs that a startup check on this device decides (config.rung_check == "device").
         self.checked_rungs: dict[str, str] = {}
+        # Settings accepted but without effect on this device, and why (reported in run headers).
+        self.inactive_settings: dict[str, str] = {}
+        if cfg.kernels.exact:
+            if device.type == "cuda" and kernels.available():
+                enable_exact_kernels(model)
+                kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
+            else:
+                self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
+        if device.type != "cuda":
+            self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"
         if cfg.kernels.fused_projections and fuse_model_projections(model):
             exact = fused_gemm_is_exact(model.spec, device, dtype)
             self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
@@ -279,7 +305,7 @@ class LLMEngine:
         if batch is None:
             return []
         if self._depth_on:
-            self._pick_depth()
+            self._pick_depth(batch.stage.value)
         self.stats.steps += 1
         self.stats.steps_by_stage[batch.stage.value] = self.stats.steps_by_stage.get(batch.stage.value, 0) + 1
         if self.hooks.active:
@@ -302,11 +328,11 @@ class LLMEngine:
         if p > s:
             raise EngineInputError(f"depth.prefill_loops={p} exceeds S = exit.max_loops = {s}")
         self._p_max = min(d.p_max if d.p_max is not None else p, s)
-        if d.controller != "off" and d.p_min > self._p_max:
+        if d.controller != "fixed" and d.p_min > self._p_max:
             raise EngineInputError(f"depth.p_min={d.p_min} exceeds P_max={self._p_max}")
         self.runner.prefill_loops = p
 
-    def _pick_depth(self) -> None:
+    def _pick_depth(self, stage: str) -> None:
         """Before each step: the queue-age controller sets P; observers get the (S, P) in force."""
         d, q = self.cfg.depth, None
         if d.controller == "queue_age":
@@ -319,8 +345,8 @@ class LLMEngine:
             q = max(waiting, default=0.0)
             self.runner.prefill_loops = queue_age_p(q, self._p_max, d.p_min, d.q_low, d.q_high)
         if self.hooks.active:
-            p = self.runner.prefill_loops
-            self.hooks.depth(DepthEvent(self.stats.steps + 1, time.perf_counter(), p, self.max_loops, q))
+            now, p = time.perf_counter(), self.runner.prefill_loops
+            self.hooks.depth(DepthEvent(self.stats.steps + 1, now, p, self.max_loops, q, stage))
 
     def _schedule(self) -> Batch | None:
         """The scheduler decides; admissions it makes are applied here before the batch is taken (an

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looptrace.engine import kernels as K
 from looptrace.engine.layers import (
     AttnContext,
     Embedding,
@@ -16,6 +17,7 @@ from looptrace.engine.layers import (
     PagedAttention,
     RMSNorm,
     RotaryHalf,
+    exact_kernels_on,
 )
 from looptrace.engine.model_config import ModelSpec
 from looptrace.engine.models.base import LoopedModel
@@ -54,6 +56,7 @@ class OuroAttention(nn.Module):
 
 class OuroMLP(nn.Module):
     op_kind = "mlp"
+    exact = False  # kernels.exact
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -71,6 +74,8 @@ class OuroMLP(nn.Module):
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.exact and exact_kernels_on(x.shape[0]):
+            return self.down_proj(K.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

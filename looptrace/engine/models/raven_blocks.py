@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looptrace.engine import kernels as K
 from looptrace.engine.layers import (
     Adapter,
     AttnContext,
@@ -16,6 +17,7 @@ from looptrace.engine.layers import (
     RMSNorm,
     RotaryHalf,
     RotaryInterleaved,
+    exact_kernels_on,
 )
 from looptrace.engine.model_config import ModelSpec
 from looptrace.engine.models.base import LoopedModel
@@ -29,8 +31,12 @@ class RavenMLP(nn.Module):
         self.fc = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
+    exact = False  # kernels.exact
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
+        if self.exact and exact_kernels_on(x.shape[0]):
+            return self.proj(K.silu_and_mul(gate, up))
         return self.proj(F.silu(gate) * up)
 
 
@@ -38,6 +44,7 @@ class RavenAttention(nn.Module):
     """Wqkv split [q|k|v]; Huginn adds qk_bias before RoPE, OLMo-2 norms q and k over the full width."""
 
     op_kind = "attention"
+    exact = False  # kernels.exact: Huginn's bias + interleaved RoPE as one exact kernel
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: nn.Module) -> None:
         super().__init__()
@@ -50,6 +57,7 @@ class RavenAttention(nn.Module):
             self.q_norm = RMSNorm(nh * d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(kvh * d, spec.rms_norm_eps)
         self.has_qk_bias, self.has_qk_norm = spec.qk_bias, spec.qk_norm
+        self.rope_style = spec.rope_style
         self.rope = [rope]
         self.paged = PagedAttention(layer_id, nh, kvh, d)
         self.shape = (nh, kvh, d)
@@ -60,6 +68,10 @@ class RavenAttention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+        if self.exact and self.rope_style == "interleaved" and exact_kernels_on(q.shape[0]):
+            bias = self.qk_bias if self.has_qk_bias else None  # the kernel adds it with the same rounding
+            q, k = K.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)
+            return self.proj(self.paged(q, k, v, ctx))
         if self.has_qk_bias:
             q = q + self.qk_bias[0]
             k = k + self.qk_bias[1]
