@@ -49,17 +49,35 @@ class RequestEvent:
     exit_depth: int | None = None  # depth of the token just emitted
 
 
+@dataclass
+class DepthEvent:
+    """LoopDuet split depth chosen before a step (emitted when depth.* is active): the prefill depth P,
+    the decode depth S and the queue age q (s) the controller read (None with a fixed P)."""
+
+    step: int
+    time: float
+    prefill_loops: int
+    decode_loops: int
+    queue_age_s: float | None = None
+    stage: str | None = None  # the stage of the step about to run (P acts on "prefill" steps)
+
+
 class Observer:
     """Subclass and override what you need. Set `wants_hidden = True` to receive per-loop hidden states
-    (costs a device->host copy per loop, so it is opt-in)."""
+    (costs a device->host copy per loop, so it is opt-in). Set `wants_logits = True` to receive the coda's
+    logits for every sampled token (`on_logits`; also opt-in: a device->host copy per coda step)."""
 
     wants_hidden: bool = False
+    wants_logits: bool = False
 
     def on_step_begin(self, info: StepInfo) -> None: ...
 
     def on_step_end(self, result: StepResult) -> None: ...
 
     def on_request_event(self, event: RequestEvent) -> None: ...
+
+    def on_depth(self, event: DepthEvent) -> None:
+        """Split depth (S, P) in force for the next step (LoopDuet; P over time)."""
 
     def on_loop_begin(self, stage: str, loop_index: int) -> None:
         """loop_index is 0-based; -1 for a recurrent batch whose rows run different loops."""
@@ -71,6 +89,9 @@ class Observer:
     ) -> None:
         """hidden: [rows, hidden_size] state after loop `loop_index` (0-based) for each row."""
 
+    def on_logits(self, request_ids: list[str], logits: torch.Tensor) -> None:
+        """logits: [rows, vocab] (device, model dtype) the coda step samples from, one row per request."""
+
 
 class HookDispatcher:
     """Fans events out to observers. The engine checks `active` before building any event."""
@@ -79,6 +100,7 @@ class HookDispatcher:
         self.observers: list[Observer] = []
         self.active = False
         self.wants_hidden = False
+        self.wants_logits = False
 
     def attach(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -91,6 +113,7 @@ class HookDispatcher:
     def _refresh(self) -> None:
         self.active = bool(self.observers)
         self.wants_hidden = any(o.wants_hidden for o in self.observers)
+        self.wants_logits = any(o.wants_logits for o in self.observers)
 
     def step_begin(self, info: StepInfo) -> None:
         for o in self.observers:
@@ -103,6 +126,10 @@ class HookDispatcher:
     def request_event(self, event: RequestEvent) -> None:
         for o in self.observers:
             o.on_request_event(event)
+
+    def depth(self, event: DepthEvent) -> None:
+        for o in self.observers:
+            o.on_depth(event)
 
     def loop_begin(self, stage: str, loop_index: int) -> None:
         for o in self.observers:
@@ -118,3 +145,8 @@ class HookDispatcher:
         for o in self.observers:
             if o.wants_hidden:
                 o.on_loop_hidden(stage, loop_index, request_ids, positions, hidden)
+
+    def logits(self, request_ids: list[str], logits: torch.Tensor) -> None:
+        for o in self.observers:
+            if o.wants_logits:
+                o.on_logits(request_ids, logits)

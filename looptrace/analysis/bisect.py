@@ -1,0 +1,88 @@
+"""Delta debugging over a set of differing settings (Zeller & Hildebrandt's ddmin), and `bisect`: which of
+B's settings, applied to A, make the runs diverge."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Outcome = bool | None  # True: fails (diverges); False: passes; None: unresolved (invalid combination)
+
+
+def _split(items: list[str], n: int) -> list[list[str]]:
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out
+
+
+def ddmin(items: list[str], fails: Callable[[frozenset[str]], Outcome]) -> list[str]:
+    """A 1-minimal subset of `items` for which `fails` is True (`fails(frozenset(items))` must be True).
+    Unresolved outcomes count as passing."""
+    current, n = list(items), 2
+    while len(current) >= 2:
+        chunks = _split(current, min(n, len(current)))
+        reduced = False
+        for chunk in chunks:
+            if fails(frozenset(chunk)) is True:
+                current, n, reduced = chunk, 2, True
+                break
+        if not reduced and len(chunks) > 2:
+            for chunk in chunks:
+                comp = [x for x in current if x not in chunk]
+                if fails(frozenset(comp)) is True:
+                    current, n, reduced = comp, max(n - 1, 2), True
+                    break
+        if not reduced:
+            if n >= len(current):
+                break
+            n = min(len(current), 2 * n)
+    return current
+
+
+@dataclass
+class BisectResult:
+    criterion: str  # "tokens" | "logits" | "none"
+    causes: list[list[str]]  # each a minimal set of settings that makes A diverge
+    tested: list[dict[str, Any]] = field(default_factory=list)  # every subset run: settings, diverges
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"criterion": self.criterion, "causes": self.causes, "tested": self.tested}
+
+
+def bisect(lab, mode: str = "batched") -> BisectResult:
+    """Find the settings of B that make A's `mode` runs diverge from A's: by tokens when A and B differ in
+    tokens, else by bitwise logits (a one-ulp change rarely flips a greedy token but always shows there)."""
+    from looptrace.analysis.diff import evidence
+
+    ev = evidence(lab.compare(lab.all, mode))
+    if not ev.tokens_ok:
+        criterion = "tokens"
+    elif ev.logits_ok is False:
+        criterion = "logits"
+    else:
+        return BisectResult("none", [])
+    result = BisectResult(criterion, [])
+    seen: dict[frozenset[str], Outcome] = {}
+
+    def fails(subset: frozenset[str]) -> Outcome:
+        full = lab.closure(subset)
+        if full is None or not full:
+            return None if full is None else False
+        if full not in seen:
+            e = evidence(lab.compare(full, mode))
+            seen[full] = not e.tokens_ok if criterion == "tokens" else e.logits_ok is False
+            result.tested.append({"settings": sorted(full), "diverges": seen[full]})
+        return seen[full]
+
+    rest = set(lab.all)
+    while rest and fails(frozenset(rest)) is True:
+        found = ddmin(sorted(rest), fails)
+        result.causes.append(sorted(lab.closure(frozenset(found)) or found))
+        rest -= set(found)
+    return result
