@@ -134,6 +134,7 @@ class Row:
 
 
 class ModelRunner:
+    prefill_loops: int | None = None  # LoopDuet P for non-endpoint prompt rows (set by the engine); None: S
     def __init__(
         self,
         model: LoopedModel,
@@ -290,6 +291,7 @@ class ModelRunner:
         loop (`shared`) the chunk runs one position per request at a time, so each row reads earlier
         positions at their final loop and the result does not depend on the chunk size (base engine)."""
         self.submissions += 1
+        self._endpoints = {(sp.request.request_id, sp.start + sp.length - 1) for sp in spans}  # keep S
         if not getattr(self.layout, "prefill_position_by_position", False):
             self._prefill_rows(spans)
             return
@@ -322,7 +324,12 @@ class ModelRunner:
         if state is None:
             state = self.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
 
-        state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
+        p_loops = self.prefill_loops  # LoopDuet split depth (S, P); None: uniform S
+        full = [i for i, r in enumerate(rows) if (r.request.request_id, r.pos) in self._endpoints]
+        if p_loops is None or p_loops >= self.max_loops or len(full) == len(rows):
+            state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
+        else:
+            state = self._split_loops(rows, full, state, inject, raw_of, ctx_of, core_planes, p_loops)
 
         last_rows = self._last_rows(spans)
         if self.model.has_coda_layers:
@@ -341,9 +348,10 @@ class ModelRunner:
         inject: torch.Tensor | None,
         ctxs: list,
         planes: list[int],
+        loops: range | None = None,
     ) -> torch.Tensor:
         """Every loop on these rows, depth-major: all rows do loop 1, then loop 2, ... (loop t on plane t)."""
-        for t in range(self.max_loops):
+        for t in loops if loops is not None else range(self.max_loops):
             self._check(rows, planes[t], "core")
             if self.hooks.active:
                 self.hooks.loop_begin("prefill", t)
@@ -354,6 +362,33 @@ class ModelRunner:
                     self._emit_hidden("prefill", t, rows, state)
                 self.hooks.loop_end("prefill", t)
         return state
+
+    def _split_loops(self, rows, full, state, inject, raw_of, ctx_of, core_planes, p_loops) -> torch.Tensor:
+        """LoopDuet (S, P): P loops on every row; then the chunk endpoints `full` (row indices) gathered into
+        a compact batch (their own attention metadata, the same KV planes) run loops P..S-1 and are scattered
+        back; the other rows keep their loop-P state (and the plane keeps their loop-P K/V)."""
+        state = self._core_loops(
+            rows, state, inject, [ctx_of[p] for p in core_planes], core_planes, loops=range(p_loops)
+        )
+        if not full:
+            return state
+        idx = self._index(full)
+        sub_ctx: dict[int, object] = {}
+        for plane in core_planes[p_loops:]:
+            if plane not in sub_ctx:
+                raw = raw_of[plane].index_select(0, idx)
+                sub_ctx[plane] = self.metadata(
+                    raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
+                )
+        sub = self._core_loops(
+            [rows[i] for i in full],
+            state.index_select(0, idx),
+            inject.index_select(0, idx) if inject is not None else None,
+            [sub_ctx.get(p) for p in core_planes],
+            core_planes,
+            loops=range(p_loops, self.max_loops),
+        )
+        return state.index_copy(0, idx, sub)
 
     def _packed_rows(self, spans: list[PrefillSpan]) -> PackedRows:
         """Packed prefill: one query block per span (its rows are consecutive), padded to the longest."""

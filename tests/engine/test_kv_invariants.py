@@ -14,25 +14,31 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
-from looptrace.engine.kv_cache import KVPool
+from looptrace.engine.kv_cache import LAYOUTS, KVPool
+from looptrace.engine.model_config import PRESETS
 from looptrace.engine.request import Stage
 from tests.oracle import HiddenRecorder, reference_run
 
 COMBOS = [
     ("ouro-tiny", "planes"),
     ("ouro-tiny", "shared"),
+    ("ouro-tiny", "packed"),
     ("huginn-tiny", "planes"),
     ("huginn-tiny", "shared"),
+    ("huginn-tiny", "packed"),
 ]
 BLOCK = 4
 ABORT_STAGES = ("waiting", "prefill", "prelude", "recurrent", "coda")
 
 
-def make_engine(preset: str, layout: str, pages: int, exit_policy: str = "fixed") -> LLMEngine:
-    planes = 1 if layout == "shared" else {"ouro-tiny": 4, "huginn-tiny": 8}[preset]
+def make_engine(
+    preset: str, layout: str, pages: int, exit_policy: str = "fixed", publication: str = "all_planes"
+) -> LLMEngine:
+    per_page = LAYOUTS[layout](PRESETS[preset], PRESETS[preset].default_loops).blocks_per_page
     cfg = EngineConfig(noise="zeros")
-    cfg.kv.layout, cfg.kv.block_size, cfg.kv.num_blocks = layout, BLOCK, pages * planes
+    cfg.kv.layout, cfg.kv.block_size, cfg.kv.num_blocks = layout, BLOCK, pages * per_page
     cfg.kv.poison_freed_blocks = True
+    cfg.kv.prefix_publication = publication  # per_plane: Huginn pages publish (and hit) too
     # budget = seats x chunk: every prefill chunk is min(chunk, remaining), whatever else is in the batch
     # (the shared layout's results depend on chunk boundaries, so solo and stream runs must chunk alike)
     sched = cfg.scheduler
@@ -60,7 +66,7 @@ def check_invariants(engine: LLMEngine) -> None:
     holders.update(seq_holders)
     cached = set()
     for blocks in bm.cache.values():
-        assert len(blocks) == bm.planes
+        assert len(blocks) == bm.tables  # one allocation unit per block table
         holders.update(blocks)
         cached.update(blocks)
     expected = np.zeros(bm.num_blocks, dtype=np.int64)
@@ -95,10 +101,12 @@ def check_drained(engine: LLMEngine) -> None:
 _SOLO: dict[tuple, tuple[list[int], list[int]]] = {}
 
 
-def solo(preset, layout, pages, exit_policy, prompt, max_tokens) -> tuple[list[int], list[int]]:
-    key = (preset, layout, pages, exit_policy, tuple(prompt), max_tokens)
+def solo(
+    preset, layout, pages, exit_policy, prompt, max_tokens, publication="all_planes"
+) -> tuple[list[int], list[int]]:
+    key = (preset, layout, pages, exit_policy, tuple(prompt), max_tokens, publication)
     if key not in _SOLO:
-        engine = make_engine(preset, layout, pages, exit_policy)
+        engine = make_engine(preset, layout, pages, exit_policy, publication)
         rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
         while engine.has_unfinished_requests():
             engine.step()
@@ -118,6 +126,7 @@ class Spec:
 def streams(draw):
     preset, layout = draw(st.sampled_from(COMBOS))
     exit_policy = draw(st.sampled_from(["fixed", "gate"])) if preset == "ouro-tiny" else "fixed"
+    publication = draw(st.sampled_from(["all_planes", "per_plane"])) if layout != "shared" else "all_planes"
     pages = draw(st.integers(12, 20))  # the longest request (40 + 6 - 1 positions) needs 12 pages
     base = draw(st.lists(st.integers(3, 511), min_size=40, max_size=40))  # prompts share prefixes of it
     specs = []
@@ -127,7 +136,7 @@ def streams(draw):
         tail = draw(st.lists(st.integers(3, 511), min_size=length - common, max_size=length - common))
         abort = draw(st.none() | st.tuples(st.sampled_from(ABORT_STAGES), st.integers(0, 3)))
         specs.append(Spec(base[:common] + tail, draw(st.integers(1, 6)), draw(st.integers(0, 30)), abort))
-    return preset, layout, exit_policy, pages, specs
+    return preset, layout, exit_policy, publication, pages, specs
 
 
 def _in_abort_stage(req, stage: str) -> bool:
@@ -163,8 +172,8 @@ def run_stream(engine: LLMEngine, specs: list[Spec]) -> tuple[dict[int, str], di
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_random_streams_keep_kv_invariants(stream):
-    preset, layout, exit_policy, pages, specs = stream
-    engine = make_engine(preset, layout, pages, exit_policy)
+    preset, layout, exit_policy, publication, pages, specs = stream
+    engine = make_engine(preset, layout, pages, exit_policy, publication)
     freed = []
     poison = engine.blocks.on_freed
     engine.blocks.on_freed = lambda blocks: (freed.extend(blocks), poison(blocks))
@@ -172,7 +181,7 @@ def test_random_streams_keep_kv_invariants(stream):
     note(f"aborted in stages {sorted(aborted.values())}; {len(freed)} blocks freed")
     for stage in set(aborted.values()):  # coverage: --hypothesis-show-statistics
         event(f"abort in {stage}")
-    event(f"{preset} {layout} {exit_policy}")
+    event(f"{preset} {layout} {exit_policy} {publication}")
     if engine.blocks.stats["prefix_hit_tokens"]:
         event("prefix-cache hit")
     if engine.blocks.stats["evictions"]:
@@ -186,7 +195,7 @@ def test_random_streams_keep_kv_invariants(stream):
             continue
         assert req.finish_reason == "length" and len(req.outputs) == s.max_tokens
         # no stale (poisoned or foreign) history is visible: same tokens and depths as alone on a fresh engine
-        want = solo(preset, layout, pages, exit_policy, s.prompt, s.max_tokens)
+        want = solo(preset, layout, pages, exit_policy, s.prompt, s.max_tokens, publication)
         assert (req.outputs, req.exit_depths) == want, f"request {i} differs from its solo run"
     check_drained(engine)
 
@@ -221,7 +230,7 @@ def test_fixed_stream_aborts_in_every_stage(preset, layout):
     ]
     engine, aborted = _stream_body(preset, layout, "fixed", 16, specs)
     assert aborted == {0: "prefill", 1: "recurrent", 2: "waiting", 3: "prelude", 4: "coda"}
-    if layout == "planes" and preset == "ouro-tiny":
+    if layout in ("planes", "packed") and preset == "ouro-tiny":
         assert engine.blocks.stats["prefix_hit_tokens"] > 0
 
 
@@ -253,7 +262,7 @@ def test_reused_poisoned_blocks_hide_no_stale_history(preset, layout):
         assert (engine.requests[rid].outputs, engine.requests[rid].exit_depths) == solo(
             preset, layout, pages, "fixed", prompt, 6
         )
-    if layout == "planes":  # the oracle implements the planes semantics
+    if layout in ("planes", "packed"):  # the oracle implements the planes semantics
         sd = {k: v.float() for k, v in engine.model.state_dict().items()}
         req = engine.requests[b]
         oracle, logits = reference_run(

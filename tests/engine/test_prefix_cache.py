@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from looptrace.engine import EngineConfig, LLMEngine, Observer, SamplingParams
-from looptrace.engine.kv_cache import BlockManager, PlanesLayout
+from looptrace.engine.kv_cache import LAYOUTS, BlockManager, PlanesLayout
 from looptrace.engine.model_config import PRESETS
 
 BS = 4
@@ -30,10 +30,13 @@ class Recorder(Observer):
             self.states[(rid, pos, loop_index)] = row.clone()
 
 
-def make_engine(preset="ouro-tiny", layout="planes", pages=64, chunk=128) -> tuple[LLMEngine, Recorder]:
+def make_engine(
+    preset="ouro-tiny", layout="planes", pages=64, chunk=128, publication="all_planes"
+) -> tuple[LLMEngine, Recorder]:
     cfg = EngineConfig(noise="zeros")
-    cfg.kv.layout, cfg.kv.block_size = layout, BS
-    cfg.kv.num_blocks = pages * (1 if layout == "shared" else {"ouro-tiny": 4, "huginn-tiny": 8}[preset])
+    cfg.kv.layout, cfg.kv.block_size, cfg.kv.prefix_publication = layout, BS, publication
+    spec = PRESETS[preset]
+    cfg.kv.num_blocks = pages * LAYOUTS[layout](spec, spec.default_loops).blocks_per_page
     cfg.kv.poison_freed_blocks = True
     cfg.scheduler.prefill_chunk_size = chunk
     engine = LLMEngine.from_preset(preset, cfg, device="cpu", seed=1)
@@ -209,3 +212,41 @@ def test_shared_layout_has_no_prefix_cache(preset):
     assert not engine.blocks.cache and engine.requests[rid].num_cached == 0
     assert engine.requests[rid].outputs == engine.requests["A"].outputs
     assert len(engine.blocks.free) == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("layout", ["planes", "packed"])
+def test_huginn_publishes_and_hits_only_under_per_plane_publication(layout):
+    """Per-plane coverage (ExactLoop): a plane must cover only the layers it holds, so Huginn pages publish
+    (planes >= 1 hold no prelude/coda slot, which the base rule waits for forever). Same prompts: hits only
+    under `per_plane`; the hit run equals the cold run; kv_summary reports the hit rate."""
+    hits = {}
+    for publication in ("all_planes", "per_plane"):
+        engine, rec = make_engine("huginn-tiny", layout, publication=publication)
+        run(engine, BASE[:21], rid="A")
+        rid = run(engine, BASE[:13] + tokens(6, 200), rid="B")  # shares 3 full pages with A
+        stats = engine.kv_summary()
+        hits[publication] = stats["prefix_hit_tokens"]
+        assert stats["prefix_query_tokens"] == 21 + 19 and stats["prefix_publication"] == publication
+        assert stats["prefix_hit_rate"] == pytest.approx(hits[publication] / 40)
+        assert engine.requests[rid].num_cached == hits[publication]
+        if publication == "per_plane":
+            assert len(engine.blocks.cache) == 5 + 1  # A: min(21, 20) // 4 pages; B: 18 // 4 - 3 hit
+            ref, ref_rec = cold(BASE[:13] + tokens(6, 200), preset="huginn-tiny", layout=layout)
+            assert engine.requests[rid].outputs == ref.outputs
+            for (r, pos, loop), h in rec.states.items():
+                if r == rid:
+                    torch.testing.assert_close(h, ref_rec.states[("cold", pos, loop)], atol=1e-5, rtol=1e-5)
+            assert not any(r == rid and pos < 12 for r, pos, _ in rec.states)  # cached rows not prefilled
+        else:
+            assert not engine.blocks.cache
+    assert hits == {"all_planes": 0, "per_plane": 12}
+
+
+def test_per_plane_equals_all_planes_for_ouro():
+    """Every Ouro plane holds every layer: the two rules publish the same pages."""
+    caches = []
+    for publication in ("all_planes", "per_plane"):
+        engine, _ = make_engine(publication=publication)
+        run(engine, BASE[:21], rid="A")
+        caches.append(list(engine.blocks.cache))
+    assert caches[0] == caches[1] and len(caches[0]) == 5

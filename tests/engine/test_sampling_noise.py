@@ -123,7 +123,7 @@ def huginn(seed: int, chunk: int = 128, noise: str = "sequential", others: int =
     engine, rec = make_engine("huginn-tiny", noise=noise, chunk=chunk)
     draws = []
     engine.runner.ops.state_init.register_forward_hook(
-        lambda mod, inp, out: draws.append(([(r.request_id, n) for r, n in inp[1]], out.clone()))
+        lambda mod, inp, out: draws.append(([(run[0].request_id, run[-1]) for run in inp[1]], out.clone()))
     )
     engine.add_request(PROMPT, SamplingParams(max_tokens=3, seed=seed), request_id="r")
     for i in range(others):
@@ -147,7 +147,9 @@ def test_huginn_same_seed_is_reproducible_and_seeds_differ():
     _, r3, _ = huginn(seed=4)
     first = ("r", 0, 0)
     assert not torch.allclose(r1.states[first], r3.states[first], atol=1e-3)
-    # batch-mates with their own generators do not shift this request's noise
+    # Here the whole batch fits one step's token budget, so r's prefill runs in the same chunk and its
+    # draws are unchanged. That is not true in general: a batch-mate that takes part of the budget splits
+    # r's prompt into other chunks and so changes r's noise and tokens (test_sequential_noise_couples_...).
     _, r4, _ = huginn(seed=3, others=3)
     assert _close(r1, r4)
 
@@ -177,3 +179,53 @@ def test_huginn_noise_is_drawn_in_processing_order():
     z_chk, zr_chk, _ = huginn(seed=3, chunk=4, noise="zeros")
     assert z_one.requests["r"].outputs == z_chk.requests["r"].outputs
     assert _close(zr_one, zr_chk)
+
+
+# --- sequential noise couples co-scheduled requests (issue #6) ----------------------------------------------
+X_PROMPT = [17, 250, 3, 99, 411, 64, 8, 300, 12, 45, 77, 123]
+
+
+def _x_run(noise: str, mate: bool, seed: int = 3):
+    """Request 'x' (12 prompt tokens, seeded sampling) with or without a 5-token batch-mate admitted first,
+    under an 8-token step budget: alone x prefills as chunks [8, 4]; with the mate as [3, 8, 1]."""
+    cfg = EngineConfig(noise=noise)
+    cfg.scheduler.max_num_batched_tokens = 8
+    engine = LLMEngine.from_preset("huginn-tiny", cfg, device="cpu", seed=0)
+    noise_rows: dict[int, torch.Tensor] = {}  # x's initial state by position
+    chunks: list[int] = []
+
+    def hook(mod, inp, out):
+        row = 0
+        for req, start, n in inp[1]:
+            if req.request_id == "x":
+                chunks.append(n)
+                noise_rows.update({start + k: out[row + k].clone() for k in range(n)})
+            row += n
+
+    engine.runner.ops.state_init.register_forward_hook(hook)
+    if mate:
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=2, seed=100, temperature=1.0), "m")
+    engine.add_request(X_PROMPT, SamplingParams(max_tokens=8, seed=seed, temperature=1.0), request_id="x")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.requests["x"].outputs, noise_rows, chunks[:3]
+
+
+def test_sequential_noise_couples_requests_through_chunk_splits():
+    """Base behaviour (issue #6): under `sequential` a co-scheduled request changes another request's
+    tokens. The mate takes 5 of the 8-token budget, so x's prompt is drawn as runs [3, 8, 1] instead of
+    [8, 4]: other numbers for the same positions, and (noise and sampling share x's generator) other
+    sampled tokens. `position_keyed` gives x the same noise and the same tokens either way. (The tiny
+    random model's greedy output is one repeated token, so the test samples with a seeded generator.)"""
+    alone, n_alone, c_alone = _x_run("sequential", mate=False)
+    mated, n_mated, c_mated = _x_run("sequential", mate=True)
+    assert c_alone == [8, 4, 1] and c_mated == [3, 8, 1]
+    # same positions, other draws (the first normals coincide; rejection redraws and later runs do not)
+    assert not all(torch.equal(n_alone[p], n_mated[p]) for p in range(len(X_PROMPT)))
+    assert alone != mated
+    for seed in (1, 2, 3):
+        k_alone, kn_alone, _ = _x_run("position_keyed", mate=False, seed=seed)
+        k_mated, kn_mated, _ = _x_run("position_keyed", mate=True, seed=seed)
+        assert kn_alone.keys() == kn_mated.keys()
+        assert all(torch.equal(kn_alone[p], kn_mated[p]) for p in kn_alone)
+        assert k_alone == k_mated
