@@ -205,9 +205,15 @@ def _prepare(
             cfg.scheduler.max_model_len = math.ceil(longest / block) * block
     factory = _factory(net, dev, dt, seed)
     checked: dict[str, str] = {}
+    inactive: dict[str, str] = {}
     for arm, cfg, rec in (("A", cfg_a, rec_a), ("B", cfg_b, rec_b)):
-        checked.update(_preflight(factory, cfg, arm, rec))
+        arm_checked, arm_inactive = _preflight(factory, cfg, arm, rec)
+        checked.update(arm_checked)
+        inactive.update(arm_inactive)
     toggles = differing_toggles(rec_a.config, rec_b.config, dev.type, checked)
+    for setting, why in inactive.items():  # a differing setting that cannot act here proves nothing
+        if any(t.path == setting or t.path.startswith(setting + ".") for t in toggles):
+            err_console.print(f"note: {setting} has no effect on this device ({why}): its rung is untested")
     for it in items:
         if len(it.prompt) + it.max_tokens - 1 > spec.max_position:
             raise UsageError(
@@ -284,18 +290,17 @@ def _factory(net, dev, dt, seed):
     return make
 
 
-def _preflight(factory, cfg, arm: str, rec) -> dict[str, str]:
+def _preflight(factory, cfg, arm: str, rec) -> tuple[dict[str, str], dict[str, str]]:
     """Build the arm once so that a setting the engine does not implement yet fails before any run;
-    returns the rungs the engine's startup checks decided on this device (`engine.checked_rungs`)."""
+    returns the rungs the engine's startup checks decided on this device (`engine.checked_rungs`) and
+    the settings that have no effect on it (`engine.inactive_settings`)."""
     from looptrace.analysis.diff import release
 
     try:
         engine = factory(cfg)
-        checked = dict(getattr(engine, "checked_rungs", {}))
-        for setting, why in getattr(engine, "inactive_settings", {}).items():
-            err_console.print(f"note: recipe {arm}: {setting} has no effect here ({why})")
+        found = dict(getattr(engine, "checked_rungs", {})), dict(getattr(engine, "inactive_settings", {}))
         release(engine)
-        return checked
+        return found
     except (KeyError, NotImplementedError) as exc:
         what = exc.args[0] if exc.args else type(exc).__name__
         raise UsageError(
