@@ -312,8 +312,10 @@ class BlockManager:
         return math.ceil(watermark_blocks / self.layout.blocks_per_unit)
 
     # Admission ------------------------------------------------------------------------------------------
-    def can_admit(self, request_id: str, prompt: list[int], max_kv_tokens: int, watermark: int) -> bool:
-        hits = self._lookup(prompt) if self.prefix_caching else []
+    def can_admit(
+        self, request_id: str, prompt: list[int], max_kv_tokens: int, watermark: int, salt: bytes = b""
+    ) -> bool:
+        hits = self._lookup(prompt, salt) if self.prefix_caching else []
         need = (self.pages(max_kv_tokens) - len(hits)) * self.tables
         # Hit blocks held only by the cache count as evictable in available_blocks(); taking them for
         # this request makes them unavailable, so do not count them twice.
@@ -321,15 +323,15 @@ class BlockManager:
         spare = self.available_blocks() - taken - self.reserved_growth() - self._watermark_units(watermark)
         return spare >= need
 
-    def admit(self, request_id: str, prompt: list[int], max_kv_tokens: int) -> int:
+    def admit(self, request_id: str, prompt: list[int], max_kv_tokens: int, salt: bytes = b"") -> int:
         """Registers the request, takes cached prefix pages; returns the number of cached prompt tokens."""
         written = {(p, i): WrittenState() for p, layers in enumerate(self._plane_layers) for i in layers}
         seq = SeqKV([[] for _ in range(self.tables)], written, self.pages(max_kv_tokens))
         self.seqs[request_id] = seq
         if not self.prefix_caching:
             return 0
-        seq.hashes = self._page_hashes(prompt)
-        hits = self._lookup(prompt)
+        seq.hashes = self._page_hashes(prompt, salt)
+        hits = self._lookup(prompt, salt)
         self.stats["prefix_query_tokens"] += len(prompt)
         for key in hits:
             blocks = self.cache[key]
@@ -453,9 +455,11 @@ class BlockManager:
             ws.mark(start, stop)
 
     # Prefix cache ---------------------------------------------------------------------------------------
-    def _page_hashes(self, prompt: list[int]) -> list[bytes]:
-        """Chained SHA-256 over full pages of tokens[:-1] (the last prompt token is never cached)."""
-        keys, prev = [], b""
+    def _page_hashes(self, prompt: list[int], salt: bytes = b"") -> list[bytes]:
+        """Chained SHA-256 over full pages of tokens[:-1] (the last prompt token is never cached). `salt`
+        starts the chain: KV that depends on more than the tokens (a request's noise seed) only matches
+        KV made with the same salt."""
+        keys, prev = [], salt
         usable = prompt[:-1]
         for i in range(len(usable) // self.block_size):
             page = np.asarray(usable[i * self.block_size : (i + 1) * self.block_size], dtype="<i8")
@@ -463,9 +467,9 @@ class BlockManager:
             keys.append(prev)
         return keys
 
-    def _lookup(self, prompt: list[int]) -> list[bytes]:
+    def _lookup(self, prompt: list[int], salt: bytes = b"") -> list[bytes]:
         hits = []
-        for key in self._page_hashes(prompt):
+        for key in self._page_hashes(prompt, salt):
             if key not in self.cache:
                 break
             hits.append(key)

@@ -253,6 +253,10 @@ class LLMEngine:
         req = Request(
             list(prompt), params, request_id or "", arrival_time or time.perf_counter(), seq=self._next_seq
         )
+        if getattr(self.noise, "keyed_by_seed", False) and self.spec.family != "ouro":
+            # The initial state depends on the seed: cached KV must come from the same seed.
+            req.noise_seed = params.seed if params.seed is not None else self.seed
+            req.prefix_salt = req.noise_seed.to_bytes(8, "little", signed=True)
         self._next_seq += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)

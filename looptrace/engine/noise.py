@@ -130,12 +130,14 @@ class PositionKeyedNoise:
     p = Φ(-3) + u·(Φ(3) − Φ(-3)), x = σ·Φ⁻¹(p) (fp64, `torch.special.ndtri`) -> times embed_scale, the same
     σ and scale as `sequential`. Independent of draw order, chunk size, batch-mates and cache hits; computed
     on the device from one small staged [rows, 2] int64 array (no blocking read). Same distribution as
-    `sequential`, other numbers (R2). The seed is the request's generator seed (`params.seed`, else the
-    engine-derived one), read with `initial_seed()`: nothing is drawn from the generator, so sampling
-    streams do not depend on the noise either."""
+    `sequential`, other numbers (R2). The seed is `request.noise_seed`: the request's `params.seed`, else
+    the engine's seed, shared by every unseeded request so that equal prompts have equal prompt states and
+    a cached prefix equals a cold run. Nothing is drawn from the request generator, so sampling streams do
+    not depend on the noise either."""
 
     name = "position_keyed"
-    uses_generator = True  # the engine seeds a generator per request; only its seed is read
+    uses_generator = False  # keyed by `request.noise_seed`; nothing is drawn
+    keyed_by_seed = True
     LOW, HIGH = _phi(-3.0), _phi(3.0)
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -143,7 +145,7 @@ class PositionKeyedNoise:
 
     @staticmethod
     def request_seed(req) -> int:
-        return req.generator.initial_seed()
+        return req.noise_seed
 
     def initial_state(self, like: torch.Tensor, runs: Runs, to_device: Callable) -> torch.Tensor:
         rows = sum(n for _, _, n in runs)

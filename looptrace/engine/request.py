@@ -54,6 +54,8 @@ class Request:
     finish_reason: str | None = None
     state_slot: int = -1  # row in the runner's carried-state pool
     generator: torch.Generator | None = None  # created on first use (noise and sampling share it)
+    noise_seed: int | None = None  # position-keyed noise: params.seed, else the engine's seed
+    prefix_salt: bytes = b""  # starts the prefix-cache key chain (KV that depends on the noise seed)
     seq: int = field(default_factory=lambda: next(_ids))  # FCFS tie-break; the engine numbers its own
 
     def __post_init__(self) -> None:

@@ -169,7 +169,9 @@ class Scheduler:
         for req in order[: self.cfg.admission_scan_limit]:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if self.blocks.can_admit(req.request_id, req.prompt, req.max_kv_tokens, self.watermark):
+            if self.blocks.can_admit(
+                req.request_id, req.prompt, req.max_kv_tokens, self.watermark, req.prefix_salt
+            ):
                 admitted.append(self._admit_one(req))
                 if blocked is not None:
                     n = self.bypasses[blocked.request_id] = self.bypasses.get(blocked.request_id, 0) + 1
@@ -184,7 +186,7 @@ class Scheduler:
     def _admit_one(self, req: Request) -> Admission:
         self.waiting.remove(req)
         self.bypasses.pop(req.request_id, None)
-        cached = self.blocks.admit(req.request_id, req.prompt, req.max_kv_tokens)
+        cached = self.blocks.admit(req.request_id, req.prompt, req.max_kv_tokens, req.prefix_salt)
         self.running[req.request_id] = req
         self.queues[Stage.PREFILL].append(req)
         return Admission(req, cached)

@@ -97,7 +97,7 @@ def test_noise_is_independent_of_draw_order_and_grouping():
 
     class Req:
         def __init__(self, seed):
-            self.generator = torch.Generator().manual_seed(seed)
+            self.noise_seed = seed
 
     a, b = Req(5), Req(6)
     like = torch.empty(1, spec.hidden_size)
@@ -167,9 +167,9 @@ def test_chunk_size_does_not_change_the_noise_or_the_tokens():
 @pytest.mark.parametrize("layout", ["planes", "packed"])
 def test_cached_prefix_gives_the_cold_run(layout):
     """Per-plane publication lets Huginn pages publish; a hit skips their prefill rows and their noise
-    draws. Position-keyed: the suffix gets the cold run's noise bitwise and the cold run's tokens, when the
-    prefix was published under the same noise seed (the request seed keys the noise, the prefix key is the
-    tokens only: a prefix published under another seed carries that seed's noise, an R2 change)."""
+    draws. Position-keyed: the suffix gets the cold run's noise bitwise and the cold run's tokens. The noise
+    seed salts the prefix key, so a prefix published under another seed (other noise in its KV) never hits;
+    unseeded requests share the engine's seed, so they share prefixes."""
     prompt = PROMPT[:8] + [400, 401, 402, 403, 404, 405]
     cold_engine, cold_rec, cold_noise = _huginn(layout)
     cold = _run(cold_engine, prompt, "cold")
@@ -181,11 +181,18 @@ def test_cached_prefix_gives_the_cold_run(layout):
     assert ("hit", 0) not in noise_at  # no prefill (and no draw) for the cached positions
     assert req.outputs == cold.outputs
     assert _same(rec, cold_rec, "hit", "cold")  # suffix GEMMs see fewer rows: equal up to rounding
-    # published under another seed: the prefix KV holds seed 5's noise, the suffix states move
+    # published under another seed: its KV holds other noise, so the salted key does not match
     other, other_rec, _ = _huginn(layout)
     _run(other, PROMPT[:13], "warm", seed=5)
-    assert _run(other, prompt, "hit").num_cached == 8
-    assert not _same(other_rec, cold_rec, "hit", "cold")
+    assert _run(other, prompt, "miss").num_cached == 0
+    assert _same(other_rec, cold_rec, "miss", "cold")  # a cold run again
+    # unseeded requests share the engine's noise seed, and so the prefix
+    shared, _, _ = _huginn(layout)
+    for rid, p in (("u1", PROMPT[:13]), ("u2", prompt)):
+        shared.add_request(p, SamplingParams(max_tokens=2), rid)
+        while shared.has_unfinished_requests():
+            shared.step()
+    assert shared.requests["u2"].noise_seed == shared.seed and shared.requests["u2"].num_cached == 8
     if layout == "planes":  # the base (sequential) noise shifts on a hit: other draws for the suffix
         s_cold_engine, _, s_cold_noise = _huginn(layout, noise="sequential")
         _run(s_cold_engine, prompt, "cold")
@@ -201,7 +208,7 @@ def test_keys_are_staged_once_per_call():
     staged = []
 
     class Req:
-        generator = torch.Generator().manual_seed(3)
+        noise_seed = 3
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         staged.append(a.copy())
