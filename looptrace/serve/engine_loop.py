@@ -427,12 +427,18 @@ def kv_state(e: Any) -> dict[str, Any]:
     planes: list[dict[str, Any]] = []
     num_planes = int(getattr(layout, "num_planes", 1) or 1)
     block_size = int(getattr(blocks, "block_size", 0) or 0)
-    tokens_per_plane = request_blocks // num_planes * block_size
-    if layout is not None and spec is not None and hasattr(layout, "roles_in_plane"):
-        per_role = {"prelude": spec.n_prelude, "core": spec.n_core, "coda": spec.n_coda}
+    # A page of one request takes `blocks_per_page` pool blocks (all planes; fewer under `packed`).
+    per_page = int(getattr(layout, "blocks_per_page", num_planes) or num_planes)
+    tokens_per_plane = request_blocks // per_page * block_size
+    if layout is not None and spec is not None and hasattr(layout, "layers_in_plane"):
         for p in range(num_planes):
-            live = sum(per_role.get(r, 0) for r in layout.roles_in_plane(p))
-            dead = spec.num_layers - live
+            live = len(layout.layers_in_plane(p))
+            # slots the plane reserves per token (packed: only its live layers), less the live ones
+            dead = (
+                int(layout.plane_width(p)) - live
+                if hasattr(layout, "plane_width")
+                else spec.num_layers - live
+            )
             planes.append(
                 {"plane": p, "live_slots": live * tokens_per_plane, "dead_slots": dead * tokens_per_plane}
             )
