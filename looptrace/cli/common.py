@@ -8,7 +8,7 @@ import math
 import platform
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,6 +21,9 @@ import looptrace
 err_console = Console(stderr=True, highlight=False)
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_NO_ENV = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_CODES_HELP = "Exit codes: 0 ok, 2 bad input, 3 environment missing, 130 interrupted (Ctrl-C)."
+SEED_MAX = 2**64 - 1  # torch.manual_seed's range; numpy takes any non-negative int
 
 
 class OutputFormat(str, enum.Enum):
@@ -42,9 +45,10 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
 @contextmanager
 def friendly_errors() -> Iterator[None]:
     """Turn our input errors into one line + exit code 2; an unavailable device into exit code 3."""
+    from looptrace.drive.workloads import WorkloadError
     from looptrace.engine.llm_engine import EngineInputError
     from looptrace.engine.model_config import UnknownModelError
-    from looptrace.drive.workloads import WorkloadError
+    from looptrace.probes.session import ProfileInputError
     from looptrace.recipes import RecipeError
 
     bad_input: tuple[type[Exception], ...] = (
@@ -53,6 +57,7 @@ def friendly_errors() -> Iterator[None]:
         UnknownModelError,
         WorkloadError,
         RecipeError,
+        ProfileInputError,
         FileNotFoundError,
     )
     try:
@@ -73,14 +78,37 @@ class NoDeviceError(RuntimeError):
     pass
 
 
+@contextmanager
+def interrupt_exit(what: str = "interrupted") -> Iterator[None]:
+    """Ctrl-C anywhere in a command: one line on stderr and exit code 130, no traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[yellow]{what}[/]", soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def spinner(show: bool, text: str):
+    """A transient Rich spinner on stderr (drawn only when stderr is a terminal), or nothing."""
+    return err_console.status(text) if show else nullcontext()
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-1")
+
+
 # Shared options ------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "ouro"
 ModelOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--model",
         "-m",
         help="Family (ouro, huginn, olmo: tiny preset on CPU, real shape on CUDA) or a preset name "
-        "(ouro-1.4b, ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny).",
+        "(ouro-1.4b, ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny). "
+        "Default: ouro; with --weights, the checkpoint's family (a contradicting --model is an error).",
+        show_default=False,
     ),
 ]
 RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name in recipes/ or a YAML path.")]
@@ -101,10 +129,24 @@ WeightsOpt = Annotated[
     ),
 ]
 SeedOpt = Annotated[int, typer.Option(help="Seed for random weights, prompts and sampling.")]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
+FormatOpt = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Output format. Default: from the --output suffix (.json, .csv), else table.",
+        show_default=False,
+    ),
+]
 OutputOpt = Annotated[
     Path | None,
-    typer.Option("--output", "-o", help="Also write the output to this file.", show_default=False),
+    typer.Option(
+        "--output",
+        "-o",
+        help="Also write the output to this file (whole, atomically; a symlink is written through; "
+        "directories and devices are refused).",
+        show_default=False,
+    ),
 ]
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch (1 is fastest for tiny models).")]
 
@@ -144,28 +186,54 @@ def resolve_dtype(dtype: str, device):
     return getattr(torch, DTYPES[dtype])
 
 
-def peek_spec(model: str, device: str, weights: Path | None):
+def model_family(model: str) -> str:
+    """Family of a --model value (a family or a preset name); UnknownModelError otherwise."""
+    from looptrace.engine.model_config import FAMILY_PRESETS, PRESETS, resolve_preset
+
+    key = model.lower()
+    if key in FAMILY_PRESETS:
+        return key
+    if key in PRESETS:
+        return PRESETS[key].family
+    return resolve_preset(model, "cpu").family  # raises the one-line UnknownModelError
+
+
+def checkpoint_spec(model: str | None, weights: Path):
+    """The checkpoint's spec; an explicit --model of another family is an error, not silently ignored."""
+    from looptrace.engine.checkpoint import read_spec
+
+    spec = read_spec(weights)
+    if model is not None:
+        family = model_family(model)
+        if family != spec.family:
+            raise UsageError(
+                f"--model {model} is a {family} model but --weights {weights} holds a {spec.family} "
+                f"checkpoint (config.json); pass --model {spec.family} or leave --model out"
+            )
+    return spec
+
+
+def peek_spec(model: str | None, device: str, weights: Path | None):
     """The model's shape before building anything (workloads need the vocab size)."""
     from looptrace.engine.model_config import resolve_preset
 
     if weights is not None:
-        from looptrace.engine.checkpoint import read_spec
-
-        return read_spec(weights)
-    return resolve_preset(model, resolve_device(device).type)
+        return checkpoint_spec(model, weights)
+    return resolve_preset(model or DEFAULT_MODEL, resolve_device(device).type)
 
 
 @dataclass
 class EngineSetup:
     engine: Any  # LLMEngine
     recipe: Any  # Recipe
-    requested_model: str
+    requested_model: str | None  # None: the default (or the checkpoint's family with --weights)
     weights: Path | None
+    shipped_weights: bool = False  # `weights` is the packaged checkpoint of a tiny preset, not --weights
 
 
 def build_engine(
     *,
-    model: str,
+    model: str | None,
     recipe: str,
     sets: list[str] | None,
     device: str,
@@ -174,14 +242,19 @@ def build_engine(
     seed: int,
     threads: int,
     max_model_len: int | None = None,
+    random_weights: bool = False,
 ) -> EngineSetup:
-    """Recipe + overrides -> EngineConfig; preset or checkpoint -> model; both -> LLMEngine."""
+    """Recipe + overrides -> EngineConfig; preset or checkpoint -> model; both -> LLMEngine.
+
+    On CPU a tiny preset with a packaged trained checkpoint (looptrace/assets/<preset>) loads it unless
+    `random_weights` (--random-weights) asks for the seeded random init."""
     import torch
 
     from looptrace.engine.llm_engine import LLMEngine
     from looptrace.engine.model_config import resolve_preset
     from looptrace.recipes import load_recipe
 
+    check_seed(seed)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if threads < 1:
@@ -197,12 +270,35 @@ def build_engine(
     if weights is not None:
         from looptrace.engine.checkpoint import load_checkpoint
 
+        checkpoint_spec(model, weights)  # a contradicting --model fails before the weights load
         spec, net = load_checkpoint(weights, dev, dt)
         engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
     else:
-        spec = resolve_preset(model, dev.type)
+        spec = resolve_preset(model or DEFAULT_MODEL, dev.type)
+        shipped = None if random_weights or dev.type != "cpu" else _shipped_weights(spec.name)
+        if shipped is not None:  # issue #9: the tiny presets default to their trained checkpoints on CPU
+            from looptrace.engine.checkpoint import load_checkpoint
+
+            spec, net = load_checkpoint(shipped, dev, dt, name=spec.name)
+            engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
+            return EngineSetup(engine, rec, model, shipped, shipped_weights=True)
         engine = LLMEngine.from_spec(spec, rec.config, device=dev, dtype=dt, seed=seed)
     return EngineSetup(engine, rec, model, weights)
+
+
+def _shipped_weights(preset: str) -> Path | None:
+    from looptrace.assets import shipped_weights
+
+    return shipped_weights(preset)
+
+
+RandomWeightsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--random-weights",
+        help="Tiny presets on CPU: use seeded random weights instead of the packaged trained checkpoint.",
+    ),
+]
 
 
 def versions() -> dict[str, str]:
@@ -253,8 +349,13 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
         "versions": versions(),
         "command": " ".join(["looptrace", *sys.argv[1:]]),
     }
-    family = setup.requested_model.lower()
-    if family in FAMILY_PRESETS:
+    family = (setup.requested_model or DEFAULT_MODEL).lower()
+    if setup.weights is not None and not setup.shipped_weights:
+        header["preset_note"] = (
+            f"{e.spec.family} checkpoint {setup.weights} (shape from its config.json); "
+            f"random weights: --model {e.spec.family} without --weights"
+        )
+    elif family in FAMILY_PRESETS:
         cpu, cuda = FAMILY_PRESETS[family]
         other = cuda if e.spec.name == cpu else cpu
         header["preset_note"] = (
@@ -266,18 +367,19 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
     return header
 
 
-def check_output_path(output: Path | None) -> None:
-    """Fail before any work when --output cannot be written."""
-    if output is not None and not output.parent.is_dir():
-        raise UsageError(f"--output {output}: directory {output.parent} does not exist")
+def check_output_path(output: Path | None, option: str = "--output") -> None:
+    """Fail before any work when --output cannot be written (rules: looptrace/cli/output.py)."""
+    from looptrace.cli.output import check_output
+
+    check_output(output, option)
 
 
 def write_output(text: str, output: Path | None, console: Console) -> None:
-    """Print to stdout and, with --output, write the same text (written whole, after success)."""
+    """Print to stdout and, with --output, write the same text (whole and atomically, after success)."""
     if output is not None:
-        tmp = output.with_name(output.name + ".partial")
-        tmp.write_text(text)
-        tmp.replace(output)
+        from looptrace.cli.output import atomic_write_text
+
+        atomic_write_text(output, text + "\n")
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 

@@ -18,7 +18,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
     no_args_is_help=True,
     add_completion=False,
-    epilog="Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 environment missing.",
+    epilog="Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 environment missing, 130 interrupted.",
 )
 
 
@@ -66,6 +66,11 @@ def _register_optional() -> None:
 
     app.command(epilog=DEPTH_EPILOG)(depth)
     app.command("train-tiny", epilog=TRAIN_EPILOG)(train_tiny)
+    # issue #8: paired A/B benchmark (torch and matplotlib load inside the command).
+    from looptrace.cli.bench_cmd import EPILOG as BENCH_EPILOG
+    from looptrace.cli.bench_cmd import bench
+
+    app.command(epilog=BENCH_EPILOG)(bench)
 
 
 _register_optional()

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from looptrace.cli.common import (
+    EXIT_CODES_HELP,
+    EXIT_INTERRUPTED,
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
@@ -24,15 +26,19 @@ from looptrace.cli.common import (
     UsageError,
     WeightsOpt,
     build_engine,
-    check_output_path,
+    check_seed,
     dumps,
     err_console,
     friendly_errors,
+    interrupt_exit,
     run_header,
+    spinner,
     write_output,
 )
+from looptrace.cli.output import atomic_path, check_outputs, infer_format
 
-EPILOG = """\
+EPILOG = (
+    """\
 [bold]EXAMPLES[/]
 
   looptrace profile --model ouro                          # ouro-tiny on CPU (leaf ATen ops), ouro-1.4b on GPU
@@ -43,16 +49,22 @@ EPILOG = """\
 
 [bold]WHAT IS MEASURED[/]  A decode window (whole tokens, after warm-up and graph capture) and a prefill
 window (a fresh burst until every request has its first token), under torch.profiler. Counters are per
-output token (decode) or per prompt token (prefill). On CPU, "kernels" are leaf ATen ops.
+output token (decode) or per prompt token (prefill). On CPU, "kernels" are leaf ATen ops. The --trace
+file carries lt.tokens/<n> markers, so `looptrace trace analyze` of it reports the same tokens.
 
-Exit codes: 0 ok, 2 bad input, 3 environment missing.
+[bold]OUTPUT[/]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
+given. -o and --trace are checked before profiling and written whole and atomically; a symlink is
+written through; a directory or a device is refused. Ctrl-C reports the windows that finished.
+
 """
+    + EXIT_CODES_HELP
+)
 
 LEVELS = ("step", "loop", "layer", "op")
 
 
 def profile(
-    model: ModelOpt = "ouro",
+    model: ModelOpt = None,
     recipe: RecipeOpt = "base",
     sets: SetOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Requests decoding together.")] = 1,
@@ -79,72 +91,105 @@ def profile(
     weights: WeightsOpt = None,
     seed: SeedOpt = 0,
     threads: ThreadsOpt = 1,
-    fmt: FormatOpt = OutputFormat.table,
+    fmt: FormatOpt = None,
     output: OutputOpt = None,
 ) -> None:
     """Count kernels, launches, graph replays and fallbacks, copies, syncs and time per generated token,
     attributed to model op x layer x loop x stage (the ExactLoop paper's Table A4, automated)."""
     from looptrace.probes.session import ProfileConfig
 
-    with friendly_errors():
-        if level not in LEVELS:
-            raise UsageError(f"--level '{level}': expected one of {', '.join(LEVELS)}")
-        if concurrency < 1 or prompt_len < 1 or (decode_steps is not None and decode_steps < 1):
-            raise UsageError("--concurrency, --prompt-len and --decode-steps must be >= 1")
-        if trace is not None and not trace.parent.exists():
-            raise UsageError(f"--trace {trace}: directory {trace.parent} does not exist")
-        check_output_path(output)
-        cfg = ProfileConfig(concurrency, prompt_len, decode_steps, level=level, seed=seed)
-        common = dict(model=model, device=device, dtype=dtype, weights=weights, seed=seed, threads=threads)
-        if compare is None:
-            if a_set or b_set:
+    with interrupt_exit("interrupted before any window finished: no report written"):
+        fmt = infer_format(fmt, output)
+        with friendly_errors():
+            if level not in LEVELS:
+                raise UsageError(f"--level '{level}': expected one of {', '.join(LEVELS)}")
+            if concurrency < 1 or prompt_len < 1 or (decode_steps is not None and decode_steps < 1):
+                raise UsageError("--concurrency, --prompt-len and --decode-steps must be >= 1")
+            check_outputs((output, "--output"), (trace, "--trace"))
+            check_seed(seed)
+            if compare is None and (a_set or b_set):
                 raise UsageError("--a-set/--b-set only apply with --compare A B")
-            side = _profile_one(recipe, list(sets or []), cfg, common, trace)
-            data = {"schema": "looptrace.profile/1", **_jsonable(side)}
-            text = render_single(side, fmt)
-        else:
-            from looptrace.recipes import load_recipe
+            cfg = ProfileConfig(concurrency, prompt_len, decode_steps, level=level, seed=seed)
+            common = dict(
+                model=model, device=device, dtype=dtype, weights=weights, seed=seed, threads=threads
+            )
+            runs = [(recipe, list(sets or []))]
+            if compare is not None:
+                from looptrace.recipes import load_recipe
 
-            base = list(sets or [])
-            for name, extra in zip(compare, (a_set, b_set)):  # both sides valid before any profiling
-                load_recipe(name, base + list(extra or []))
-            sides = [
-                _profile_one(name, base + list(extra or []), cfg, common, trace if i == 0 else None)
-                for i, (name, extra) in enumerate(zip(compare, (a_set, b_set)))
-            ]
-            data = {
-                "schema": "looptrace.compare/1",
-                "a": _jsonable(sides[0]),
-                "b": _jsonable(sides[1]),
-                "decode_comparison": _comparison(sides),
-            }
-            text = render_compare(sides, fmt)
-    write_output(
-        text if fmt == OutputFormat.table else (dumps(data) if fmt == OutputFormat.json else text),
-        output,
-        Console(width=140),
-    )
+                base = list(sets or [])
+                runs = [(name, base + list(extra or [])) for name, extra in zip(compare, (a_set, b_set))]
+                for name, overrides in runs:  # both sides valid before any profiling
+                    load_recipe(name, overrides)
+            sides, interrupted = _profile_sides(runs, cfg, common, trace)
+        data, text = _report(sides, fmt, compare is not None)
+        if interrupted:
+            data["interrupted"] = True
+            done = ", ".join(f"{s['header']['label']}: {'+'.join(s['windows'])}" for s in sides)
+            err_console.print(
+                f"[yellow]interrupted:[/] reporting the windows that finished ({done})", soft_wrap=True
+            )
+        with friendly_errors():
+            write_output(text if fmt != OutputFormat.json else dumps(data), output, Console(width=140))
+        if interrupted:
+            raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _profile_sides(
+    runs: list[tuple[str, list[str]]], cfg, common: dict, trace: Path | None
+) -> tuple[list[dict[str, Any]], bool]:
+    """Profile each (recipe, overrides); the first side writes --trace. A Ctrl-C keeps the sides (and
+    windows) that finished and skips the rest; with nothing finished it propagates."""
+    sides: list[dict[str, Any]] = []
+    for i, (name, overrides) in enumerate(runs):
+        try:
+            if i == 0 and trace is not None:
+                with atomic_path(trace, "--trace") as tmp:
+                    side = _profile_one(name, overrides, cfg, common, tmp)
+                side["header"]["trace"] = str(trace)
+            else:
+                side = _profile_one(name, overrides, cfg, common, None)
+        except KeyboardInterrupt:
+            if not sides:
+                raise
+            return sides, True
+        sides.append(side)
+        if side["interrupted"]:
+            return sides, True
+    return sides, False
+
+
+def _report(sides: list[dict[str, Any]], fmt: OutputFormat, compare: bool) -> tuple[dict[str, Any], str]:
+    """(JSON data, rendered text). A --compare cut short by Ctrl-C before side B's decode window
+    finished reports side A alone."""
+    if compare and len(sides) == 2 and all("decode" in s["windows"] for s in sides):
+        data = {
+            "schema": "looptrace.compare/1",
+            "a": _jsonable(sides[0]),
+            "b": _jsonable(sides[1]),
+            "decode_comparison": _comparison(sides),
+        }
+        return data, render_compare(sides, fmt)
+    return {"schema": "looptrace.profile/1", **_jsonable(sides[0])}, render_single(sides[0], fmt)
 
 
 def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | None) -> dict[str, Any]:
     from looptrace.probes.report import to_dict
-    from looptrace.probes.session import profile_engine
+    from looptrace.probes.session import plan, profile_engine
 
     max_len = cfg.prompt_len + 64 + (cfg.decode_steps or 0)
     setup = build_engine(recipe=recipe, sets=sets, max_model_len=max_len, **common)
+    plan(setup.engine, cfg)  # a prompt that cannot fit fails here, before any profiling
     header = run_header(setup)
     label = setup.recipe.name + (" + " + ", ".join(sets) if sets else "")
-    with err_console.status(f"profiling {setup.engine.spec.name} ({label})") as status:
-        result = profile_engine(
-            setup.engine, cfg, trace_path=trace, progress=lambda msg: status.update(f"{label}: {msg}")
-        )
+    with spinner(err_console.is_terminal, f"profiling {setup.engine.spec.name} ({label})") as status:
+        say = (lambda msg: status.update(f"{label}: {msg}")) if status is not None else None
+        result = profile_engine(setup.engine, cfg, trace_path=trace, progress=say)
     _release(setup)
     header["label"] = label
     header["concurrency"] = cfg.concurrency
     header["prompt_len"] = cfg.prompt_len
     header["level"] = cfg.level
-    if trace is not None:
-        header["trace"] = str(trace)
     windows = {}
     for name, run in result.windows.items():
         analysis = result.analyses[name]
@@ -158,6 +203,7 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
         "windows": windows,
         "raw_profiler_counts": result.raw_counts,
         "trace_counts": result.trace_counts,
+        "interrupted": result.interrupted,
     }
 
 
@@ -225,7 +271,7 @@ def _engine_table(side: dict[str, Any]) -> Table:
 
 
 def render_single(side: dict[str, Any], fmt: OutputFormat) -> str:
-    from looptrace.probes.report import counters_table, report_renderables, to_csv
+    from looptrace.probes.report import counters_table, group_table, report_renderables, to_csv
 
     if fmt == OutputFormat.csv:
         return "\n".join(
@@ -239,15 +285,14 @@ def render_single(side: dict[str, Any], fmt: OutputFormat) -> str:
     for item in report_renderables(decode, _display_header(side)):
         console.print(item)
     console.print(_engine_table(side))
-    prefill = side["windows"]["prefill"]["analysis"]
-    console.print(
-        counters_table(
-            [(side["header"]["label"], prefill.counters)], title="Prefill window, per prompt token"
+    if "prefill" in side["windows"]:  # absent after a Ctrl-C in the prefill window
+        prefill = side["windows"]["prefill"]["analysis"]
+        console.print(
+            counters_table(
+                [(side["header"]["label"], prefill.counters)], title="Prefill window, per prompt token"
+            )
         )
-    )
-    from looptrace.probes.report import group_table
-
-    console.print(group_table("Prefill kernels by op", ["op"], prefill.breakdown.by_op, prefill.counters))
+        console.print(group_table("Prefill kernels by op", ["op"], prefill.breakdown.by_op, prefill.counters))
     raw, ours = side["raw_profiler_counts"], side["trace_counts"]
     checks = ", ".join(f"{k} {raw[k]}/{ours[k]}" + ("" if raw[k] == ours[k] else " (differ)") for k in raw)
     console.print(f"cross-check, whole profiler session, profiler events / exported trace events: {checks}")
@@ -258,14 +303,14 @@ def _flat(header: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in header.items() if not isinstance(v, (dict, list))}
 
 
-def _display_header(side: dict[str, Any]) -> dict[str, Any]:
+def _display_header(side: dict[str, Any], recipe: str | None = None) -> dict[str, Any]:
     h = side["header"]
     decode = side["windows"]["decode"]["engine"]
     keep = {
         "model": f"{h['model_preset']} ({h['family']}, {h['loops']} loops, weights {h['weights']})",
         "device": f"{h['device']}  dtype {h['dtype']}",
         "versions": ", ".join(f"{k} {v}" for k, v in h["versions"].items()),
-        "recipe": h["label"],
+        "recipe": recipe or h["label"],
         "window": f"decode: {decode['steps']} steps, {decode['tokens']} tokens "
         f"at concurrency {h['concurrency']}"
         f" (prompt {h['prompt_len']})",
@@ -278,7 +323,7 @@ def _display_header(side: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
-    from looptrace.probes.report import compare_table, counters_table
+    from looptrace.probes.report import compare_table, counters_table, header_table
 
     if fmt == OutputFormat.json:
         return ""
@@ -292,6 +337,15 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
             lines.append(f"{r['counter']},{r['a_per_token']},{r['b_per_token']},{ratio}")
         return "\n".join(lines)
     console = Console(width=140, record=True, file=io.StringIO(), force_terminal=False)
+    # Model, device and versions are shared by both sides (one --model/--device); the window is side A's.
+    console.print(
+        header_table(
+            _display_header(
+                sides[0], f"A: {sides[0]['header']['label']}  vs  B: {sides[1]['header']['label']}"
+            )
+        )
+    )
+    console.print()
     a, b = (s["windows"]["decode"]["analysis"].counters for s in sides)
     console.print(counters_table([(labels[0], a), (labels[1], b)], title="Decode window, per output token"))
     console.print(compare_table(a, b, labels))

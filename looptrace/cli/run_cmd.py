@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from looptrace.cli.common import (
+    EXIT_CODES_HELP,
+    EXIT_INTERRUPTED,
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
@@ -29,13 +31,17 @@ from looptrace.cli.common import (
     WeightsOpt,
     build_engine,
     check_output_path,
+    check_seed,
     dumps,
     err_console,
     friendly_errors,
+    interrupt_exit,
     peek_spec,
     run_header,
+    spinner,
     write_output,
 )
+from looptrace.cli.output import infer_format
 
 SCHEMA = "looptrace.run/1"
 
@@ -49,9 +55,21 @@ EPILOG = """\
   looptrace run --model ouro --workload sessions --sessions 4 --turns 3
   looptrace run --model ouro --workload jsonl --prompts prompts.jsonl --weights ./Ouro-1.4B
 
+[bold]JSONL PROMPTS[/]  (--workload jsonl --prompts FILE) one JSON object per line, blank lines skipped:
+
+  {"prompt": "Write a haiku about loops.", "max_tokens": 64}
+  {"prompt_token_ids": [1, 2, 3], "arrival": 0.5}
+
+  Exactly one of prompt (text: tokenized by tokenizer.json of --weights DIR, else as UTF-8 bytes) or
+  prompt_token_ids (a non-empty list of ids). Optional: max_tokens (default --max-tokens), arrival
+  (seconds from the start, default 0). Other keys are ignored; errors name FILE:LINE.
+
+[bold]OUTPUT[/]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
+given. The file is written whole and atomically, a symlink is written through, and a directory or a
+device is refused before the run. Ctrl-C stops the run and reports what was measured so far.
+
 [bold]LEARN MORE[/]  recipes/base.yaml lists every setting --set can change.
-Exit codes: 0 ok, 2 bad input, 3 environment missing (e.g. --device cuda without CUDA).
-"""
+""" + EXIT_CODES_HELP.replace("missing", "missing (e.g. --device cuda without CUDA)")
 
 
 class WorkloadKind(str, enum.Enum):
@@ -129,7 +147,7 @@ def workload_max_len(workload) -> int:
 
 
 def run(
-    model: ModelOpt = "ouro",
+    model: ModelOpt = None,
     recipe: RecipeOpt = "base",
     sets: SetOpt = None,
     workload: Annotated[WorkloadKind, typer.Option(help="Arrival pattern.")] = WorkloadKind.burst,
@@ -152,9 +170,9 @@ def run(
     weights: WeightsOpt = None,
     seed: SeedOpt = 0,
     threads: ThreadsOpt = 1,
-    fmt: FormatOpt = OutputFormat.table,
+    fmt: FormatOpt = None,
     output: OutputOpt = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,
+    progress: Annotated[bool, typer.Option(help="Show progress on stderr (when it is a terminal).")] = True,
 ) -> None:
     """Serve a workload on the reference engine; print throughput, TTFT/TPOT/ITL/E2EL, engine steps per
     token, KV capacity and CUDA-graph counters."""
@@ -162,56 +180,66 @@ def run(
     from looptrace.drive.metrics import summarize
     from looptrace.engine.request import SamplingParams
 
-    with friendly_errors():
-        check_output_path(output)
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        wl = make_workload(
-            workload,
-            concurrency=concurrency,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            rate=rate,
-            num_requests=num_requests,
-            sessions=sessions,
-            turns=turns,
-            turn_prompt_len=turn_prompt_len,
-            prompts=prompts,
-            seed=seed,
-            vocab_size=peek_spec(model, device, weights).vocab_size,
-            tokenizer_dir=weights,
+    with interrupt_exit():  # Ctrl-C outside the serving loop: exit 130, no traceback
+        fmt = infer_format(fmt, output)
+        progress = progress and err_console.is_terminal  # a pipe or a log file gets no bar remnants
+        with friendly_errors():
+            check_output_path(output)
+            check_seed(seed)
+            if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+                raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+            with spinner(progress, "preparing the workload and the engine"):
+                wl = make_workload(
+                    workload,
+                    concurrency=concurrency,
+                    prompt_len=prompt_len,
+                    max_tokens=max_tokens,
+                    rate=rate,
+                    num_requests=num_requests,
+                    sessions=sessions,
+                    turns=turns,
+                    turn_prompt_len=turn_prompt_len,
+                    prompts=prompts,
+                    seed=seed,
+                    vocab_size=peek_spec(model, device, weights).vocab_size,
+                    tokenizer_dir=weights,
+                )
+                setup = build_engine(
+                    model=model,
+                    recipe=recipe,
+                    sets=sets,
+                    device=device,
+                    dtype=dtype,
+                    weights=weights,
+                    seed=seed,
+                    threads=threads,
+                    max_model_len=workload_max_len(wl),
+                )
+                check_fits(wl, setup.engine.max_model_len)
+        header = run_header(setup)
+        header["workload"] = repr(wl)
+        for note in _notes(setup, concurrency):
+            err_console.print(f"[yellow]note:[/] {note}")
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None
         )
-        setup = build_engine(
-            model=model,
-            recipe=recipe,
-            sets=sets,
-            device=device,
-            dtype=dtype,
-            weights=weights,
-            seed=seed,
-            threads=threads,
-            max_model_len=workload_max_len(wl),
-        )
-        check_fits(wl, setup.engine.max_model_len)
-    header = run_header(setup)
-    header["workload"] = repr(wl)
-    for note in _notes(setup, concurrency):
-        err_console.print(f"[yellow]note:[/] {note}")
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None
-    )
-    record = _run_with_progress(
-        run_workload, setup.engine, wl, params, progress and fmt == OutputFormat.table
-    )
-    metrics = summarize(record)
-    rejected = [r for r in record.requests if r.finish_reason == "rejected"]
-    if rejected:
-        err_console.print(f"[yellow]note:[/] {len(rejected)} request(s) rejected: {rejected[0].error}")
-    data = report_data(header, setup.engine, metrics)
-    if record.interrupted:
-        err_console.print("[yellow]interrupted:[/] reporting what was measured so far")
-    text = render(data, fmt)
-    write_output(text, output, Console(width=120))
+        record = _run_with_progress(run_workload, setup.engine, wl, params, progress)
+        metrics = summarize(record)
+        rejected = [r for r in record.requests if r.finish_reason == "rejected"]
+        if rejected:
+            err_console.print(f"[yellow]note:[/] {len(rejected)} request(s) rejected: {rejected[0].error}")
+        data = report_data(header, setup.engine, metrics)
+        if record.interrupted:
+            err_console.print(
+                f"[yellow]interrupted:[/] reporting what was measured so far ({metrics.tokens_sampled} tokens"
+                f", {metrics.completed} request(s) completed, {metrics.interrupted_requests} in flight)",
+                soft_wrap=True,
+            )
+        text = render(data, fmt)
+        with friendly_errors():
+            write_output(text, output, Console(width=120))
+        if record.interrupted:
+            raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def check_fits(workload, max_len: int) -> None:
@@ -306,12 +334,22 @@ def summary_renderables(data: dict[str, Any]) -> list:
         + f"   workload {h.get('workload', '')}\n[dim]{h['preset_note']}[/]"
     )
     out: list = [Panel(head, title="looptrace run", expand=False)]
+    if m.get("interrupted"):
+        out.append(
+            f"[bold yellow]INTERRUPTED[/]: {m['interrupted_requests']} request(s) in flight were stopped "
+            f"(incomplete, not failed), {m['unsubmitted_requests']} never submitted; latency and throughput "
+            "cover the completed requests"
+        )
 
     t = Table(title="Serving", title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
         ("Completed / failed requests", f"{m['completed']} / {m['failed']}"),
+        (
+            "Output tokens: completed requests / all sampled",
+            f"{m['total_output_tokens']} / {m['tokens_sampled']}",
+        ),
         ("Duration (s)", f"{m['duration']:.2f}"),
         ("Output throughput (tok/s)", f"{m['output_throughput']:.1f}"),
         ("Total throughput (tok/s)", f"{m['total_token_throughput']:.1f}"),

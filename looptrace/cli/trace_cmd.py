@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from enum import Enum
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from looptrace.cli.common import OutputFormat, UsageError, check_output_path, fail
+from looptrace.cli.common import OutputFormat, UsageError, fail, interrupt_exit
+from looptrace.cli.output import atomic_write_text, check_output, infer_format
 from looptrace.probes.counters import analyze as analyze_trace
 from looptrace.probes.events import TraceError, load_chrome_trace
 from looptrace.probes.report import render_report, to_csv, to_json
@@ -24,7 +26,15 @@ EXAMPLES = """
 
   looptrace trace analyze run.json --window all --format csv
 
-[bold]EXIT CODES[/bold]  0 ok · 2 bad input (missing file, invalid JSON, no events, no such window)
+[bold]TOKENS[/bold]  --tokens N, else --step-marker instances in the window (none is an error), else the
+lt.tokens/<n> markers of looptrace's own traces (the same tokens `looptrace profile` reported), else
+lt.step#/ProfilerStep# instances, else 1 (totals; the notes say so).
+
+[bold]OUTPUT[/bold]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
+given; written whole and atomically, through a symlink; a directory or a device is refused.
+
+[bold]EXIT CODES[/bold]  0 ok · 2 bad input (missing file, invalid JSON, no events, no such window,
+unknown --step-marker, unwritable -o) · 130 interrupted (Ctrl-C)
 
 [bold]LEARN MORE[/bold]  counters and event rules: looptrace/probes/counters.py and classify.py docstrings
 """
@@ -50,9 +60,12 @@ def _wrote(output: Path) -> None:
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
-    else:
-        output.write_text(text, encoding="utf-8")
-        _wrote(output)
+        return
+    try:
+        atomic_write_text(output, text)
+    except UsageError as exc:
+        raise fail(str(exc)) from None
+    _wrote(output)
 
 
 @trace_app.command(epilog=EXAMPLES)
@@ -78,15 +91,35 @@ def analyze(
             help="lt.window/decode or lt.window/prefill ranges, or the whole trace; auto: decode if any."
         ),
     ] = WindowChoice.auto,
-    fmt: Annotated[OutputFormat, typer.Option("--format", help="Output format.")] = OutputFormat.table,
+    fmt: Annotated[
+        Optional[OutputFormat],
+        typer.Option(
+            "--format",
+            help="Output format. Default: from the --output suffix (.json, .csv), else table.",
+            show_default=False,
+        ),
+    ] = None,
     output: Annotated[
         Optional[Path], typer.Option("--output", "-o", help="Write to PATH instead of stdout.")
     ] = None,
     top: Annotated[int, typer.Option(min=0, help="Kernels listed in each top-kernels table.")] = 10,
 ) -> None:
     """Per-token counters (Table A4 shape), kernel attribution by stage/op/layer and top kernels."""
+    with interrupt_exit():
+        _analyze(trace, tokens, step_marker, window, infer_format(fmt, output), output, top)
+
+
+def _analyze(
+    trace: Path,
+    tokens: int | None,
+    step_marker: str | None,
+    window: WindowChoice,
+    fmt: OutputFormat,
+    output: Path | None,
+    top: int,
+) -> None:
     try:
-        check_output_path(output)
+        check_output(output)
         loaded = load_chrome_trace(trace)
         if not loaded.events:
             raise TraceError(f"{trace}: no complete ('ph': 'X') events in the trace")
@@ -101,6 +134,6 @@ def analyze(
     elif output is None:
         render_report(result, header, Console(width=None if sys.stdout.isatty() else 160))
     else:
-        with output.open("w", encoding="utf-8") as fh:
-            render_report(result, header, Console(file=fh, width=160, color_system=None))
-        _wrote(output)
+        buf = io.StringIO()
+        render_report(result, header, Console(file=buf, width=160, color_system=None))
+        _emit(buf.getvalue(), output)

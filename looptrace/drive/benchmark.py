@@ -24,7 +24,9 @@ ProgressFn = Callable[[int, int, int], None]  # (done_requests, total_requests, 
 
 ABORTED = "abort"
 REJECTED = "rejected"  # never submitted: longer than max_model_len, or add_request raised ValueError
+INTERRUPTED = "interrupted"  # in flight at a Ctrl-C: neither completed nor failed, its tokens still count
 FAILED_REASONS = frozenset({ABORTED, REJECTED})
+INCOMPLETE_REASONS = FAILED_REASONS | {INTERRUPTED}
 
 
 @dataclass
@@ -38,7 +40,7 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: str | None = None  # the engine's ("stop", "length", ...) or ABORTED / REJECTED
+    finish_reason: str | None = None  # the engine's ("stop", "length", ...) or ABORTED/REJECTED/INTERRUPTED
     error: str | None = None
     session_id: int | None = None
     turn: int | None = None
@@ -50,7 +52,7 @@ class RequestRecord:
     @property
     def completed(self) -> bool:
         """Finished normally; only completed requests enter latency and throughput metrics (vLLM)."""
-        return self.finish_time is not None and self.finish_reason not in FAILED_REASONS
+        return self.finish_time is not None and self.finish_reason not in INCOMPLETE_REASONS
 
     @property
     def ttft(self) -> float | None:
@@ -78,6 +80,7 @@ class RunRecord:
     peak_kv_usage: float  # max of engine.kv_usage() after each step, in [0, 1]
     interrupted: bool = False
     workload: str = ""  # repr of the workload, for reports
+    unsubmitted: int = 0  # items still waiting for their arrival at the interrupt (not in `requests`)
 
     @property
     def engine_steps(self) -> int:
@@ -185,9 +188,10 @@ class _Driver:
         self.running.clear()
 
     def abort_all(self) -> None:
+        """Ctrl-C: abort what is in flight; those requests are INTERRUPTED (not failed), tokens kept."""
         t = self.now()
         for rid, (_, rec) in list(self.running.items()):
-            rec.finish_time, rec.finish_reason = t, ABORTED
+            rec.finish_time, rec.finish_reason = t, INTERRUPTED
             try:
                 self.engine.abort_request(rid)
             except Exception as e:  # keep the partial record: it is what the user interrupted to see
@@ -232,6 +236,7 @@ class _Driver:
             peak_kv_usage=self.peak_kv,
             interrupted=interrupted,
             workload=repr(self.workload),
+            unsubmitted=len(self.pending) if interrupted else 0,
         )
 
 
@@ -247,8 +252,9 @@ def run_workload(
     """Run `workload` on `engine` to completion and return what was measured.
 
     `params` is the sampling template for every request (its max_tokens is replaced by each item's;
-    default: greedy, ignore_eos). Ctrl-C stops stepping, aborts the outstanding requests and returns the
-    partial record with `interrupted=True`; items not yet submitted are left out of it.
+    default: greedy, ignore_eos). Ctrl-C stops stepping, aborts the outstanding requests (finish reason
+    INTERRUPTED, their tokens kept) and returns the partial record with `interrupted=True`; items not yet
+    submitted are left out of it and counted in `unsubmitted`.
     """
     driver = _Driver(engine, workload, clock, params or SamplingParams())
     interrupted = False

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from looptrace.drive.benchmark import ABORTED, REJECTED, RequestRecord, RunRecord
+from looptrace.drive.benchmark import FAILED_REASONS, INTERRUPTED, RequestRecord, RunRecord
 
 PERCENTILES: tuple[float, ...] = (90, 99)  # the median (p50) is always reported
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # SLOs in ms, as vLLM's `--goodput ttft:500 tpot:50`
@@ -48,7 +48,7 @@ class LatencyStats:
 class ServingMetrics:
     duration: float  # s
     completed: int
-    failed: int  # rejected before submission, or aborted (including by an interrupt)
+    failed: int  # rejected before submission, or aborted (an interrupt's in-flight requests are not)
     total_input_tokens: int  # completed requests
     total_output_tokens: int  # completed requests
     request_throughput: float  # completed req/s
@@ -68,6 +68,8 @@ class ServingMetrics:
     submissions_per_output_token: float
     peak_kv_usage: float
     interrupted: bool
+    interrupted_requests: int = 0  # in flight at a Ctrl-C: incomplete, not failed
+    unsubmitted_requests: int = 0  # still waiting for their arrival at a Ctrl-C
     request_goodput: float | None = None  # good req/s, when SLOs were given
     finish_reasons: dict[str, int] = field(default_factory=dict)
     # Raw samples in seconds (vLLM's `ttfts`, `itls` per request, `input_lens`, `output_lens`).
@@ -105,6 +107,8 @@ class ServingMetrics:
             "submissions_per_output_token": self.submissions_per_output_token,
             "peak_kv_usage": self.peak_kv_usage,
             "interrupted": self.interrupted,
+            "interrupted_requests": self.interrupted_requests,
+            "unsubmitted_requests": self.unsubmitted_requests,
             "finish_reasons": dict(self.finish_reasons),
         }
         if raw:
@@ -172,7 +176,7 @@ def summarize(
     return ServingMetrics(
         duration=dur,
         completed=len(done),
-        failed=sum(r.finish_reason in (ABORTED, REJECTED) for r in record.requests),
+        failed=sum(r.finish_reason in FAILED_REASONS for r in record.requests),
         total_input_tokens=n_in,
         total_output_tokens=n_out,
         request_throughput=_ratio(len(done), dur),
@@ -190,6 +194,8 @@ def summarize(
         submissions_per_output_token=_ratio(record.submissions, sampled),
         peak_kv_usage=record.peak_kv_usage,
         interrupted=record.interrupted,
+        interrupted_requests=sum(r.finish_reason == INTERRUPTED for r in record.requests),
+        unsubmitted_requests=record.unsubmitted,
         request_goodput=good,
         finish_reasons=dict(Counter(r.finish_reason or "unfinished" for r in record.requests)),
         input_lens=[r.prompt_len for r in done],

@@ -4,6 +4,8 @@ Annotation convention (the `record_function` names looptrace emits; Kineto recor
 `user_annotation` events, which is what this module reads):
 
     lt.window/decode, lt.window/prefill   the measured windows
+    lt.tokens/<n>                         n tokens of the window's unit done (output tokens sampled by
+                                          a decode step; prompt tokens prefilled, once per prefill window)
     lt.step#<n>                           one engine step
     lt.stage/<stage>                      prefill | prelude | recurrent | coda | sample
     lt.loop/<i>                           0-based loop of the recurrent block
@@ -26,8 +28,10 @@ innermost enclosing lt.stage / lt.loop / lt.layer / lt.op ranges *on the thread 
 Kernels with no lt.op range are `graph` (inside a graph replay) or `other`.
 
 Tokens: per-token values divide window totals by `tokens=` (the caller knows how many tokens it sampled);
-without it, by the number of step-marker instances (right for one token per step, e.g. vLLM decode at
-batch 1); without either, by 1 (totals), and the notes say so.
+else, with `step_marker=`, by its instances in the window (an error if there are none); else by the sum
+of the window's `lt.tokens/<n>` markers (looptrace's own traces: the same divisor as `looptrace profile`,
+whatever the steps per token); else by the instances of a default step marker (right for one token per
+step, e.g. vLLM decode at batch 1); else by 1 (totals), and the notes say so.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ WINDOW_PREFIX = "lt.window/"
 WINDOW_DECODE = "lt.window/decode"
 WINDOW_PREFILL = "lt.window/prefill"
 STEP_PREFIX = "lt.step#"
+TOKENS_PREFIX = "lt.tokens/"
 STAGE_PREFIX = "lt.stage/"
 LOOP_PREFIX = "lt.loop/"
 LAYER_PREFIX = "lt.layer/"
@@ -57,7 +62,7 @@ GRAPH_BODY_PREFIX = "lt.graph/"  # an eager run of a captured graph's body: maps
 STAGES = ("prefill", "prelude", "recurrent", "coda", "sample")
 OP_KINDS = (
     "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head", "sample",
-    "state_init", "kv_copy", "metadata",
+    "state_init", "kv_copy", "metadata", "readback",
 )  # fmt: skip
 DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#")
 WINDOW_CHOICES = ("auto", "decode", "prefill", "all")
@@ -77,6 +82,10 @@ def window_name(kind: str) -> str:
 
 def step_name(n: int) -> str:
     return f"{STEP_PREFIX}{n}"
+
+
+def tokens_name(n: int) -> str:
+    return f"{TOKENS_PREFIX}{n}"
 
 
 def stage_name(stage: str) -> str:
@@ -383,8 +392,12 @@ def analyze(
         located = ((e, locate(e)) for e in items)
         return [(e, pos) for e, pos in located if inside(pos[1])]
 
-    marker, steps = _count_steps(events, step_marker, inside)
-    tokens, tokens_source = _resolve_tokens(tokens, marker, steps)
+    marker, steps = _count_steps(events, step_marker, inside, f"{trace.source} (window {label})")
+    tokens_source = ""
+    if tokens is None and step_marker is None:
+        tokens, tokens_source = _marked_tokens(events, inside)
+    if not tokens_source:
+        tokens, tokens_source = _resolve_tokens(tokens, marker, steps)
     host_us = _host_span(events) if windows is None else sum(end - start for start, end in windows)
     c = Counters(tokens, steps, label, mode, host_us=host_us, submissions=submissions)
 
@@ -549,14 +562,42 @@ def _attribute_replays(
     return ctx, op_calls, note
 
 
-def _count_steps(events: list[TraceEvent], marker: str | None, inside: Callable[[float], bool]) -> tuple:
+def _count_steps(
+    events: list[TraceEvent], marker: str | None, inside: Callable[[float], bool], where: str
+) -> tuple[str | None, int]:
+    """(marker, instances in the window). A given marker with no instance in the window is an error: it
+    would silently make per-token values window totals."""
     annotations = [e for e in events if e.cat == ANNOTATION_CAT]
     candidates = (marker,) if marker else DEFAULT_STEP_MARKERS
     for prefix in candidates:
         steps = [e for e in annotations if e.name.startswith(prefix)]
         if steps:
-            return prefix, sum(1 for e in steps if inside(e.ts))
+            inside_steps = sum(1 for e in steps if inside(e.ts))
+            if marker and not inside_steps:
+                raise TraceError(
+                    f"{where}: step marker {marker!r} has {len(steps)} instance(s), none in the window"
+                )
+            return prefix, inside_steps
+    if marker:
+        known = [p for p in DEFAULT_STEP_MARKERS if any(e.name.startswith(p) for e in annotations)]
+        names = sorted({re.sub(r"\d+$", "", e.name) for e in annotations})
+        hint = f"present: {', '.join(known)}" if known else "names: " + (", ".join(names[:6]) or "none")
+        hint += ", ..." if not known and len(names) > 6 else ""
+        raise TraceError(f"{where}: step marker {marker!r} matches no user_annotation ({hint})")
     return marker, 0
+
+
+def _marked_tokens(events: list[TraceEvent], inside: Callable[[float], bool]) -> tuple[int | None, str]:
+    """Sum of the lt.tokens/<n> markers in the window (None if there are none)."""
+    total, found = 0, False
+    for e in events:
+        if e.cat == ANNOTATION_CAT and e.name.startswith(TOKENS_PREFIX) and inside(e.ts):
+            count = e.name[len(TOKENS_PREFIX) :]
+            if count.isdigit():
+                total, found = total + int(count), True
+    if not found or total < 1:
+        return None, ""
+    return total, f"looptrace token markers ({TOKENS_PREFIX}<n>)"
 
 
 def _resolve_tokens(tokens: int | None, marker: str | None, steps: int) -> tuple[int, str]:

@@ -4,7 +4,12 @@ Order matters. Decode runs first (after a warm-up that captures the CUDA graphs 
 so no profiler session runs before graph capture (a known CUPTI pitfall leaves graph kernels untraced).
 The prefill window then admits a fresh burst (new prompts, so no prefix-cache hits) inside the same
 profiler session. Windows are `record_function` ranges (`lt.window/decode`, `lt.window/prefill`), and
-the counters come from the exported Kineto trace, the same code path as `looptrace trace analyze`.
+the counters come from the exported Kineto trace, the same code path as `looptrace trace analyze`. Each
+window also carries `lt.tokens/<n>` markers (tokens sampled by a step, prompt tokens prefilled), so that
+`trace analyze` of the saved trace divides by the same token count as the live report.
+
+Ctrl-C during a window stops the profiler and returns the windows that finished (`interrupted=True`);
+with none finished, the KeyboardInterrupt propagates.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from looptrace.probes.events import Trace, trace_from_profiler
 from looptrace.probes.ranges import RangeProbe
 
 Progress = Callable[[str], None]
+
+
+class ProfileInputError(ValueError):
+    """A profile configuration the engine cannot run (one line, raised before any profiling)."""
 
 
 @dataclass
@@ -63,6 +72,7 @@ class ProfileResult:
     analyses: dict[str, Analysis]
     raw_counts: dict[str, int]  # cross-check: events as the profiler itself reports them
     trace_counts: dict[str, int]  # the same categories in the exported trace
+    interrupted: bool = False  # Ctrl-C: `windows` holds the windows that finished before it
 
 
 def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
@@ -164,6 +174,21 @@ def _quiet_native_stderr():
                     sys.stderr.write(line)
 
 
+def plan(engine: LLMEngine, cfg: ProfileConfig) -> tuple[int, int]:
+    """(decode steps, max_tokens per request); ProfileInputError if a request would not fit the context."""
+    decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
+    # Enough output tokens that no request finishes inside the decode window.
+    per_token_steps = (engine.max_loops + 2) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
+    max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
+    need = cfg.prompt_len + max_tokens - 1
+    if need > engine.max_model_len:
+        raise ProfileInputError(
+            f"prompt length {cfg.prompt_len} + {max_tokens} output tokens need {need} KV positions; "
+            f"max context of {engine.spec.name} here is {engine.max_model_len}"
+        )
+    return decode_steps, max_tokens
+
+
 def profile_engine(
     engine: LLMEngine,
     cfg: ProfileConfig,
@@ -172,19 +197,67 @@ def profile_engine(
     progress: Progress | None = None,
 ) -> ProfileResult:
     say = progress or (lambda _msg: None)
-    decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
-    # Enough output tokens that no request finishes inside the decode window.
-    per_token_steps = (engine.max_loops + 2) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
-    max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
-    if cfg.prompt_len + max_tokens - 1 > engine.max_model_len:
-        raise ValueError(
-            f"prompt {cfg.prompt_len} + {max_tokens} output tokens exceed max context {engine.max_model_len}"
-        )
+    decode_steps, max_tokens = plan(engine, cfg)
     probe = RangeProbe(cfg.level).attach(engine)
     try:
         return _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say)
     finally:
         probe.detach()
+
+
+def _mark_tokens(n: int) -> None:
+    """An `lt.tokens/<n>` marker: what `trace analyze` divides by (see counters.py)."""
+    if n:
+        with torch.profiler.record_function(names.tokens_name(n)):
+            pass
+
+
+def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
+    """The decode window, then the prefill window; each finished one is added to `windows`."""
+    say(f"decode window: {decode_steps}+ engine steps")
+    while engine.step() == []:  # start at a token boundary (right after a coda step)
+        pass
+    count = _Counting(engine)
+    tokens = 0
+    with torch.profiler.record_function(names.WINDOW_DECODE):
+        while True:
+            out = engine.step()
+            tokens += len(out)
+            _mark_tokens(len(out))
+            if engine.stats.steps - count.steps0 >= decode_steps and out:
+                break
+    windows["decode"] = count.finish("decode", tokens, "output token")
+    _sync(engine)
+    for name, rows, thunk in engine.graph_bodies():  # op map for kernels inside graph replays
+        with torch.profiler.record_function(f"{names.GRAPH_BODY_PREFIX}{name}/{rows}"):
+            thunk()
+    _sync(engine)
+    _abort(engine, ids)
+
+    say("prefill window: a fresh burst until every request has its first token")
+    ids += _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed + 1)
+    fresh = [engine.requests[i] for i in ids]
+    count = _Counting(engine)
+    with torch.profiler.record_function(names.WINDOW_PREFILL):
+        while any(not r.outputs for r in fresh):
+            engine.step()
+        prompt_tokens = sum(len(r.prompt) - r.num_cached for r in fresh)
+        _mark_tokens(prompt_tokens)
+    windows["prefill"] = count.finish("prefill", prompt_tokens, "prompt token")
+    _sync(engine)
+    _abort(engine, ids)
+
+
+def _abort(engine: LLMEngine, ids: list[str]) -> None:
+    while ids:
+        engine.abort_request(ids.pop())
+
+
+def _close_open_ranges(probe: RangeProbe) -> None:
+    """After a Ctrl-C inside a step, end the step's open ranges so that the trace stays well nested."""
+    with contextlib.suppress(Exception):
+        while getattr(probe, "_stack", None):
+            probe.pop()
 
 
 def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> ProfileResult:
@@ -195,42 +268,19 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         engine.step()
     _sync(engine)
     windows: dict[str, WindowRun] = {}
+    interrupted = False
     prof = torch.profiler.profile(**_activities(engine))
     with _quiet_native_stderr():
         prof.start()
     try:
-        say(f"decode window: {decode_steps}+ engine steps")
-        while engine.step() == []:  # start at a token boundary (right after a coda step)
-            pass
-        count = _Counting(engine)
-        tokens = 0
-        with torch.profiler.record_function(names.WINDOW_DECODE):
-            while True:
-                out = engine.step()
-                tokens += len(out)
-                if engine.stats.steps - count.steps0 >= decode_steps and out:
-                    break
-        windows["decode"] = count.finish("decode", tokens, "output token")
-        _sync(engine)
-        for name, rows, thunk in engine.graph_bodies():  # op map for kernels inside graph replays
-            with torch.profiler.record_function(f"{names.GRAPH_BODY_PREFIX}{name}/{rows}"):
-                thunk()
-        _sync(engine)
-        for rid in ids:
-            engine.abort_request(rid)
-
-        say("prefill window: a fresh burst until every request has its first token")
-        new = _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed + 1)
-        fresh = [engine.requests[i] for i in new]
-        count = _Counting(engine)
-        with torch.profiler.record_function(names.WINDOW_PREFILL):
-            while any(not r.outputs for r in fresh):
-                engine.step()
-        prompt_tokens = sum(len(r.prompt) - r.num_cached for r in fresh)
-        windows["prefill"] = count.finish("prefill", prompt_tokens, "prompt token")
-        _sync(engine)
-        for rid in new:
-            engine.abort_request(rid)
+        _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say)
+    except KeyboardInterrupt:
+        interrupted = True
+        _close_open_ranges(probe)
+        with contextlib.suppress(Exception):  # the interrupted step may have left the engine mid-way
+            _abort(engine, ids)
+        if not windows:
+            raise
     finally:
         with _quiet_native_stderr():
             prof.stop()
@@ -243,7 +293,7 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         name: analyze(trace, tokens=w.tokens, window=name, submissions=w.submissions)
         for name, w in windows.items()
     }
-    return ProfileResult(trace, windows, analyses, raw, trace_counts(trace))
+    return ProfileResult(trace, windows, analyses, raw, trace_counts(trace), interrupted)
 
 
 CROSS_CHECK_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cpu_op", "user_annotation", "cuda_runtime")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from looptrace.cli.main import app
+from tests.cli.test_output_files import char_device
 
 REPO = Path(__file__).resolve().parents[2]
 # ouro-tiny at -c 1 takes 6 engine steps per token: 24 steps = 4 tokens.
@@ -44,10 +46,11 @@ def assert_one_line_error(result, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, quiet_kineto):
-    """One profile run: JSON on stdout, the same JSON in -o, and its Chrome trace."""
+    """One profile run: JSON on stdout, the same JSON in -o, and its Chrome trace. No --format: the
+    `.json` suffix of -o selects JSON."""
     tmp = tmp_path_factory.mktemp("profile")
     trace, out = tmp / "t.json", tmp / "p.json"
-    result = invoke(*FAST, "--format", "json", "--trace", trace, "-o", out)
+    result = invoke(*FAST, "--trace", trace, "-o", out)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout), out, trace
 
@@ -102,7 +105,7 @@ def test_trace_file_is_chrome_json_with_decode_window(profiled) -> None:
     assert any(e.get("name") == "lt.window/decode" for e in events)
 
 
-def test_trace_analyze_agrees_with_profile(profiled) -> None:
+def test_trace_analyze_agrees_with_profile_given_tokens(profiled) -> None:
     data, _, trace = profiled
     decode = data["windows"]["decode"]
     result = runner.invoke(
@@ -150,6 +153,9 @@ def test_compare_table_shows_both_labels() -> None:
     assert "Decode window, per output token" in out
     assert "Engine counters: base" in out and "Engine counters: base + exit.max_loops=2" in out
     assert "base + exit.max_loops=2 vs base" in out
+    head = out.split("Decode window, per output token")[0]  # a header before the tables
+    for needle in ("model", "ouro-tiny", "device", "CPU", "versions", "torch", "A: base", "B: base + exit"):
+        assert needle in head, needle
 
 
 def test_output_in_missing_directory_is_bad_input() -> None:
@@ -165,6 +171,9 @@ BAD_INPUTS = {
     "a-set without compare": (["--a-set", "exit.max_loops=2"], ["--compare"]),
     "zero concurrency": (["-c", "0"], ["--concurrency"]),
     "trace in missing dir": (["--trace", "/nonexistent_dir/t.json"], ["/nonexistent_dir"]),
+    "trace in /proc": (["--trace", "/proc/t.json"], ["--trace /proc/t.json", "cannot create files in /proc"]),
+    "negative seed": (["--seed", "-1"], ["--seed -1"]),
+    "prompt longer than context": (["--prompt-len", "5000"], ["5000", "4096"]),
 }
 
 
@@ -181,3 +190,92 @@ def test_compare_bad_b_recipe_fails_before_profiling(tmp_path) -> None:
     )
     assert_one_line_error(result, "unknown recipe 'nosuch'")
     assert not trace.exists()
+
+
+def test_trace_onto_a_device_is_refused(tmp_path) -> None:
+    node, kind = char_device(tmp_path)  # a private /dev/null twin
+    assert_one_line_error(invoke("--prompt-len", "8", "--trace", node), f"--trace {node}", kind)
+    assert not stat.S_ISREG(os.stat(node).st_mode)
+
+
+@pytest.mark.parametrize("content", [None, "keep"], ids=["empty dir", "non-empty dir"])
+def test_trace_onto_a_directory_is_refused_and_left_alone(tmp_path, content) -> None:
+    target = tmp_path / "traces"
+    target.mkdir()
+    if content:
+        (target / "keep.json").write_text(content)
+    assert_one_line_error(invoke("--prompt-len", "8", "--trace", target), "--trace", "is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["traces"]  # no traces.tmp
+    assert [p.read_text() for p in target.iterdir()] == ([content] if content else [])
+
+
+# --- profile and trace analyze of the same trace agree, for every family ----------------------------------
+@pytest.mark.parametrize("family", ["ouro", "huginn", "olmo"])
+def test_trace_analyze_reports_the_same_tokens_as_profile(family, tmp_path) -> None:
+    """No --tokens: `trace analyze` reads the lt.tokens markers of profile's own trace, so Huginn's 10 steps
+    per token no longer turn into 10 "tokens". The trace is written through a symlink."""
+    real = tmp_path / "store" / "trace.json"
+    real.parent.mkdir()
+    link = tmp_path / "t.json"
+    link.symlink_to(real)
+    report = tmp_path / "p.json"
+    result = invoke("--model", family, "--prompt-len", "8", "--decode-steps", "20", "--level", "loop",
+                    "--trace", link, "-o", report)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and real.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "store", "t.json"]
+    profiled = json.loads(report.read_text())["windows"]
+    for window in ("decode", "prefill"):
+        analyzed = runner.invoke(app, ["trace", "analyze", str(link), "--window", window, "--format", "json"])
+        assert analyzed.exit_code == 0, analyzed.output
+        a, p = json.loads(analyzed.stdout), profiled[window]
+        assert a["tokens"] == p["tokens"] == p["engine"]["tokens"], window
+        assert a["steps"] == p["steps"]
+        assert a["per_token"]["kernels"] == pytest.approx(p["per_token"]["kernels"]), window
+        assert a["tokens_source"].startswith("looptrace token markers")
+    decode = profiled["decode"]
+    assert decode["steps"] > decode["tokens"] >= 2  # several engine steps per token: the old bug's trigger
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------------------------
+def ctrl_c_in(monkeypatch, burst: int) -> None:
+    """Ctrl-C at the first engine step after the `burst`-th request burst (1: warm-up, 2: prefill window)."""
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.probes import session
+
+    state = {"bursts": 0}
+    real_burst, real_step = session._burst, LLMEngine.step
+
+    def counting_burst(*args, **kwargs):
+        state["bursts"] += 1
+        return real_burst(*args, **kwargs)
+
+    def step(self):
+        if state["bursts"] >= burst:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(session, "_burst", counting_burst)
+    monkeypatch.setattr(LLMEngine, "step", step)
+
+
+def test_ctrl_c_in_prefill_window_reports_the_decode_window(monkeypatch, tmp_path) -> None:
+    ctrl_c_in(monkeypatch, burst=2)
+    trace, out = tmp_path / "t.json", tmp_path / "p.json"
+    result = invoke(*FAST, "--trace", trace, "-o", out)
+    assert result.exit_code == 130, result.output
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and list(data["windows"]) == ["decode"]
+    assert data["windows"]["decode"]["engine"]["tokens"] == 4
+    assert "interrupted" in result.stderr and "Traceback" not in result.output
+    analyzed = runner.invoke(app, ["trace", "analyze", str(trace), "--format", "json"])
+    assert json.loads(analyzed.stdout)["tokens"] == 4  # the trace of the finished window is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "t.json"]
+
+
+def test_ctrl_c_before_any_window_writes_nothing(monkeypatch, tmp_path) -> None:
+    ctrl_c_in(monkeypatch, burst=1)
+    result = invoke(*FAST, "--trace", tmp_path / "t.json", "-o", tmp_path / "p.json")
+    assert result.exit_code == 130, result.output
+    assert "no report written" in result.stderr and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []  # no trace, no report, no temp file

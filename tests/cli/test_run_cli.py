@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import looptrace
 from looptrace.cli.main import app
+from tests.cli.test_output_files import char_device
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--max-tokens", "4", "-c", "2", "--prompt-len", "8", "--no-progress"]
@@ -149,7 +150,7 @@ BAD_INPUTS = {
         ["--set", "scheduler.max_num_seq=3"],
         ["--set", "scheduler.max_num_seq", "max_num_seqs"],
     ),
-    "bad --set value": (["--set", "kv.layout=plane"], ["kv.layout", "'planes' or 'shared'", "'plane'"]),
+    "bad --set value": (["--set", "kv.layout=plane"], ["kv.layout", "'planes'", "'shared'", "'plane'"]),
     "unknown recipe": (["--recipe", "nosuch"], ["unknown recipe 'nosuch'", "base"]),
     "missing weights": (["--weights", "/nonexistent"], ["/nonexistent"]),
     "zero concurrency": (["-c", "0"], ["concurrency", ">= 1", "0"]),
@@ -158,6 +159,8 @@ BAD_INPUTS = {
     "jsonl without prompts": (["--workload", "jsonl"], ["--prompts"]),
     "missing prompts file": (["--workload", "jsonl", "--prompts", "/no/p.jsonl"], ["/no/p.jsonl"]),
     "bad dtype": (["--dtype", "fp8"], ["--dtype 'fp8'"]),
+    "negative seed": (["--seed", "-1"], ["--seed -1", "0 to 2**64-1"]),
+    "seed too large": (["--seed", str(2**64)], ["--seed 18446744073709551616"]),
 }
 
 
@@ -218,7 +221,159 @@ def test_subprocess_bad_input(tmp_path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        "error: --set: kv.layout: Input should be 'planes' or 'shared' (got 'plane')"
-    ]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: --set: kv.layout: Input should be 'planes'") and line.endswith(
+        "(got 'plane')"
+    )
     assert not out.exists()
+
+
+# --- output files: checked before the run, never clobbering directories or devices -----------------------
+@pytest.mark.parametrize(
+    "target, needle",
+    [(".", "is a directory"), ("/proc/x.json", "cannot create files in /proc"), ("DEVICE", "")],
+)
+def test_unwritable_output_is_one_line_exit_2(target, needle, tmp_path) -> None:
+    if target == "DEVICE":  # like `-o /dev/full` as root, on a private node (see char_device)
+        target, needle = char_device(tmp_path)
+    before = os.stat(target) if os.path.exists(target) else None
+    assert_one_line_error(invoke("-o", target), 2, f"--output {target}", needle)
+    if before is not None:  # the directory or device node is untouched
+        after = os.stat(target)
+        assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+
+
+def test_output_onto_non_empty_directory_leaves_nothing(tmp_path) -> None:
+    target = tmp_path / "results"
+    target.mkdir()
+    (target / "keep.txt").write_text("keep")
+    assert_one_line_error(invoke("-o", target), 2, "is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]  # no results.partial
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+def test_output_format_from_suffix_written_through_symlink(tmp_path) -> None:
+    real = tmp_path / "data" / "latest.txt"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "run.csv"
+    link.symlink_to(real)
+    result = invoke("-o", link)  # no --format: .csv decides, for stdout and the file
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    rows = list(csv.reader(io.StringIO(real.read_text())))
+    assert rows[0] == ["section", "metric", "value"]
+    assert result.stdout.splitlines()[0] == "section,metric,value"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "run.csv"]
+    assert [p.name for p in real.parent.iterdir()] == ["latest.txt"]
+
+
+def test_json_suffix_means_json(tmp_path) -> None:
+    out = tmp_path / "out.json"
+    result = invoke("--workload", "burst", "-c", "1", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["schema"] == "looptrace.run/1"
+
+
+# --- --weights must agree with --model ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ouro_checkpoint(tmp_path_factory) -> Path:
+    from looptrace.engine.checkpoint import save_checkpoint
+    from looptrace.engine.model_config import PRESETS
+    from looptrace.engine.weights import create_model, init_random
+
+    model = create_model(PRESETS["ouro-tiny"], torch.device("cpu"), torch.float32)
+    init_random(model, 0)
+    path = tmp_path_factory.mktemp("ouro_ckpt")
+    save_checkpoint(model, path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["huginn", "olmo", "huginn-tiny"])
+def test_model_family_contradicting_checkpoint_is_bad_input(ouro_checkpoint, model, tmp_path) -> None:
+    out = tmp_path / "out.json"
+    line = assert_one_line_error(invoke("--model", model, "--weights", ouro_checkpoint, "-o", out), 2)
+    assert f"--model {model}" in line and "ouro checkpoint" in line and str(ouro_checkpoint) in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", [None, "ouro", "ouro-1.4b"])
+def test_checkpoint_family_is_used_and_named(ouro_checkpoint, model) -> None:
+    args = ["--weights", ouro_checkpoint, "--format", "json", "-c", "1"]
+    result = invoke(*args, *(["--model", model] if model else []))
+    assert result.exit_code == 0, result.output
+    h = json.loads(result.stdout)["header"]
+    assert h["family"] == "ouro" and h["weights"] == str(ouro_checkpoint)
+    assert "ouro checkpoint" in h["preset_note"] and "resolved to" not in h["preset_note"]
+
+
+# --- Ctrl-C: report what was produced, exit 130 ------------------------------------------------------------
+def interrupt_engine_after(monkeypatch, steps: int) -> None:
+    from looptrace.engine.llm_engine import LLMEngine
+
+    real_step = LLMEngine.step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] > steps:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+
+
+def test_ctrl_c_reports_tokens_produced_and_exits_130(monkeypatch, tmp_path) -> None:
+    interrupt_engine_after(monkeypatch, 6)  # prefill + a few decode tokens, both requests mid-generation
+    out = tmp_path / "run.json"
+    result = invoke("--max-tokens", "32", "-o", out)
+    assert result.exit_code == 130, result.output
+    data = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == data  # the report of the partial run is written
+    m = data["metrics"]
+    assert m["interrupted"] and m["tokens_sampled"] > 0
+    assert (m["completed"], m["failed"], m["interrupted_requests"]) == (0, 0, 2)
+    assert m["finish_reasons"] == {"interrupted": 2}
+    assert data["engine"]["output_tokens"] == m["tokens_sampled"]
+    assert "interrupted" in result.stderr and "Traceback" not in result.output
+
+
+def test_ctrl_c_table_says_interrupted(monkeypatch) -> None:
+    interrupt_engine_after(monkeypatch, 6)
+    result = invoke("--max-tokens", "32", "--format", "table")
+    assert result.exit_code == 130, result.output
+    assert "INTERRUPTED: 2 request(s) in flight were stopped" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if "all sampled" in line)
+    assert row.split("│")[2].strip().startswith("0 / ") and not row.split("│")[2].strip().endswith(" 0")
+
+
+def test_ctrl_c_before_serving_exits_130_without_traceback(monkeypatch, tmp_path) -> None:
+    def ctrl_c(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("looptrace.cli.run_cmd.build_engine", ctrl_c)
+    out = tmp_path / "run.json"
+    result = invoke("-o", out)
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- progress on stderr for every format --------------------------------------------------------------------
+def test_progress_bar_on_a_terminal_for_json_output(monkeypatch) -> None:
+    from rich.console import Console
+
+    from looptrace.cli import run_cmd
+
+    buf = io.StringIO()
+    monkeypatch.setattr(run_cmd, "err_console", Console(file=buf, force_terminal=True, width=100))
+    result = runner.invoke(app, ["run", *FAST[:-1], "--format", "json"])  # FAST minus --no-progress
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)  # the bar never mixes into stdout
+    assert "serving" in buf.getvalue() and "requests" in buf.getvalue()
+
+
+def test_jsonl_format_is_in_help() -> None:
+    result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "140"})
+    assert result.exit_code == 0
+    for text in ("JSONL PROMPTS", '"prompt_token_ids"', "max_tokens", "arrival", "130 interrupted"):
+        assert text in result.stdout, text

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from looptrace.drive.benchmark import ABORTED, REJECTED, RunRecord, run_workload
+from looptrace.drive.benchmark import ABORTED, INTERRUPTED, REJECTED, RunRecord, run_workload
 from looptrace.drive.metrics import summarize
 from looptrace.drive.protocol import ServingEngine
 from looptrace.drive.workloads import BurstWorkload, PoissonWorkload, SessionWorkload, WorkItem, Workload
@@ -310,20 +310,17 @@ def test_keyboard_interrupt_keeps_partial_results_and_aborts_the_rest():
     assert len(rec.requests) == 2  # the unsubmitted item is not in the record
     short, long = rec.requests
     assert short.completed and short.token_times == [0.125, 0.25]
-    assert long.finish_reason == ABORTED and not long.completed
+    assert long.finish_reason == INTERRUPTED and not long.completed  # incomplete, not failed
     assert long.token_times == [0.125, 0.25, 0.375]  # tokens from steps 1-3 kept; step 4 raised
     assert long.finish_time == 0.5 == rec.duration
     assert engine.aborted == [long.request_id] and not engine.has_unfinished_requests()
     assert rec.engine_steps == 4 and rec.submissions == 12
+    assert rec.unsubmitted == 1  # `late` was still waiting for its arrival
     assert progress[-1] == (1, 3, 5)
     m = summarize(rec)
-    assert (m.completed, m.failed, m.total_output_tokens, m.tokens_sampled, m.interrupted) == (
-        1,
-        1,
-        2,
-        5,
-        True,
-    )
+    assert (m.completed, m.failed, m.interrupted_requests, m.unsubmitted_requests) == (1, 0, 1, 1)
+    assert (m.total_output_tokens, m.tokens_sampled, m.interrupted) == (2, 5, True)
+    assert m.finish_reasons == {"length": 1, INTERRUPTED: 1}
 
 
 def test_keyboard_interrupt_while_idle():
@@ -366,7 +363,7 @@ def test_failed_abort_still_returns_the_partial_record():
     engine.abort_request = broken_abort
     rec = _run(engine, BurstWorkload(1, 2, 5, vocab_size=10))
     (r,) = rec.requests
-    assert rec.interrupted and r.finish_reason == ABORTED and r.token_times == [0.125]
+    assert rec.interrupted and r.finish_reason == INTERRUPTED and r.token_times == [0.125]
     assert r.error == "abort_request failed (RuntimeError: engine gone)"
 
 

@@ -171,6 +171,21 @@ def test_empty_and_interrupted_runs_report_zeros():
     assert (z.request_throughput, z.steps_per_output_token) == (0.0, 0.0)
 
 
+def test_interrupted_requests_are_incomplete_not_failed():
+    """A Ctrl-C'd run: in-flight requests are neither completed nor failed, and their tokens count."""
+    reqs = [
+        _req("done", 4, 0.0, [0.1, 0.2]),
+        _req("cut", 4, 0.0, [0.1, 0.2, 0.3], finish=0.35, reason="interrupted"),
+        _req("gone", 4, 0.0, [], finish=0.1, reason="rejected"),
+    ]
+    m = summarize(_record(reqs, duration=0.35, interrupted=True))
+    assert (m.completed, m.failed, m.interrupted_requests) == (1, 1, 1)
+    assert (m.total_output_tokens, m.tokens_sampled) == (2, 5)
+    assert m.ttft.count == 1  # latency covers the completed request only
+    d = m.to_dict(raw=False)
+    assert (d["interrupted_requests"], d["unsubmitted_requests"], d["interrupted"]) == (1, 0, True)
+
+
 def test_peak_tokens_per_second_buckets():
     reqs = [_req("a", 1, 0.0, [0.1, 0.2, 1.1]), _req("b", 1, 0.0, [1.2, 1.3, 1.9]), _req("c", 1, 0.0, [2.5])]
     assert summarize(_record(reqs, duration=3.0)).max_output_tokens_per_s == 4.0  # bucket [1, 2)

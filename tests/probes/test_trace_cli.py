@@ -28,6 +28,7 @@ from looptrace.probes.report import (
     to_dict,
     to_json,
 )
+from tests.cli.test_output_files import char_device
 
 app = typer.Typer()
 app.add_typer(trace_app, name="trace")
@@ -138,6 +139,62 @@ def test_errors_are_one_line_exit_2(tmp_path, content: str | None, extra: list[s
     assert result.stderr.startswith("error: ")
     assert message in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def assert_one_line_exit_2(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_step_marker_matching_nothing_is_an_error(decode_path, tmp_path) -> None:
+    out = tmp_path / "r.json"
+    result = run(decode_path, "--step-marker", "execute_model", "-o", out)
+    assert_one_line_exit_2(result, "step marker 'execute_model' matches no user_annotation", "lt.step#")
+    assert not out.exists()
+    with_tokens = run(decode_path, "--step-marker", "execute_model", "--tokens", "4")
+    assert_one_line_exit_2(with_tokens, "execute_model")
+
+
+def test_step_marker_only_outside_the_window_is_an_error(kt, tmp_path) -> None:
+    with kt.range("execute_model"):
+        kt.cpu_op("aten::mm", kt.tick(), 1.0)
+    with kt.range("lt.window/decode"):
+        kt.cpu_op("aten::mm", kt.tick(), 1.0)
+    path = kt.write(tmp_path / "t.json")
+    assert_one_line_exit_2(run(path, "--step-marker", "execute_model"), "1 instance(s), none in the window")
+
+
+def test_token_markers_are_the_default_divisor(kt, tmp_path) -> None:
+    """looptrace's own traces: lt.tokens/<n> markers give the tokens, not the (more numerous) steps."""
+    with kt.range("lt.window/decode"):
+        for step in range(6):  # 3 steps per token, 2 rows: 2 tokens at every 3rd step
+            with kt.range(f"lt.step#{step}"):
+                kt.cpu_op("aten::mm", kt.tick(), 1.0)
+            if step % 3 == 2:
+                kt.annotation("lt.tokens/2", kt.tick(), 0.0)
+    kt.annotation("lt.tokens/7", kt.tick(), 0.0)  # outside the window: not counted
+    path = kt.write(tmp_path / "t.json")
+    data = json.loads(run(path, "--format", "json").stdout)
+    assert (data["tokens"], data["steps"], data["per_token"]["kernels"]) == (4, 6, 1.5)
+    assert data["tokens_source"].startswith("looptrace token markers")
+    given = json.loads(run(path, "--format", "json", "--tokens", "6").stdout)
+    assert given["tokens"] == 6  # --tokens still wins
+    marker = json.loads(run(path, "--format", "json", "--step-marker", "lt.step#").stdout)
+    assert marker["tokens"] == 6  # and so does an explicit --step-marker
+
+
+@pytest.mark.parametrize(
+    "target, needle",
+    [("/proc/x", "cannot create files in /proc"), ("DEVICE", ""), (".", "is a directory")],
+)
+def test_unwritable_output_is_one_line_exit_2(decode_path, target, needle, tmp_path) -> None:
+    if target == "DEVICE":  # like `-o /dev/full` as root, on a private node
+        target, needle = char_device(tmp_path)
+    assert_one_line_exit_2(run(decode_path, "-o", target), f"--output {target}", needle)
 
 
 def test_usage_errors_exit_2(decode_path) -> None:
