@@ -57,6 +57,8 @@ def available() -> list[str]:
 def resolve_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            raise RecipeError(f"recipe path {path} is a directory: expected a .yaml file")
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist")
         return path
@@ -71,11 +73,13 @@ def resolve_path(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str = "base", overrides: list[str] | None = None) -> Recipe:
     path = resolve_path(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise RecipeError(f"{path}:{where} invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        raise RecipeError(f"{path}: the recipe is empty: expected a mapping of settings (name, kv, ...)")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
     overrides = list(overrides or [])

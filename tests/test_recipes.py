@@ -133,10 +133,20 @@ def test_recipe_path_loads_and_keeps_defaults(tmp_path) -> None:
     assert rec.config.scheduler.max_num_seqs == 2
 
 
-def test_empty_recipe_file_is_the_defaults(tmp_path) -> None:
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_empty_recipe_file_is_an_error(tmp_path, text) -> None:
+    """An empty file is more likely a mistake than a wish for the defaults (those are `--recipe base`)."""
     path = tmp_path / "empty.yaml"
-    path.write_text("")
-    assert config_to_dict(load_recipe(str(path)).config) == config_to_dict(EngineConfig())
+    path.write_text(text)
+    msg = error(str(path))
+    assert msg.startswith(f"{path}:") and "empty" in msg, msg
+
+
+def test_recipe_path_that_is_a_directory_says_so(tmp_path) -> None:
+    folder = tmp_path / "recipes.yaml"
+    folder.mkdir()
+    assert error(str(folder)) == f"recipe path {folder} is a directory: expected a .yaml file"
+    assert "is a directory" in error(str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ between stages; the block manager owns blocks.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -161,12 +163,14 @@ class Scheduler:
         times, then it blocks the queue. Admitted requests claim their blocks and join the PREFILL queue."""
         if not self.waiting:
             return []
-        order = list(self.waiting)
+        limit = self.cfg.admission_scan_limit
         if self.cfg.admission == "priority":
-            order.sort(key=lambda r: (r.params.priority, r.seq))
+            order = heapq.nsmallest(limit, self.waiting, key=lambda r: (r.params.priority, r.seq))
+        else:  # the head of the queue only: a long queue costs nothing per step
+            order = list(itertools.islice(self.waiting, limit))
         admitted: list[Admission] = []
         blocked: Request | None = None
-        for req in order[: self.cfg.admission_scan_limit]:
+        for req in order:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
             if self.blocks.can_admit(
