@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.drive.benchmark import run_workload
 from looptrace.drive.metrics import summarize
-from looptrace.engine.model_config import PRESETS
 from looptrace.drive.workloads import BurstWorkload
+from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from looptrace.engine.model_config import PRESETS
 
 
 def engine_for(
