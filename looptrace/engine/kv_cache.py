@@ -18,7 +18,7 @@ the attention layer adds its own layer id).
 - `shared`: one plane; every loop of a core layer overwrites the same slot.
 
 A token that exited at depth e < max_loops has its last plane copied into every deeper plane
-(`finalize_exit`), so a later query at depth d reads version min(d, e).
+(`ModelRunner.finalize_exits`), so a later query at depth d reads version min(d, e).
 
 Written state is kept per (request, plane, layer): a read of any position some layer of the plane has not
 written raises `KVHistoryError` ("uninitialized KV history"), so a partial write of a layer range is caught.
