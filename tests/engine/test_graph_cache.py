@@ -1,0 +1,55 @@
+"""The graph cache's bookkeeping (which row counts capture, replay, evict or fall back, with counters), run on
+CPU with a stand-in for the CUDA graph: capture keeps static buffers and replay re-runs the body on them,
+which is what a CUDA graph replay computes. The real capture is covered by tests/engine/test_gpu_graphs.py."""
+
+from __future__ import annotations
+
+import torch
+
+from looptrace.engine.config import GraphConfig
+from looptrace.engine.cuda_graphs import GraphCache, _Entry
+
+
+class _Replay:
+    def __init__(self, fn, static, out) -> None:
+        self.fn, self.static, self.out = fn, static, out
+
+    def replay(self) -> None:
+        for dst, src in zip(self.out, self.fn(*self.static)):
+            dst.copy_(src)
+
+
+def cache(**cfg) -> GraphCache:
+    body = lambda x: (x * 2,)  # noqa: E731
+    gc = GraphCache("recurrent", body, GraphConfig(**cfg), pool=None)
+
+    def capture(inputs):
+        static = tuple(x.clone() for x in inputs)
+        out = tuple(o.clone() for o in body(*static))
+        gc.counters.captures += 1
+        return _Entry(_Replay(body, static, out), static, out)  # type: ignore[arg-type]
+
+    gc._capture = capture  # type: ignore[method-assign]
+    return gc
+
+
+def run(gc: GraphCache, rows: int) -> torch.Tensor:
+    return gc.run(rows, (torch.arange(rows, dtype=torch.float32),))[0]
+
+
+def test_lru_evicts_the_least_recent_and_recaptures_it():
+    gc = cache(max_graphs=2, eviction="lru")
+    for rows in (1, 2, 1, 3, 2, 1):  # 3 evicts 2 (1 was used more recently); 2 evicts 1; 1 evicts 3
+        assert torch.equal(run(gc, rows), torch.arange(rows, dtype=torch.float32) * 2)
+    c = gc.counters.as_dict()
+    assert (c["captures"], c["replays"], c["evictions"], c["fallbacks"]) == (5, 6, 3, 0)
+    assert list(gc.entries) == [2, 1]
+
+
+def test_no_eviction_keeps_the_first_graphs_and_counts_fallbacks_with_reasons():
+    gc = cache(max_graphs=2, eviction="none", max_batch_size=4)
+    for rows in (1, 2, 3, 1, 5):
+        run(gc, rows)
+    c = gc.counters.as_dict()
+    assert (c["captures"], c["replays"], c["evictions"]) == (2, 3, 0)
+    assert dict(c["fallback_reasons"]) == {"budget_full": 1, "oversized_batch": 1}
