@@ -342,7 +342,9 @@ def _validate(D, model, items, report, shape, common) -> dict:
     diff, se = paired_difference(acc_s, acc_p)
     # The queue-age controller under Poisson arrivals with a burst: P per step over time.
     p_min = max(1, p // 2)
-    setup_c = engine(s, ["depth.controller=queue_age", f"depth.p_max={s}", f"depth.p_min={p_min}"])
+    ctrl = ["depth.controller=queue_age", f"depth.p_max={s}", f"depth.p_min={p_min}"]
+    ctrl.append("scheduler.max_num_batched_tokens=128")  # the base budget: ~2 prompts per prefill step
+    setup_c = engine(s, ctrl)
     log = DepthLog()
     setup_c.engine.attach(log)
     burst = _PoissonBurst(rate=2.0, n=10, burst_at=2.0, burst_n=6, prompt_len=64, max_tokens=answer_len)

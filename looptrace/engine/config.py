@@ -196,6 +196,38 @@ class DebugConfig:
 
 
 @dataclass
+class DepthConfig:
+    __pydantic_config__ = _STRICT
+    # LoopDuet split depth (S, P), S = exit.max_loops: prompt positions that are not a chunk endpoint run
+    # `prefill_loops` (P) core loops; every chunk endpoint and every decode row keeps S (the endpoints run
+    # the remaining S - P loops as one compact batch). Needs kv.layout=shared (a skipped loop leaves the
+    # position's last computed loop in the plane). None: P = S (uniform depth; bitwise the base).
+    prefill_loops: int | None = field(default=None, metadata=_meta("R3", ge=1))
+    # `queue_age`: before each step P = round(P_max - z (P_max - P_min)), z = clip((q - q_low) /
+    # (q_high - q_low), 0, 1), q = age of the oldest admitted request still waiting for its first token.
+    controller: Literal["fixed", "queue_age"] = field(
+        default="fixed", metadata=_meta({"fixed": "R0", "queue_age": "R3"})
+    )
+    p_max: int | None = field(default=None, metadata=_meta("R3", ge=1))  # None: prefill_loops, else S
+    p_min: int = field(default=1, metadata=_meta("R3", ge=1))
+    q_low: float = field(default=0.25, metadata=_meta("R3", ge=0))
+    q_high: float = field(default=1.0, metadata=_meta("R3", gt=0))
+
+    def __post_init__(self) -> None:
+        _validate_on_build(self)
+
+    def check(self) -> None:
+        if self.q_high <= self.q_low:
+            raise ConfigError(f"depth.q_high={self.q_high} must exceed depth.q_low={self.q_low}")
+        if self.p_max is not None and self.p_min > self.p_max:
+            raise ConfigError(f"depth.p_min={self.p_min} exceeds depth.p_max={self.p_max}")
+
+    @property
+    def active(self) -> bool:
+        return self.prefill_loops is not None or self.controller != "fixed"
+
+
+@dataclass
 class EngineConfig:
     __pydantic_config__ = _STRICT
     kv: KVConfig = field(default_factory=KVConfig)
@@ -211,6 +243,7 @@ class EngineConfig:
         default="sequential", metadata=_meta({"sequential": "R0", "position_keyed": "R2", "zeros": "R3"})
     )
     debug: DebugConfig = field(default_factory=DebugConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)  # LoopDuet split depth (issue #9)
 
     def __post_init__(self) -> None:
         _validate_on_build(self)
@@ -220,6 +253,8 @@ class EngineConfig:
             section = getattr(self, f.name)
             if is_dataclass(section):
                 section.check()
+        if self.depth.active and self.kv.layout != "shared":
+            raise ConfigError(f"depth.* (split prefill depth) needs kv.layout=shared, got {self.kv.layout}")
         if self.scheduler.loop_fusion and self.exit.policy == "gate" and self.exit.threshold < 1.0:
             raise ConfigError(
                 "scheduler.loop_fusion=true needs fixed-depth decode rows: exit.threshold="

@@ -135,6 +135,7 @@ class Row:
 
 class ModelRunner:
     prefill_loops: int | None = None  # LoopDuet P for non-endpoint prompt rows (set by the engine); None: S
+
     def __init__(
         self,
         model: LoopedModel,
