@@ -299,6 +299,12 @@ class LLMEngine:
         """Admitted and not finished (at most scheduler.max_num_seqs)."""
         return len(self.scheduler.running)
 
+    @property
+    def prefill_depth(self) -> int:
+        """Core loops a prompt row runs now: P under split depth (`depth.*`), else every loop (S)."""
+        p = self.runner.prefill_loops
+        return self.max_loops if p is None else p
+
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

@@ -225,4 +225,5 @@ def test_metrics_names_and_stats_stream(server, client):
     assert events[0]["schema"] == "looptrace.stats/1"
     assert events[-1]["tokens"]["generation_total"] > 0
     assert {"running", "waiting", "list"} <= set(events[-1]["requests"])
-    assert events[-1]["kv"]["planes"] and events[-1]["prefill_depth"] is None
+    # uniform depth: prompt rows run every loop (a split-depth recipe reports its current P)
+    assert events[-1]["kv"]["planes"] and events[-1]["prefill_depth"] == 4.0
