@@ -56,8 +56,8 @@ class GateReadback(nn.Module):
     op_kind = "readback"
 
     def forward(self, gate_logits: torch.Tensor) -> list[float]:
-        if not gate_logits.is_cuda:
-            return gate_logits.float().reshape(-1).tolist()
+        if not gate_logits.is_cuda:  # the same copy to a host buffer, so CPU profiles count it too
+            return gate_logits.detach().to("cpu", torch.float32, copy=True).reshape(-1).tolist()
         host = torch.empty(gate_logits.numel(), dtype=torch.float32, pin_memory=True)
         host.copy_(gate_logits.float().reshape(-1), non_blocking=True)
         torch.cuda.current_stream().synchronize()

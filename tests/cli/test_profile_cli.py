@@ -277,3 +277,15 @@ def test_ctrl_c_before_any_window_writes_nothing(monkeypatch, tmp_path) -> None:
     assert result.exit_code == 130, result.output
     assert "no report written" in result.stderr and "Traceback" not in result.output
     assert list(tmp_path.iterdir()) == []  # no trace, no report, no temp file
+
+
+def test_compare_shows_the_gate_readback_of_the_base_exit_policy(tmp_path) -> None:
+    """The base engine's `gate` policy reads Ouro's gate logits back after every loop; `fixed` does not.
+    On CPU the readback is one copy op per recurrent step: 4 more copy kernels per token (4 loops)."""
+    out = tmp_path / "cmp.json"
+    result = invoke("--compare", "base", "base", "--b-set", "exit.policy=fixed", "--model", "ouro", "-o", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    gate, fixed = (data[arm]["windows"]["decode"]["per_token"] for arm in ("a", "b"))
+    assert gate["copy_kernels"] - fixed["copy_kernels"] == 4
+    assert gate["kernels"] - fixed["kernels"] == 4
