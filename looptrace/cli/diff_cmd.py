@@ -192,6 +192,8 @@ def _prepare(
             "compare (change B with --b-set section.key=value)"
         )
     _check_perturb(rec_a.config, rec_b.config)
+    if weights is None and dev.type == "cpu":  # the tiny presets' trained checkpoints, as every command uses
+        weights = _shipped(model)
     spec, net = _load_model(model, weights, dev, dt, seed)
     items = _items(prompts, weights, spec, concurrency, num_requests, prompt_len, max_tokens, seed)
     acc = _accuracy_plan(accuracy, toggles, spec, weights)
@@ -262,6 +264,16 @@ def _check_perturb(*cfgs) -> None:
                 parse_place(cfg.debug.perturb)
             except PerturbSpecError as exc:
                 raise UsageError(str(exc)) from None
+
+
+def _shipped(model) -> Path | None:
+    from looptrace.assets import shipped_weights
+    from looptrace.engine.model_config import UnknownModelError, resolve_preset
+
+    try:
+        return shipped_weights(resolve_preset(model or DEFAULT_MODEL, "cpu").name)
+    except UnknownModelError:
+        return None  # reported by _load_model with the usual message
 
 
 def _load_model(model, weights, dev, dt, seed):
