@@ -37,6 +37,7 @@ from looptrace.cli.common import (
     ThreadsOpt,
     UsageError,
     build_engine,
+    check_output_path,
     check_seed,
     device_name,
     dumps,
@@ -52,6 +53,7 @@ from looptrace.cli.common import (
 from looptrace.cli.output import infer_format
 
 SCHEMA = "looptrace.bench/1"
+TABLE2_SETS = ("cuda_graphs.max_graphs=64",)  # what `--cells table2` sets on both arms
 PLOT_FORMATS = (".svg", ".png", ".pdf")
 
 EPILOG = """\
@@ -150,9 +152,20 @@ def bench(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show progress and per-cell lines on stderr.")] = True,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="Run nothing: render a saved `looptrace bench --format json` file (table, CSV, plot).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Paired benchmark of two recipes: arms interleaved in one process, first run dropped, mean and
     spread of the rest, B/A per cell; table/JSON/CSV and a speedup plot."""
+    if from_json is not None:
+        _render_saved(from_json, fmt, output, plot)
+        return
     with interrupt_exit():
         fmt = infer_format(fmt, output)
         with friendly_errors():
@@ -192,6 +205,34 @@ def bench(
             write_output(text, output, Console(width=160))
         if interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _render_saved(path: Path, fmt, output, plot) -> None:
+    """`--from FILE`: the committed JSON of an earlier run, rendered again (nothing is measured)."""
+    import json
+
+    fmt = infer_format(fmt, output)
+    with friendly_errors():
+        check_output_path(output)
+        if plot is not None:
+            _check_plot(plot)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UsageError(f"--from {path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UsageError(f"--from {path}: not a JSON file ({type(exc).__name__})") from None
+        if (
+            not isinstance(data, dict)
+            or data.get("schema") != SCHEMA
+            or not isinstance(data.get("cells"), list)
+        ):
+            raise UsageError(
+                f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})"
+            )
+        if plot is not None:
+            write_plot(data, plot)
+        write_output(render(data, fmt), output, Console(width=160))
 
 
 # Preparation: everything that can be wrong is found before an engine is built ------------------------
@@ -259,7 +300,8 @@ def prepare(
         paired.check_unique(resolved)
     except paired.BenchInputError as exc:
         raise UsageError(str(exc)) from None
-    shared = list(sets or [])
+    # The paper's Table 2 ran both arms with 64 CUDA graphs (base-engine.md §10); --set still wins.
+    shared = (list(TABLE2_SETS) if cells is not None else []) + list(sets or [])
     arm_sets = {"a": list(a_sets or []), "b": list(b_sets or [])}
     recipes = {"a": a, "b": b}
     loaded = {arm: load_recipe(recipes[arm], shared + arm_sets[arm]) for arm in paired.ARMS}

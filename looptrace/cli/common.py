@@ -275,8 +275,8 @@ def build_engine(
         engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
     else:
         spec = resolve_preset(model or DEFAULT_MODEL, dev.type)
-        shipped = None if random_weights or dev.type != "cpu" else _shipped_weights(spec.name)
-        if shipped is not None:  # issue #9: the tiny presets default to their trained checkpoints on CPU
+        shipped = None if random_weights else _shipped_weights(spec.name)
+        if shipped is not None:  # issue #9: a tiny preset defaults to its trained checkpoint (any device)
             from looptrace.engine.checkpoint import load_checkpoint
 
             spec, net = load_checkpoint(shipped, dev, dt, name=spec.name)

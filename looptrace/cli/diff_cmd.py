@@ -139,7 +139,8 @@ def diff(
                 seed,
                 threads,
             )
-        data, ok = _execute(setup, bisect=bisect, localize=localize, strict=strict, progress=progress)
+        with friendly_errors():  # a workload the model cannot hold is found while running
+            data, ok = _execute(setup, bisect=bisect, localize=localize, strict=strict, progress=progress)
         text = render(data, fmt)
         with friendly_errors():
             write_output(text, output, Console(width=140))
@@ -192,8 +193,8 @@ def _prepare(
             "compare (change B with --b-set section.key=value)"
         )
     _check_perturb(rec_a.config, rec_b.config)
-    if weights is None and dev.type == "cpu":  # the tiny presets' trained checkpoints, as every command uses
-        weights = _shipped(model)
+    if weights is None:  # a tiny preset's trained checkpoint (any device), as every command uses
+        weights = _shipped(model, dev.type)
     spec, net = _load_model(model, weights, dev, dt, seed)
     items = _items(prompts, weights, spec, concurrency, num_requests, prompt_len, max_tokens, seed)
     acc = _accuracy_plan(accuracy, toggles, spec, weights)
@@ -266,12 +267,12 @@ def _check_perturb(*cfgs) -> None:
                 raise UsageError(str(exc)) from None
 
 
-def _shipped(model) -> Path | None:
+def _shipped(model, device_type: str) -> Path | None:
     from looptrace.assets import shipped_weights
     from looptrace.engine.model_config import UnknownModelError, resolve_preset
 
     try:
-        return shipped_weights(resolve_preset(model or DEFAULT_MODEL, "cpu").name)
+        return shipped_weights(resolve_preset(model or DEFAULT_MODEL, device_type).name)
     except UnknownModelError:
         return None  # reported by _load_model with the usual message
 
@@ -292,12 +293,23 @@ def _load_model(model, weights, dev, dt, seed):
     return spec, net
 
 
+DIFF_POOL_TOKENS = 8192  # KV positions per engine on CUDA: the diff workloads and the eval set fit many times
+
+
 def _factory(net, dev, dt, seed):
     """Each arm gets a fresh engine on its own copy of the same weights (an engine may hook its model)."""
     from looptrace.engine.llm_engine import LLMEngine
 
     def make(cfg):
-        return LLMEngine(copy.deepcopy(net), copy.deepcopy(cfg), device=dev, dtype=dt, seed=seed)
+        cfg = copy.deepcopy(cfg)
+        if dev.type == "cuda" and cfg.kv.num_blocks is None:
+            # diff keeps several engines alive: each sized to DIFF_POOL_TOKENS, not to the free memory
+            # (the first would take it all and leave the next a one-page pool).
+            from looptrace.engine.kv_cache import LAYOUTS
+
+            layout = LAYOUTS[cfg.kv.layout](net.spec, cfg.exit.max_loops or net.spec.default_loops)
+            cfg.kv.num_blocks = -(-DIFF_POOL_TOKENS // cfg.kv.block_size) * layout.blocks_per_page
+        return LLMEngine(copy.deepcopy(net), cfg, device=dev, dtype=dt, seed=seed)
 
     return make
 

@@ -91,6 +91,12 @@ class SchedulerConfig:
     loop_fusion: bool = field(default=False, metadata=_meta("R1"))
     # ExactLoop: after an L-loop fused step, admit up to L prefill batches before the next decode step.
     prefill_share: bool = field(default=False, metadata=_meta("R1"))
+    # Beyond ExactLoop: a fused decode row runs its whole token (prelude, every loop, coda, head, greedy
+    # sampling) in one submission, one CUDA graph per row count, for batches of at most
+    # `whole_token_max_rows` rows (larger batches run the three phases in one step). Same per-row
+    # arithmetic; rows that would have shared a prelude/coda batch with others now share one step (R1).
+    whole_token: bool = field(default=False, metadata=_meta("R1"))
+    whole_token_max_rows: int = field(default=8, metadata=_meta("R1", ge=1))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)
@@ -98,6 +104,8 @@ class SchedulerConfig:
     def check(self) -> None:
         if self.prefill_share and not self.loop_fusion:
             raise ConfigError("scheduler.prefill_share=true needs scheduler.loop_fusion=true")
+        if self.whole_token and not self.loop_fusion:
+            raise ConfigError("scheduler.whole_token=true needs scheduler.loop_fusion=true")
 
 
 @dataclass
@@ -159,6 +167,12 @@ class KernelConfig:
     # q/k/v and gate/up as one GEMM each: R0 only where a startup check finds them bitwise equal on the
     # device in use (`rung_check: device`), otherwise R3.
     fused_projections: bool = field(default=False, metadata=_meta("R0", rung_check="device"))
+    # Paged attention: `torch` (index_put K/V, gather the pages, SDPA: 8 kernels per layer-loop) or `triton`
+    # (one K/V write kernel + one paged Triton kernel reading the row's own plane, online softmax in fp32,
+    # as vLLM's Triton backend in the base engine, hence the default; CUDA only, the torch path elsewhere).
+    # Another reduction order (R3); the Triton kernel is batch invariant, so recipes that share it compare
+    # bit for bit.
+    attention: Literal["torch", "triton"] = field(default="triton", metadata=_meta("R3"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

@@ -80,7 +80,8 @@ class Observer:
         """Split depth (S, P) in force for the next step (LoopDuet; P over time)."""
 
     def on_loop_begin(self, stage: str, loop_index: int) -> None:
-        """loop_index is 0-based; -1 for a recurrent batch whose rows run different loops."""
+        """loop_index is 0-based; -1 for a recurrent batch whose rows run different loops, or for all loops
+        fused into one submission (loop fusion without hidden-state observers)."""
 
     def on_loop_end(self, stage: str, loop_index: int) -> None: ...
 

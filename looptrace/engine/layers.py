@@ -146,12 +146,36 @@ class AttnContext:
     v_cache: torch.Tensor
     write_entry: torch.Tensor  # [R] int64 entry base of the page holding the row's position
     write_offset: torch.Tensor  # [R] int64
-    gather_entries: torch.Tensor  # [R * nb] int64 entry bases, -1 padding clamped to 0 (masked out)
-    mask: torch.Tensor  # [R, 1, 1, nb * block_size] bool: key position < context length
+    tables: torch.Tensor  # [R, nb] int64 entry bases, -1 padded (the Triton kernel reads only real pages)
+    ctx_lens: torch.Tensor  # [R] int64 keys each row attends to (= position + 1)
     cos: torch.Tensor
     sin: torch.Tensor
     table_width: int  # nb
+    block_size: int
     packed: PackedRows | None = None  # packed prefill: rows grouped into one query block per request
+    _gather: torch.Tensor | None = None
+    _mask: torch.Tensor | None = None
+    _mask_from: AttnContext | None = None  # another plane's context of the same rows (shares its mask)
+
+    # The torch path's gather list and mask, built on first use and shared by every layer of the traversal
+    # (the Triton path needs neither, so its traversals do not pay for them).
+    @property
+    def gather_entries(self) -> torch.Tensor:
+        """[R * nb] entry bases, -1 padding clamped to 0 (masked out)."""
+        if self._gather is None:
+            self._gather = self.tables.clamp_min(0).reshape(-1)
+        return self._gather
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[R, 1, 1, nb * block_size] bool: key position < context length."""
+        if self._mask is None and self._mask_from is not None:
+            self._mask = self._mask_from.mask
+        if self._mask is None:
+            rows = self.tables.shape[0]
+            key_pos = torch.arange(self.table_width * self.block_size, device=self.tables.device)
+            self._mask = (key_pos[None, :] < self.ctx_lens[:, None]).view(rows, 1, 1, -1)
+        return self._mask
 
 
 @dataclass
@@ -189,48 +213,72 @@ class AttentionMetadata(nn.Module):
     def __init__(self, block_size: int) -> None:
         super().__init__()
         self.block_size = block_size
+        # The torch attention path's gather list and length mask, built once per traversal here (with the
+        # metadata); the Triton path needs neither (the engine turns this off when it enables that path).
+        self.build_mask = True
 
     def forward(
         self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache
     ) -> AttnContext:
-        rows, width = raw.shape[0], raw.shape[1] - META_FIXED
-        positions = raw[:, META_POS]
-        key_pos = torch.arange(width * self.block_size, device=raw.device)
-        mask = (key_pos[None, :] < raw[:, META_CTX, None]).view(rows, 1, 1, -1)
-        cos, sin = rope.tables(positions, dtype)
-        return AttnContext(
+        width = raw.shape[1] - META_FIXED
+        cos, sin = rope.tables(raw[:, META_POS], dtype)
+        ctx = AttnContext(
             k_cache=entry_view(k_cache),
             v_cache=entry_view(v_cache),
             write_entry=raw[:, META_WENTRY],
             write_offset=raw[:, META_WOFF],
-            gather_entries=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
-            mask=mask,
+            tables=raw[:, META_FIXED:],
+            ctx_lens=raw[:, META_CTX],
             cos=cos,
             sin=sin,
             table_width=width,
+            block_size=self.block_size,
         )
+        if self.build_mask:  # build them now, inside the metadata op (the properties cache them)
+            ctx.gather_entries  # noqa: B018
+            ctx.mask  # noqa: B018
+        return ctx
 
     @staticmethod
     def for_plane(raw: torch.Tensor, base: AttnContext) -> AttnContext:
-        """Same rows, another plane: only the write address and the gathered entries change."""
-        return AttnContext(
+        """Same rows, another plane: only the write address and the page tables change (the mask and
+        the rotary tables depend on the positions alone and are shared)."""
+        ctx = AttnContext(
             k_cache=base.k_cache,
             v_cache=base.v_cache,
             write_entry=raw[:, META_WENTRY],
             write_offset=raw[:, META_WOFF],
-            gather_entries=raw[:, META_FIXED:].clamp_min(0).reshape(-1),
-            mask=base.mask,
+            tables=raw[:, META_FIXED:],
+            ctx_lens=base.ctx_lens,
             cos=base.cos,
             sin=base.sin,
             table_width=base.table_width,
+            block_size=base.block_size,
             packed=base.packed,
+            _mask_from=base,
         )
+        if base._mask is not None:  # the torch path (see AttentionMetadata.build_mask): gather list now
+            ctx.gather_entries  # noqa: B018
+        return ctx
+
+
+def enable_triton_attention(model: nn.Module) -> int:
+    """Switch every paged-attention op to the Triton kernels (CUDA only); returns how many ops."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.triton = True
+            count += 1
+    return count
 
 
 class PagedAttention(nn.Module):
-    """Write this layer's K/V for every row, then attend over the row's own block table (torch path)."""
+    """Write this layer's K/V for every row, then attend over the row's own block table. Torch path:
+    index_put the K/V, gather the pages, SDPA with a length mask. Triton path (`kernels.attention`):
+    one K/V write kernel and one paged-attention kernel (packed prefill keeps the torch path)."""
 
     op_kind = "paged_attention"
+    triton = False
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -239,6 +287,11 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if self.triton:  # prefill rows too, packed or not: one query row per token, like the base engine
+            K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
+            return K.paged_attn(
+                q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale
+            )
         rows = q.shape[0]
         # Entry view shifted by this layer: row e is entry e + layer_id (no per-layer index arithmetic).
         k_layer = ctx.k_cache[self.layer_id :]

@@ -33,7 +33,7 @@ from looptrace.engine.hooks import (
     StepResult,
 )
 from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
-from looptrace.engine.layers import enable_exact_kernels
+from looptrace.engine.layers import enable_exact_kernels, enable_triton_attention
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
@@ -82,6 +82,7 @@ class Event(enum.Enum):
     LOOP_DONE = "loop_done"
     LOOPS_DONE = "loops_done"
     TOKEN = "token"
+    DECODED = "decoded"  # whole-token step: prelude, every loop and the coda in one step
     ABORTED = "aborted"
 
 
@@ -128,6 +129,12 @@ class LLMEngine:
                 kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
             else:
                 self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
+        self._triton_attention = cfg.kernels.attention == "triton" and device.type == "cuda"
+        if self._triton_attention and kernels.available():
+            enable_triton_attention(model)
+        elif cfg.kernels.attention == "triton":
+            self._triton_attention = False
+            self.inactive_settings["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
         if device.type != "cuda":
             self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"
         if cfg.kernels.fused_projections and fuse_model_projections(model):
@@ -170,8 +177,15 @@ class LLMEngine:
         self.noise = NOISE[cfg.noise](spec)
         # Loop fusion: a decode row that cannot exit early runs all its loops in one submission.
         self.fuse_loops = cfg.scheduler.loop_fusion and not self.exit_policy.can_exit_early
+        # Whole-token decode: a fused row's next token is one RECURRENT step (prelude, loops, coda inside).
+        self.whole_token = self.fuse_loops and cfg.scheduler.whole_token
+        self.decode_entry = Stage.RECURRENT if self.whole_token else Stage.PRELUDE
         self.scheduler = Scheduler(
-            cfg.scheduler, self.blocks, cfg.kv.watermark_blocks, self.max_loops if self.fuse_loops else 1
+            cfg.scheduler,
+            self.blocks,
+            cfg.kv.watermark_blocks,
+            self.max_loops if self.fuse_loops else 1,
+            position_stage=self.decode_entry,
         )
         # One carried-state slot per request that may be active at once: admission caps them.
         max_slots = cfg.scheduler.max_num_seqs
@@ -189,6 +203,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_slots=max_slots,
         )
+        self.runner.metadata.build_mask = not self._triton_attention  # the Triton path needs no mask
         self._init_depth()  # LoopDuet split depth (issue #9)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -314,10 +329,11 @@ class LLMEngine:
         batch = self._schedule()
         if batch is None:
             return []
+        label = self._label(batch)
         if self._depth_on:
-            self._pick_depth(batch.stage.value)
+            self._pick_depth(label)
         self.stats.steps += 1
-        self.stats.steps_by_stage[batch.stage.value] = self.stats.steps_by_stage.get(batch.stage.value, 0) + 1
+        self.stats.steps_by_stage[label] = self.stats.steps_by_stage.get(label, 0) + 1
         if self.hooks.active:
             self.hooks.step_begin(self._step_info(batch))
         t0 = time.perf_counter()
@@ -378,6 +394,9 @@ class LLMEngine:
             self.runner.prelude(batch.requests)
             for req in batch.requests:
                 self._advance(req, Event.PRELUDE_DONE)
+        elif batch.stage == Stage.RECURRENT and self.whole_token:
+            tokens = self.runner.whole_token(batch.requests)
+            return [self._advance(req, Event.DECODED, token=t) for req, t in zip(batch.requests, tokens)]
         elif batch.stage == Stage.RECURRENT and self.fuse_loops:
             self.runner.recurrent_fused(batch.requests)
             for req in batch.requests:
@@ -410,6 +429,7 @@ class LLMEngine:
         CODA --TOKEN--> PRELUDE | FINISHED;  PRELUDE --PRELUDE_DONE--> RECURRENT
         RECURRENT --LOOP_DONE--> RECURRENT | CODA (exit; an early exit copies its KV slot deeper)
         RECURRENT --LOOPS_DONE--> CODA (loop fusion: every loop in one step)
+        RECURRENT --DECODED--> RECURRENT | FINISHED (whole-token: TOKEN enters decode at RECURRENT)
         any --ABORTED--> FINISHED
         """
         if event == Event.ADMITTED:
@@ -447,6 +467,9 @@ class LLMEngine:
             self._move(req, Stage.CODA)
         elif event == Event.TOKEN:
             return self._emit_token(req, token)
+        elif event == Event.DECODED:
+            req.loops_done = self.max_loops
+            return self._emit_token(req, token)
         elif event == Event.ABORTED:
             self._finish(req, "abort")
         return None
@@ -467,7 +490,7 @@ class LLMEngine:
                 RequestEvent(kind, req.request_id, now, token, exit_depth=req.loops_done)
             )
         if reason is None:
-            self._move(req, Stage.PRELUDE)
+            self._move(req, self.decode_entry)
         else:
             self._finish(req, reason)
         return TokenOutput(req.request_id, token, reason is not None, reason, req.loops_done)
@@ -489,16 +512,20 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.request_event(RequestEvent(kind, req.request_id, time.perf_counter(), reason=reason))
 
+    def _label(self, batch: Batch) -> str:
+        """The step's stage name for observers and stats: `token` for a whole-token decode step."""
+        return "token" if self.whole_token and batch.stage == Stage.RECURRENT else batch.stage.value
+
     def _step_info(self, batch: Batch) -> StepInfo:
         loops = [r.loops_done for r in batch.requests] if batch.stage == Stage.RECURRENT else []
         ids = [r.request_id for r in batch.requests]
-        return StepInfo(self.stats.steps, batch.stage.value, ids, batch.num_rows, loops)
+        return StepInfo(self.stats.steps, self._label(batch), ids, batch.num_rows, loops)
 
     def _step_result(self, batch: Batch, outputs: list[TokenOutput], elapsed: float) -> StepResult:
         graph_stage = batch.stage in (Stage.RECURRENT, Stage.CODA)
         return StepResult(
             self.stats.steps,
-            batch.stage.value,
+            self._label(batch),
             batch.num_rows,
             elapsed,
             graph_mode=self.runner.last_graph_mode if graph_stage else None,
@@ -549,7 +576,8 @@ class LLMEngine:
         """(graph name, rows, thunk) for every captured CUDA graph; the thunk runs the graph's body eagerly
         (see GraphCache.run_body_eagerly) under the same modes as an engine step."""
         out = []
-        for cache in (self.runner.recurrent_graphs, self.runner.fused_graphs, self.runner.coda_graphs):
+        r = self.runner
+        for cache in (r.recurrent_graphs, r.fused_graphs, r.coda_graphs, r.token_graphs):
             if cache is None:
                 continue
             for rows in list(cache.entries):
@@ -567,6 +595,7 @@ class LLMEngine:
             ("recurrent", self.runner.recurrent_graphs),
             ("recurrent_fused", self.runner.fused_graphs),
             ("coda", self.runner.coda_graphs),
+            ("whole_token", self.runner.token_graphs),
         )
         for name, cache in caches:
             if cache is not None:

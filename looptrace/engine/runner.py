@@ -181,6 +181,7 @@ class ModelRunner:
         self.recurrent_graphs: GraphCache | None = None
         self.fused_graphs: GraphCache | None = None
         self.coda_graphs: GraphCache | None = None
+        self.token_graphs: GraphCache | None = None
         if device.type == "cuda" and cfg.cuda_graphs.enabled:
             mempool = torch.cuda.graph_pool_handle()
             self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
@@ -188,6 +189,8 @@ class ModelRunner:
                 self.fused_graphs = GraphCache("recurrent_fused", self._fused_pass, cfg.cuda_graphs, mempool)
             if cfg.cuda_graphs.coda:
                 self.coda_graphs = GraphCache("coda", self._coda_pass, cfg.cuda_graphs, mempool)
+            if cfg.scheduler.loop_fusion and cfg.scheduler.whole_token:
+                self.token_graphs = GraphCache("whole_token", self._token_pass, cfg.cuda_graphs, mempool)
         self.last_graph_mode: str | None = None
         self.last_fallback: str | None = None
 
@@ -507,7 +510,7 @@ class ModelRunner:
         inputs = (raw, self.state_pool.index_select(0, slots))
         if self.inject_pool is not None:
             inputs += (self.inject_pool.index_select(0, slots),)
-        if self.hooks.active:  # observers see every loop: run them one by one, eagerly
+        if self.hooks.wants_hidden:  # observers read every loop's state: run the loops one by one, eagerly
             state = inputs[1]
             for t in range(loops):
                 self.hooks.loop_begin("recurrent", t)
@@ -517,8 +520,12 @@ class ModelRunner:
                 self.hooks.loop_end("recurrent", t)
             self.last_graph_mode, self.last_fallback = None, None
             out = (state,)
-        else:
+        else:  # range observers (profile) see the fused loops as one range: the graph stays on
+            if self.hooks.active:
+                self.hooks.loop_begin("recurrent", -1)
             out = self._maybe_graph(self.fused_graphs, len(rows), self._fused_pass, inputs)
+            if self.hooks.active:
+                self.hooks.loop_end("recurrent", -1)
         self.state_pool.index_copy_(0, slots, out[0])
         for t in range(loops):
             self._mark(rows, plane_sets[t][0], "core")
@@ -529,6 +536,76 @@ class ModelRunner:
             ctx = self.metadata(raw[t], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
             state, _ = self.model.core(state, inject, ctx)
         return (state,)
+
+    # Whole-token decode (scheduler.whole_token) ----------------------------------------------------------
+    def whole_token(self, requests: list[Request]) -> list[int]:
+        """Prelude, every loop, coda, head and sampling for fresh decode rows in one submission (one CUDA
+        graph per row count, greedy sampling inside it). The per-row arithmetic is that of the prelude,
+        fused-recurrent and coda steps. Batches over `whole_token_max_rows`, or with an observer of
+        hidden states, run those three phases one after another in this step instead."""
+        if len(requests) > self.cfg.scheduler.whole_token_max_rows or self.hooks.wants_hidden:
+            self.prelude(requests)
+            self.recurrent_fused(requests)
+            return self.coda(requests)
+        self.submissions += 1
+        rows = [Row(r, r.decode_position, r.outputs[-1]) for r in requests]
+        planes = self._token_planes()
+        raw = self.staging.to_device(
+            self._raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
+        )
+        for role, plane in self._token_roles():
+            self._check(rows, plane, role)
+        inputs: tuple = (raw,)
+        if self.spec.has_injection:  # Huginn/OLMo: the noise draw stays eager (request generators), in order
+            inputs += (self.ops.state_init(self.state_pool, [(r, r.decode_position, 1) for r in requests]),)
+        if self.hooks.active:
+            self.hooks.loop_begin("recurrent", -1)
+        tokens, logits = self._maybe_graph(self.token_graphs, len(rows), self._token_pass, inputs)
+        if self.hooks.active:
+            self.hooks.loop_end("recurrent", -1)
+        for role, plane in self._token_roles():
+            self._mark(rows, plane, role)
+        if self.hooks.active and self.hooks.wants_logits:
+            self.hooks.logits([r.request_id for r in requests], logits)
+        if not all(r.params.greedy for r in requests):  # the graph's argmax serves greedy rows only
+            tokens = self.ops.sampler(logits, requests)
+        return self._to_host(tokens)
+
+    def _token_planes(self) -> list[int]:
+        """The distinct KV planes one whole-token pass touches (prelude/coda plane, then the core planes)."""
+        out = [self.layout.plane("prelude", 0), self.layout.plane("coda", 0)]
+        out += [self.layout.plane("core", t) for t in range(self.max_loops)]
+        return sorted(set(out), key=out.index)
+
+    def _token_roles(self) -> list[tuple[str, int]]:
+        roles = [("core", self.layout.plane("core", t)) for t in range(self.max_loops)]
+        if self.spec.n_prelude:
+            roles.insert(0, ("prelude", self.layout.plane("prelude", 0)))
+        if self.model.has_coda_layers:
+            roles.append(("coda", self.layout.plane("coda", 0)))
+        return roles
+
+    def _token_pass(self, raw: torch.Tensor, init_state: torch.Tensor | None = None):
+        """raw [planes, R, ...] in `_token_planes` order. Returns (greedy tokens, logits)."""
+        index = {p: i for i, p in enumerate(self._token_planes())}
+        first = raw[0]
+        base = self.metadata(first, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+
+        def ctx(role: str, t: int = 0):
+            i = index[self.layout.plane(role, t)]
+            return base if i == 0 else self.metadata.for_plane(raw[i], base)
+
+        embedded, inject = self.model.prelude(
+            first[:, META_TOKEN], ctx("prelude") if self.spec.n_prelude else None
+        )
+        state = self.model.first_state(embedded)
+        if state is None:
+            state = init_state
+        for t in range(self.max_loops):
+            state, _ = self.model.core(state, inject, ctx("core", t))
+        coda_ctx = ctx("coda") if self.model.has_coda_layers else None
+        logits = self.model.head(self.model.coda_hidden(state, coda_ctx))
+        return logits.argmax(dim=-1), logits
 
     def finalize_exits(self, requests: list[Request]) -> None:
         """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes and

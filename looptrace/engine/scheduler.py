@@ -121,9 +121,17 @@ class Scheduler:
     places the request with `enqueue`."""
 
     def __init__(
-        self, cfg: SchedulerConfig, blocks: BlockManager, watermark_blocks: int, fused_loops: int = 1
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        watermark_blocks: int,
+        fused_loops: int = 1,
+        position_stage: Stage = Stage.PRELUDE,
     ) -> None:
         self.cfg, self.blocks, self.watermark = cfg, blocks, watermark_blocks
+        # The stage whose batch appends a decode position (PRELUDE; RECURRENT under whole-token decode):
+        # taking a row into it claims the page that position needs.
+        self.position_stage = position_stage
         # Prefill batches allowed between two recurrent steps. With prefill share, an L-loop fused step
         # is followed by up to L prefill batches (ExactLoop: fusion would otherwise admit L x less often).
         self.prefill_allowance = cfg.max_prefill_batches_before_decode
@@ -233,7 +241,7 @@ class Scheduler:
                 break
             req = q.popleft()
             # PRELUDE appends one KV position (the token being fed back): claim a page if needed.
-            if stage == Stage.PRELUDE and not self.blocks.ensure_capacity(
+            if stage == self.position_stage and not self.blocks.ensure_capacity(
                 req.request_id, req.decode_position + 1
             ):
                 q.append(req)  # requeue at the tail

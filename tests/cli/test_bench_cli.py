@@ -272,3 +272,46 @@ def test_cuda_without_room_for_two_arms(monkeypatch) -> None:
     with pytest.raises(typer.Exit) as exc:
         bench_cmd.EngineBackend(plan)._pool_sets(plan.cells[0])
     assert exc.value.exit_code == 2
+
+
+# --- --from: render a saved run, measure nothing ----------------------------------------------------------
+def test_from_renders_a_saved_run_without_measuring(tiny_run, tmp_path: Path, monkeypatch) -> None:
+    _, data, out, _ = tiny_run
+
+    def no_engines(plan):
+        raise AssertionError("--from must not build an engine")
+
+    monkeypatch.setattr(bench_cmd, "EngineBackend", no_engines)
+    result = invoke(
+        "--from", out / "bench.json", "-o", tmp_path / "again.csv", "--plot", tmp_path / "again.svg"
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "again.csv").read_text() == bench_cmd.render(data, OutputFormat.csv) + "\n"
+    assert "ouro-tiny 16/4 measured" in (tmp_path / "again.svg").read_text()
+    table = invoke("--from", out / "bench.json")
+    assert table.exit_code == 0 and "ouro-tiny:16/4@2" in table.stdout
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [(None, "no such file"), ("not json", "not a JSON file"), ('{"schema": "other"}', "looptrace.bench/1")],
+)
+def test_from_bad_file(tmp_path: Path, content, needle) -> None:
+    path = tmp_path / "saved.json"
+    if content is not None:
+        path.write_text(content)
+    assert_one_line_error(invoke("--from", path), 2, f"--from {path}", needle)
+
+
+def test_table2_cells_run_both_arms_with_64_graphs(monkeypatch) -> None:
+    # The paper's Table 2 setting; the device is faked (prepare builds no engine), --set still wins.
+    import torch
+
+    monkeypatch.setattr(bench_cmd, "resolve_device", lambda device: torch.device("cuda"))
+    args = dict(a_sets=None, b_sets=None, model="ouro", cell=None, runs=3, device="cuda", dtype="auto")
+    args.update(seed=0, threads=1, random_weights=False, output=None, plot=None)
+    plan = bench_cmd.prepare("base", "exactloop", sets=None, cells="table2:ouro", **args)
+    assert plan.shared == ["cuda_graphs.max_graphs=64"]
+    assert {arm: rec.config.cuda_graphs.max_graphs for arm, rec in plan.loaded.items()} == {"a": 64, "b": 64}
+    plan = bench_cmd.prepare("base", "exactloop", sets=["cuda_graphs.max_graphs=8"], cells="table2", **args)
+    assert plan.loaded["a"].config.cuda_graphs.max_graphs == 8

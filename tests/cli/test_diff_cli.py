@@ -193,3 +193,38 @@ def test_base_vs_exactloop(model: str, monkeypatch, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "every claim holds" in r.stdout
     assert time.perf_counter() - t0 < 60
+
+
+# --- CUDA sizing and weights (bugs seen on the H200, checked here without a GPU) ------------------------
+def test_cuda_engines_get_a_workload_sized_pool_each(monkeypatch) -> None:
+    # On the H200 the first engine took the free memory and the next got a one-page pool ("max context is
+    # 16"). Each engine diff builds on CUDA now gets DIFF_POOL_TOKENS positions, whatever its layout.
+    import torch
+
+    from looptrace.cli import diff_cmd
+    from looptrace.engine import llm_engine
+    from looptrace.engine.kv_cache import LAYOUTS
+    from looptrace.engine.model_config import resolve_preset
+    from looptrace.recipes import load_recipe
+
+    built = []
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda net, cfg, **kw: built.append(cfg) or cfg)
+    spec = resolve_preset("huginn-tiny", "cpu")
+    net = type("Net", (), {"spec": spec})()
+    make = diff_cmd._factory(net, torch.device("cuda"), torch.bfloat16, 0)
+    for recipe in ("base", "exactloop"):
+        cfg = load_recipe(recipe).config
+        make(cfg)
+        per_page = LAYOUTS[cfg.kv.layout](spec, spec.default_loops).blocks_per_page
+        assert built[-1].kv.num_blocks == diff_cmd.DIFF_POOL_TOKENS // cfg.kv.block_size * per_page
+        assert cfg.kv.num_blocks is None  # the recipe's config is not changed
+    assert built[0].kv.num_blocks != built[1].kv.num_blocks  # planes vs packed pages
+
+
+def test_tiny_presets_use_their_trained_weights_on_any_device() -> None:
+    from looptrace.cli import diff_cmd
+
+    assert diff_cmd._shipped("ouro-tiny", "cuda") is not None
+    assert diff_cmd._shipped("huginn-tiny", "cuda") is not None
+    assert diff_cmd._shipped("ouro", "cuda") is None  # ouro-1.4b: no shipped checkpoint
+    assert diff_cmd._shipped("ouro", "cpu") is not None  # ouro-tiny on CPU

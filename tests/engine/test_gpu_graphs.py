@@ -92,3 +92,27 @@ def test_fused_loop_graph_equals_eager_and_replays_once_per_token(preset):
     assert outs[0] == outs[1]
     fused = counters[0]["recurrent_fused"]
     assert fused["fallbacks"] == 0 and fused["replays"] + fused["captures"] >= 4
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_whole_token_graph_equals_eager_and_replays_once_per_token(preset, attention):
+    """The whole-token graph (prelude + every loop + coda + head + argmax) gives the eager step's tokens bit
+    for bit, and the three-step fused path's; one replay per decode token."""
+    prompts, params = [[3, 4, 5, 6], [7, 8, 9]], SamplingParams(max_tokens=5, seed=3)
+    outs, counters = [], []
+    for graphs, whole in ((True, True), (False, True), (True, False)):
+        eng = _engine(
+            preset,
+            graphs,
+            scheduler__loop_fusion=True,
+            scheduler__prefill_share=True,
+            scheduler__whole_token=whole,
+            kernels__attention=attention,
+        )
+        outs.append([eng.generate([p], params)[0] for p in prompts])  # batch 1: R1 allows no change
+        counters.append(eng.graph_counters())
+    assert outs[0] == outs[1] == outs[2]
+    token = counters[0]["whole_token"]
+    assert token["fallbacks"] == 0 and token["captures"] == 1
+    assert token["replays"] == 2 * 4  # 4 decode tokens after the prefill's first, per request

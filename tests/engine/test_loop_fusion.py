@@ -34,16 +34,20 @@ def test_fusion_is_identical_at_batch_1_and_takes_three_steps_per_token(preset):
     assert runs[False][1] == pytest.approx((2 + (depth + 2) * 11) / 12)
 
 
-def test_fused_step_runs_every_loop_and_reports_each_to_observers():
+@pytest.mark.parametrize("wants_hidden", [False, True])
+def test_fused_step_reports_loops_to_observers(wants_hidden):
+    # An observer of hidden states sees every loop (the loops then run one by one); a range observer
+    # (the profiler's) sees the fused loops as one range (-1), so profiling keeps the fused graph.
     e = engine("huginn-tiny", True)
     log = Recorder()
     e.attach(log)
     loops = []
-    e.attach(type("Loops", (Observer,), {"on_loop_begin": lambda self, st, t: loops.append((st, t))})())
+    members = {"on_loop_begin": lambda self, st, t: loops.append((st, t)), "wants_hidden": wants_hidden}
+    e.attach(type("Loops", (Observer,), members)())
     e.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
     assert log.stages == ["prefill", "coda"] + ["prelude", "recurrent", "coda"] * 2
     recurrent = [t for st, t in loops if st == "recurrent"]
-    assert recurrent == list(range(e.max_loops)) * 2
+    assert recurrent == (list(range(e.max_loops)) if wants_hidden else [-1]) * 2
 
 
 def test_prefill_share_admits_up_to_l_prefill_batches_after_a_fused_step():

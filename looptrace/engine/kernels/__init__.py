@@ -63,6 +63,23 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate, up)
 
 
+def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
+    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
+
+    Named apart from the submodule `paged_attention`: importing it sets the package attribute of that name.
+    """
+    from looptrace.engine.kernels import paged_attention as pa
+
+    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
+
+
+def write_kv(k, v, k_cache, v_cache, write_entry, write_offset, layer_id: int) -> None:
+    """K and V of every row into the paged cache, one launch (`paged_attention.write_kv`)."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    pa.write_kv(k, v, k_cache, v_cache, write_entry, write_offset, layer_id)
+
+
 def calibrate(
     device: torch.device | str = "cuda", widths=(2048, 5280), rows=(1, 2, 4, 8, 16, 300), trials: int = 4
 ) -> dict:
@@ -139,10 +156,12 @@ __all__ = [
     "available",
     "calibrate",
     "is_capturing",
+    "paged_attn",
     "rms_norm",
     "rope_half",
     "rope_interleaved",
     "silu_and_mul",
     "use_exact",
     "warmup",
+    "write_kv",
 ]
