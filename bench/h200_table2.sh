@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # Issue #8 on the H200, in parts that each fit one device call (results under $OUT, logs folded into one
 # file because at most 8 files come back):
-#   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny, CUDA), profile --compare
+#   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny presets, CUDA)
+#   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
 #   bash bench/h200_table2.sh "CELL ..."     paired Table 2 cells, e.g. "ouro:512/128@1,8 huginn:512/64@1"
+#                                            (64 graphs on both arms; SIGINT at BENCH_TIMEOUT keeps the
+#                                            completed cells); DIFFS=1 adds the tiny-preset diffs.
+# The full Table 2 as four calls (the first two run back to back while the machine is warm):
+#   checks | profile | "ouro:512/128@1,8,32,64" | "huginn:512/64@1,8,32,64" | "ouro:2048/64@8,32"
+# then here: looptrace bench --from A.json --from B.json --from C.json -o bench/results/table2_h200.json
+#            --plot bench/results/table2_h200.svg
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$LOG"
 if [ "$1" = checks ]; then
-  timeout 200 python3 -m pytest -q -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
+  timeout 300 python3 -m pytest -q -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -25 > "$OUT/gpu_tests_h200.txt"; tail -3 "$OUT/gpu_tests_h200.txt"
   for m in ouro-tiny huginn-tiny; do
     timeout 100 python3 -m looptrace diff base exactloop --model "$m" --device cuda --format json \
       -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
   done
-  timeout 150 python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
+elif [ "$1" = profile ]; then
+  timeout 500 python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
     -o "$OUT/profile_compare_ouro-1.4b_c1.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
   grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1.txt" | tail -3
 else

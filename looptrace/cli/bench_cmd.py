@@ -153,17 +153,18 @@ def bench(
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show progress and per-cell lines on stderr.")] = True,
     from_json: Annotated[
-        Path | None,
+        list[Path] | None,
         typer.Option(
             "--from",
-            help="Run nothing: render a saved `looptrace bench --format json` file (table, CSV, plot).",
+            help="Run nothing: render saved `looptrace bench --format json` files (table, CSV, JSON, plot); "
+            "repeat it to merge runs split across jobs into one table.",
             show_default=False,
         ),
     ] = None,
 ) -> None:
     """Paired benchmark of two recipes: arms interleaved in one process, first run dropped, mean and
     spread of the rest, B/A per cell; table/JSON/CSV and a speedup plot."""
-    if from_json is not None:
+    if from_json:
         _render_saved(from_json, fmt, output, plot)
         return
     with interrupt_exit():
@@ -207,32 +208,56 @@ def bench(
             raise typer.Exit(EXIT_INTERRUPTED)
 
 
-def _render_saved(path: Path, fmt, output, plot) -> None:
-    """`--from FILE`: the committed JSON of an earlier run, rendered again (nothing is measured)."""
-    import json
-
+def _render_saved(paths: list[Path], fmt, output, plot) -> None:
+    """`--from FILE...`: committed JSON of earlier runs, merged and rendered again (nothing is measured)."""
     fmt = infer_format(fmt, output)
     with friendly_errors():
         check_output_path(output)
         if plot is not None:
             _check_plot(plot)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UsageError(f"--from {path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UsageError(f"--from {path}: not a JSON file ({type(exc).__name__})") from None
-        if (
-            not isinstance(data, dict)
-            or data.get("schema") != SCHEMA
-            or not isinstance(data.get("cells"), list)
-        ):
-            raise UsageError(
-                f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})"
-            )
+        data = merge_saved([_load_saved(p) for p in paths], paths)
         if plot is not None:
             write_plot(data, plot)
         write_output(render(data, fmt), output, Console(width=160))
+
+
+def _load_saved(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--from {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--from {path}: not a JSON file ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("cells"), list):
+        raise UsageError(f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})")
+    return data
+
+
+def merge_saved(runs: list[dict[str, Any]], paths: list[Path]) -> dict[str, Any]:
+    """One report from several: the first file's header, every file's cells in order. The files must
+    compare the same recipes with the same overrides, and no cell may appear twice."""
+    first, seen = runs[0], {}
+    arms = {arm: (a["recipe"], a["overrides"]) for arm, a in first["header"]["arms"].items()}
+    for data, path in zip(runs, paths):
+        other = {arm: (a["recipe"], a["overrides"]) for arm, a in data["header"]["arms"].items()}
+        if other != arms or data["header"]["shared_overrides"] != first["header"]["shared_overrides"]:
+            raise UsageError(
+                f"--from {path}: its arms differ from {paths[0]}'s; merge runs of one comparison"
+            )
+        for cell in data["cells"]:
+            if cell["cell"] in seen:
+                raise UsageError(f"--from {path}: cell {cell['cell']} is also in {seen[cell['cell']]}")
+            seen[cell["cell"]] = path
+    if len(runs) == 1:
+        return first
+    header = dict(first["header"])
+    header["commands"] = [d["header"]["command"] for d in runs]
+    header["merged_from"] = [str(p) for p in paths]
+    header["interrupted"] = any(d["header"]["interrupted"] for d in runs)
+    header["cells_planned"] = [c for d in runs for c in d["header"]["cells_planned"]]
+    return {"schema": SCHEMA, "header": header, "cells": [c for d in runs for c in d["cells"]]}
 
 
 # Preparation: everything that can be wrong is found before an engine is built ------------------------
@@ -616,7 +641,8 @@ def _table(data: dict[str, Any]) -> list:
         f"device {escape(h['device'])}  dtype {h['dtype']}  looptrace {h['versions']['looptrace']}  "
         f"torch {h['versions']['torch']}\n"
         f"{h['runs']} runs per arm, interleaved A,B; each arm's first run dropped; "
-        f"{escape('mean [min-max]')} of the other {kept}\n[dim]{escape(h['command'])}[/]"
+        f"{escape('mean [min-max]')} of the other {kept}\n"
+        + "\n".join(f"[dim]{escape(cmd)}[/]" for cmd in h.get("commands", [h["command"]]))
     )
     out: list = [Panel(head, title="looptrace bench", expand=False)]
     if h["interrupted"]:

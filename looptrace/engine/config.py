@@ -96,6 +96,12 @@ class SchedulerConfig:
     # `whole_token_max_rows` rows (larger batches run the three phases in one step). Same per-row
     # arithmetic; rows that would have shared a prelude/coda batch with others now share one step (R1).
     whole_token: bool = field(default=False, metadata=_meta("R1"))
+    # Async gate readback (the base engine's `_step_async` for Ouro): submit a row's next loop before its
+    # last gate logit is read; the read happens after the next submission (no blocking sync per loop), and
+    # a token that turns out to have exited is rolled back to its exit loop (state restored, its KV slot
+    # copied deeper as for any early exit). Same per-row arithmetic; steps may hold other rows (R1). Off
+    # on the shared layout (a speculative loop would overwrite the token's only KV slot).
+    async_gate: bool = field(default=True, metadata=_meta("R1"))
     whole_token_max_rows: int = field(default=8, metadata=_meta("R1", ge=1))
 
     def __post_init__(self) -> None:
@@ -144,6 +150,11 @@ class GraphConfig:
     capture_sizes: list[int] | None = field(default=None, metadata=_meta("R0"))
     # Also capture the coda (Huginn coda layers + head; Ouro head) per row count.
     coda: bool = field(default=True, metadata=_meta("R0"))
+    # Capture prefill chunks too (prelude + every loop, depth-major, one graph per row count): an eager
+    # prefill batch is thousands of host-bound launches. Same kernels as the eager chunk, with the exact
+    # kernels where they are on (R0). Chunks it cannot hold run eager: split depth, packed prefill on the
+    # torch attention path, hidden-state observers.
+    prefill: bool = field(default=False, metadata=_meta("R0"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looptrace.engine.config import GraphConfig
+from looptrace.engine.kernels import graph_warmup
 
 # Fallback reasons (reported per step and in the counters)
 OVERSIZED = "oversized_batch"
@@ -107,8 +108,8 @@ class GraphCache:
         static = tuple(x.clone() for x in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-ups: allocator, cuBLAS handles, lazy inits stay out of the graph
+        with torch.cuda.stream(side), graph_warmup():
+            for _ in range(2):  # warm-ups: allocator, cuBLAS handles, Triton compiles stay out of the graph
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()

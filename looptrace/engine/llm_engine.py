@@ -39,7 +39,7 @@ from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
 from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
 from looptrace.engine.request import Request, SamplingParams, Stage
-from looptrace.engine.runner import ModelRunner
+from looptrace.engine.runner import ModelRunner, PendingGate
 from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
 from looptrace.engine.weights import create_model, init_random
 
@@ -83,7 +83,18 @@ class Event(enum.Enum):
     LOOPS_DONE = "loops_done"
     TOKEN = "token"
     DECODED = "decoded"  # whole-token step: prelude, every loop and the coda in one step
+    LOOP_SUBMITTED = "loop_submitted"  # async gate: a loop ran, its exit gate not yet read
+    GATE_READ = "gate_read"  # async gate: the exit decision of an earlier loop
     ABORTED = "aborted"
+
+
+@dataclass
+class PendingLoops:
+    """An async recurrent step's gate logits in flight and the (request, loops done) rows they decide."""
+
+    gate: PendingGate
+    rows: list[tuple[Request, int]]
+    resolved: bool = False
 
 
 @dataclass
@@ -177,6 +188,16 @@ class LLMEngine:
         self.noise = NOISE[cfg.noise](spec)
         # Loop fusion: a decode row that cannot exit early runs all its loops in one submission.
         self.fuse_loops = cfg.scheduler.loop_fusion and not self.exit_policy.can_exit_early
+        # Async gate readback: gate logits read one step late (only where a gate is read at all). Not on
+        # the shared layout: a speculative loop overwrites the token's one KV slot, which a rollback
+        # cannot restore (depth planes keep the exit loop's slot and copy it deeper).
+        self.async_gate = (
+            cfg.scheduler.async_gate
+            and self.exit_policy.needs_gate
+            and not self.fuse_loops
+            and self.layout.num_planes > 1
+        )
+        self._pending: PendingLoops | None = None
         # Whole-token decode: a fused row's next token is one RECURRENT step (prelude, loops, coda inside).
         self.whole_token = self.fuse_loops and cfg.scheduler.whole_token
         self.decode_entry = Stage.RECURRENT if self.whole_token else Stage.PRELUDE
@@ -204,10 +225,12 @@ class LLMEngine:
             max_slots=max_slots,
         )
         self.runner.metadata.build_mask = not self._triton_attention  # the Triton path needs no mask
+        self.runner.triton_attention = self._triton_attention
         self._init_depth()  # LoopDuet split depth (issue #9)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._early_exits: list[Request] = []
+        self._rollbacks: list[Request] = []
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
         from looptrace.engine.perturb import install_perturbation  # debug.perturb (test aid)
 
@@ -328,6 +351,9 @@ class LLMEngine:
         """Schedule one batch (one stage), run it, apply the results. Returns the tokens sampled."""
         batch = self._schedule()
         if batch is None:
+            if self._pending is not None:
+                with torch.inference_mode():
+                    self._resolve_gates(self._pending)
             return []
         label = self._label(batch)
         if self._depth_on:
@@ -338,7 +364,10 @@ class LLMEngine:
             self.hooks.step_begin(self._step_info(batch))
         t0 = time.perf_counter()
         with torch.inference_mode(), attention_backend(self.device):
+            earlier = self._pending  # a gate readback submitted by an earlier step
             outputs = self._run(batch)
+            if earlier is not None:  # read it now: this step is already submitted behind it
+                self._resolve_gates(earlier)
         self.stats.submissions = self.runner.submissions
         if self.hooks.active:
             self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
@@ -401,7 +430,14 @@ class LLMEngine:
             self.runner.recurrent_fused(batch.requests)
             for req in batch.requests:
                 self._advance(req, Event.LOOPS_DONE)
+        elif batch.stage == Stage.RECURRENT and self.async_gate and not self.hooks.wants_hidden:
+            gate = self.runner.recurrent(batch.requests, True, defer=True)
+            for req in batch.requests:
+                self._advance(req, Event.LOOP_SUBMITTED)
+            self._pending = PendingLoops(gate, [(req, req.loops_done) for req in batch.requests])
         elif batch.stage == Stage.RECURRENT:
+            if self._pending is not None:  # observers of hidden states see no speculative loop
+                self._resolve_gates(self._pending)
             gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
             self._early_exits = []
             for i, req in enumerate(batch.requests):
@@ -413,6 +449,23 @@ class LLMEngine:
             return [self._advance(req, Event.TOKEN, token=tok) for req, tok in zip(batch.requests, tokens)]
         return []
 
+    def _resolve_gates(self, pending: PendingLoops) -> None:
+        """Async gate readback: apply the exit decisions of an earlier recurrent step. A row that exited
+        there but ran one more loop since is rolled back; every early exit copies its KV slot deeper."""
+        if pending.resolved:
+            return
+        pending.resolved = True
+        self._early_exits, self._rollbacks = [], []
+        for (req, loop), gate in zip(pending.rows, pending.gate.result()):
+            if req.stage != Stage.FINISHED and req.loops_done >= loop:  # not aborted, not rolled back
+                self._advance(req, Event.GATE_READ, gate=gate, loop=loop)
+        if self._rollbacks:
+            self.runner.rollback(self._rollbacks)
+        if self._early_exits:
+            self.runner.finalize_exits(self._early_exits)
+        if self._pending is pending:
+            self._pending = None
+
     def _advance(
         self,
         req: Request,
@@ -421,6 +474,7 @@ class LLMEngine:
         admission: Admission | None = None,
         chunk: int = 0,
         gate: float | None = None,
+        loop: int = 0,
         token: int = 0,
     ) -> TokenOutput | None:
         """The request state machine: every stage transition and progress update happens here.
@@ -428,6 +482,8 @@ class LLMEngine:
         WAITING --ADMITTED--> PREFILL --CHUNK_DONE--> PREFILL (tail of the queue) | CODA (last chunk)
         CODA --TOKEN--> PRELUDE | FINISHED;  PRELUDE --PRELUDE_DONE--> RECURRENT
         RECURRENT --LOOP_DONE--> RECURRENT | CODA (exit; an early exit copies its KV slot deeper)
+        RECURRENT --LOOP_SUBMITTED--> RECURRENT | CODA at max depth (async gate: decision still unread)
+        RECURRENT/CODA --GATE_READ--> CODA (a late early exit; a loop run past it is rolled back) | unchanged
         RECURRENT --LOOPS_DONE--> CODA (loop fusion: every loop in one step)
         RECURRENT --DECODED--> RECURRENT | FINISHED (whole-token: TOKEN enters decode at RECURRENT)
         any --ABORTED--> FINISHED
@@ -462,6 +518,19 @@ class LLMEngine:
                 if req.loops_done < self.max_loops:
                     self._early_exits.append(req)  # its KV slot is copied deeper before the step ends
                 self._move(req, Stage.CODA)
+        elif event == Event.LOOP_SUBMITTED:  # async gate: continue until the gate is read
+            req.loops_done += 1
+            self._move(req, Stage.CODA if req.loops_done >= self.max_loops else Stage.RECURRENT)
+        elif event == Event.GATE_READ:  # the decision of loop `loop`, read one step late
+            decision = self.exit_policy.decide(loop, req.remaining_probability, gate)
+            req.remaining_probability = decision.remaining_probability
+            if decision.exited and loop < self.max_loops:
+                if req.loops_done > loop:
+                    self._rollbacks.append(req)
+                req.loops_done = loop
+                self._early_exits.append(req)
+                req.stage = Stage.CODA
+                self.scheduler.requeue(req, Stage.CODA)
         elif event == Event.LOOPS_DONE:  # loop fusion: all loops in one step, no early exit
             req.loops_done = self.max_loops
             self._move(req, Stage.CODA)
@@ -577,7 +646,7 @@ class LLMEngine:
         (see GraphCache.run_body_eagerly) under the same modes as an engine step."""
         out = []
         r = self.runner
-        for cache in (r.recurrent_graphs, r.fused_graphs, r.coda_graphs, r.token_graphs):
+        for cache in (r.recurrent_graphs, r.fused_graphs, r.coda_graphs, r.token_graphs, r.prefill_graphs):
             if cache is None:
                 continue
             for rows in list(cache.entries):
@@ -596,6 +665,7 @@ class LLMEngine:
             ("recurrent_fused", self.runner.fused_graphs),
             ("coda", self.runner.coda_graphs),
             ("whole_token", self.runner.token_graphs),
+            ("prefill", self.runner.prefill_graphs),
         )
         for name, cache in caches:
             if cache is not None:

@@ -55,13 +55,35 @@ class GateReadback(nn.Module):
 
     op_kind = "readback"
 
-    def forward(self, gate_logits: torch.Tensor) -> list[float]:
+    def forward(self, gate_logits: torch.Tensor, defer: bool = False) -> list[float] | PendingGate:
+        """The logits as a host list (blocking), or with `defer` a PendingGate read later."""
         if not gate_logits.is_cuda:  # the same copy to a host buffer, so CPU profiles count it too
-            return gate_logits.detach().to("cpu", torch.float32, copy=True).reshape(-1).tolist()
+            values = gate_logits.detach().to("cpu", torch.float32, copy=True).reshape(-1).tolist()
+            return PendingGate(values=values) if defer else values
         host = torch.empty(gate_logits.numel(), dtype=torch.float32, pin_memory=True)
         host.copy_(gate_logits.float().reshape(-1), non_blocking=True)
+        if defer:
+            event = torch.cuda.Event()
+            event.record()
+            return PendingGate(host=host, event=event)
         torch.cuda.current_stream().synchronize()
         return host.tolist()
+
+
+@dataclass
+class PendingGate:
+    """Gate logits on their way to the host (async gate readback): read after the next submission."""
+
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    values: list[float] | None = None
+
+    def result(self) -> list[float]:
+        if self.values is None:
+            if not self.event.query():  # usually done: the GPU has moved on to the next step
+                self.event.synchronize()
+            self.values = self.host.tolist()
+        return self.values
 
 
 class StateInit(nn.Module):
@@ -166,6 +188,7 @@ class ModelRunner:
             torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
         )
         self.free_slots = list(reversed(range(max_slots)))
+        self._prev_state: torch.Tensor | None = None
         self.metadata = AttentionMetadata(self.block_size)
         self.ops = nn.ModuleDict(
             dict(
@@ -182,6 +205,8 @@ class ModelRunner:
         self.fused_graphs: GraphCache | None = None
         self.coda_graphs: GraphCache | None = None
         self.token_graphs: GraphCache | None = None
+        self.prefill_graphs: GraphCache | None = None
+        self.triton_attention = False  # set by the engine when the Triton attention path is on
         if device.type == "cuda" and cfg.cuda_graphs.enabled:
             mempool = torch.cuda.graph_pool_handle()
             self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
@@ -189,6 +214,8 @@ class ModelRunner:
                 self.fused_graphs = GraphCache("recurrent_fused", self._fused_pass, cfg.cuda_graphs, mempool)
             if cfg.cuda_graphs.coda:
                 self.coda_graphs = GraphCache("coda", self._coda_pass, cfg.cuda_graphs, mempool)
+            if cfg.cuda_graphs.prefill:
+                self.prefill_graphs = GraphCache("prefill", self._prefill_pass, cfg.cuda_graphs, mempool)
             if cfg.scheduler.loop_fusion and cfg.scheduler.whole_token:
                 self.token_graphs = GraphCache("whole_token", self._token_pass, cfg.cuda_graphs, mempool)
         self.last_graph_mode: str | None = None
@@ -309,6 +336,9 @@ class ModelRunner:
         boundary = self.layout.plane("prelude", 0)
         core_planes = [self.layout.plane("core", t) for t in range(self.max_loops)]
         planes = sorted({boundary, *core_planes})
+        if self._prefill_graphable():
+            self._prefill_graphed(spans, rows, boundary, core_planes, planes)
+            return
         raw = self.staging.to_device(self._raw(rows, [[p] * len(rows) for p in planes], self._width(rows)))
         raw_of = {p: raw[i] for i, p in enumerate(planes)}
         ctx0 = self.metadata(
@@ -338,6 +368,67 @@ class ModelRunner:
         last_rows = self._last_rows(spans)
         if self.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
+        self._hand_off(rows, last_rows, state, inject)
+
+    # Prefill as a CUDA graph (cuda_graphs.prefill) ---------------------------------------------------------
+    def _prefill_graphable(self) -> bool:
+        """Whether this chunk can replay a prefill graph: uniform depth, one traversal per loop, no observer
+        of hidden states, and no packed (torch-path) attention, whose block shape changes per chunk."""
+        return (
+            self.prefill_graphs is not None
+            and (self.prefill_loops is None or self.prefill_loops >= self.max_loops)
+            and not self.hooks.wants_hidden
+            and (self.triton_attention or not self.cfg.prefill.packed)
+        )
+
+    def _prefill_graphed(self, spans, rows, boundary: int, core_planes: list[int], planes: list[int]) -> None:
+        """The eager chunk's work (`_prefill_rows`) with the prelude and the loops in one graph replay; the
+        initial-state draw (request generators), the coda fill and the state hand-off stay eager."""
+        raw = self.staging.to_device(
+            self._raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
+        )
+        if self.spec.n_prelude:
+            self._check(rows, boundary, "prelude")
+        for plane in core_planes:  # history before each request's first row: the same for every loop
+            self._check(rows, plane, "core")
+        inputs: tuple = (raw,)
+        if self.spec.has_injection:
+            inputs += (self.ops.state_init(self.state_pool, [(s.request, s.start, s.length) for s in spans]),)
+        if self.hooks.active:
+            self.hooks.loop_begin("prefill", -1)
+        out = self._maybe_graph(self.prefill_graphs, len(rows), self._prefill_pass, inputs)
+        if self.hooks.active:
+            self.hooks.loop_end("prefill", -1)
+        state, inject = out[0], (out[1] if len(out) > 1 else None)
+        if self.spec.n_prelude:
+            self._mark(rows, boundary, "prelude")
+        for plane in core_planes:
+            self._mark(rows, plane, "core")
+        last_rows = self._last_rows(spans)
+        if self.model.has_coda_layers:
+            self._fill_coda(rows, state, last_rows, boundary)
+        self._hand_off(rows, last_rows, state, inject)
+
+    def _prefill_pass(self, raw: torch.Tensor, init_state: torch.Tensor | None = None):
+        """raw [planes (sorted), R, ...]: prelude on the boundary plane, then loop t on plane t for every
+        row (depth-major), as `_prefill_rows` runs them eagerly. Returns (state, injection)."""
+        boundary = self.layout.plane("prelude", 0)
+        planes = sorted({boundary, *(self.layout.plane("core", t) for t in range(self.max_loops))})
+        index = {p: i for i, p in enumerate(planes)}
+        ctx0 = self.metadata(
+            raw[index[boundary]], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
+        )
+        ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw[index[p]], ctx0) for p in planes}
+        embedded, inject = self.model.prelude(raw[index[boundary]][:, META_TOKEN], ctx0)
+        state = self.model.first_state(embedded)
+        if state is None:
+            state = init_state
+        for t in range(self.max_loops):
+            state, _ = self.model.core(state, inject, ctx_of[self.layout.plane("core", t)])
+        return (state, inject) if inject is not None else (state,)
+
+    def _hand_off(self, rows, last_rows: dict[str, int], state: torch.Tensor, inject) -> None:
+        """The final prompt rows' state (and injection) into their carried-state slots for the CODA step."""
         if last_rows:
             idx = self._index(list(last_rows.values()))
             slots = self._index([rows[i].request.state_slot for i in last_rows.values()])
@@ -465,8 +556,12 @@ class ModelRunner:
             )
         return raw
 
-    def recurrent(self, requests: list[Request], need_gate: bool) -> list[float] | None:
-        """One loop for every row at its own depth; returns gate logits when the exit policy needs them."""
+    def recurrent(
+        self, requests: list[Request], need_gate: bool, defer: bool = False
+    ) -> list[float] | PendingGate | None:
+        """One loop for every row at its own depth; returns gate logits when the exit policy needs them.
+        `defer` (async gate readback): the logits come back as a PendingGate, and each row's state before
+        this loop is kept so a late exit decision can restore it (`rollback`)."""
         self.submissions += 1
         rows = [Row(r, r.decode_position) for r in requests]
         planes = [self.layout.plane("core", r.loops_done) for r in requests]
@@ -482,6 +577,8 @@ class ModelRunner:
         if self.hooks.active:
             self.hooks.loop_begin("recurrent", loop_tag)
         out = self._maybe_graph(self.recurrent_graphs, len(rows), self._core_pass, inputs)
+        if defer:
+            self.prev_state.index_copy_(0, slots, inputs[1])
         self.state_pool.index_copy_(0, slots, out[0])
         for row, plane in zip(rows, planes):
             self._mark([row], plane, "core")
@@ -493,7 +590,19 @@ class ModelRunner:
                         "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self._index(sel))
                     )
             self.hooks.loop_end("recurrent", loop_tag)
-        return self.ops.gate_readback(out[1]) if need_gate and len(out) > 1 else None
+        return self.ops.gate_readback(out[1], defer) if need_gate and len(out) > 1 else None
+
+    @property
+    def prev_state(self) -> torch.Tensor:
+        """Each slot's state before its last deferred-gate loop (allocated on first use)."""
+        if self._prev_state is None:
+            self._prev_state = torch.zeros_like(self.state_pool)
+        return self._prev_state
+
+    def rollback(self, requests: list[Request]) -> None:
+        """Async gate readback: these rows ran one loop past their exit; restore the exit loop's state."""
+        slots = self._index([r.state_slot for r in requests])
+        self.state_pool.index_copy_(0, slots, self.prev_state.index_select(0, slots))
 
     def recurrent_fused(self, requests: list[Request]) -> None:
         """Loop fusion (ExactLoop): every row is a fresh token at depth 0 that cannot exit early; run all

@@ -153,6 +153,13 @@ class Scheduler:
         the requests already waiting for a chunk)."""
         self.queues[stage].append(req)
 
+    def requeue(self, req: Request, stage: Stage) -> None:
+        """Move a queued request to the tail of another stage queue (a late exit decision)."""
+        for q in self.queues.values():
+            if req in q:
+                q.remove(req)
+        self.queues[stage].append(req)
+
     def remove(self, req: Request) -> None:
         """Finish or abort at any stage: drop from whichever queue holds it."""
         for q in (self.waiting, *self.queues.values()):

@@ -315,3 +315,29 @@ def test_table2_cells_run_both_arms_with_64_graphs(monkeypatch) -> None:
     assert {arm: rec.config.cuda_graphs.max_graphs for arm, rec in plan.loaded.items()} == {"a": 64, "b": 64}
     plan = bench_cmd.prepare("base", "exactloop", sets=["cuda_graphs.max_graphs=8"], cells="table2", **args)
     assert plan.loaded["a"].config.cuda_graphs.max_graphs == 8
+
+
+def test_from_merges_runs_split_across_jobs(tiny_run, tmp_path: Path) -> None:
+    _, data, out, _ = tiny_run
+    second = json.loads(json.dumps(data))
+    second["header"]["command"] = "looptrace bench --cell ouro-tiny:16/4@3 ..."
+    second["header"]["cells_planned"] = ["ouro-tiny:16/4@3"]
+    second["cells"][0]["cell"] = "ouro-tiny:16/4@3"
+    second["cells"][0]["concurrency"] = 3
+    (tmp_path / "second.json").write_text(json.dumps(second))
+    result = invoke(
+        "--from", out / "bench.json", "--from", tmp_path / "second.json", "-o", tmp_path / "all.json"
+    )
+    assert result.exit_code == 0, result.output
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert [c["cell"] for c in merged["cells"]] == ["ouro-tiny:16/4@2", "ouro-tiny:16/4@3"]
+    assert merged["header"]["commands"] == [data["header"]["command"], second["header"]["command"]]
+    table = invoke("--from", out / "bench.json", "--from", tmp_path / "second.json").stdout
+    assert "ouro-tiny:16/4@3" in table and "ouro-tiny:16/4@3 ..." in table
+    # the same cell twice, or another comparison, cannot be merged
+    line = assert_one_line_error(invoke("--from", out / "bench.json", "--from", out / "bench.json"), 2)
+    assert "ouro-tiny:16/4@2 is also in" in line
+    second["header"]["arms"]["b"]["recipe"] = "exactloop"
+    (tmp_path / "other.json").write_text(json.dumps(second))
+    line = assert_one_line_error(invoke("--from", out / "bench.json", "--from", tmp_path / "other.json"), 2)
+    assert "arms differ" in line

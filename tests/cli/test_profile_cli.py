@@ -281,11 +281,28 @@ def test_ctrl_c_before_any_window_writes_nothing(monkeypatch, tmp_path) -> None:
 
 def test_compare_shows_the_gate_readback_of_the_base_exit_policy(tmp_path) -> None:
     """The base engine's `gate` policy reads Ouro's gate logits back after every loop; `fixed` does not.
-    On CPU the readback is one copy op per recurrent step: 4 more copy kernels per token (4 loops)."""
+    On CPU the readback is one copy op per recurrent step: 4 more copy kernels per token (4 loops); the
+    base's async gate readback also keeps each row's pre-loop state (one index_copy per loop) for a late
+    exit's rollback: 4 more kernels."""
     out = tmp_path / "cmp.json"
     result = invoke("--compare", "base", "base", "--b-set", "exit.policy=fixed", "--model", "ouro", "-o", out)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     gate, fixed = (data[arm]["windows"]["decode"]["per_token"] for arm in ("a", "b"))
     assert gate["copy_kernels"] - fixed["copy_kernels"] == 4
-    assert gate["kernels"] - fixed["kernels"] == 4
+    assert gate["kernels"] - fixed["kernels"] == 8
+    out = tmp_path / "sync.json"
+    args = [
+        "--a-set",
+        "scheduler.async_gate=false",
+        "--b-set",
+        "exit.policy=fixed",
+        "--model",
+        "ouro",
+        "-o",
+        out,
+    ]
+    assert invoke("--compare", "base", "base", *args).exit_code == 0
+    data = json.loads(out.read_text())
+    sync, fixed = (data[arm]["windows"]["decode"]["per_token"] for arm in ("a", "b"))
+    assert sync["kernels"] - fixed["kernels"] == 4  # the synchronous readback alone

@@ -116,3 +116,39 @@ def test_whole_token_graph_equals_eager_and_replays_once_per_token(preset, atten
     token = counters[0]["whole_token"]
     assert token["fallbacks"] == 0 and token["captures"] == 1
     assert token["replays"] == 2 * 4  # 4 decode tokens after the prefill's first, per request
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_async_gate_readback_equals_the_synchronous_gate(threshold):
+    """Async gate readback on CUDA (pinned buffer + event, read after the next submission) gives the
+    synchronous gate's tokens and exit depths, with and without early exits."""
+    outs = []
+    for async_gate in (False, True):
+        eng = _engine(
+            "ouro-tiny", True, scheduler__async_gate=async_gate, exit__threshold=threshold, exit__min_loops=1
+        )
+        prompts = [[3 + i + j for j in range(5 + 3 * i)] for i in range(4)]
+        tokens = [eng.generate([p], SamplingParams(max_tokens=6))[0] for p in prompts]
+        outs.append((tokens, [r.exit_depths for r in eng.requests.values()]))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_prefill_graphs_equal_eager_prefill_bitwise(preset, exact):
+    """cuda_graphs.prefill: chunks replayed from graphs (with the exact kernels inside when they are on)
+    write the eager chunks' KV and give their tokens, bit for bit."""
+    prompts = [[3 + i + j for j in range(5 + 9 * i)] for i in range(4)]
+    outs = []
+    for prefill_graphs in (False, True):
+        eng = _engine(
+            preset,
+            True,
+            cuda_graphs__prefill=prefill_graphs,
+            kernels__exact=exact,
+            scheduler__prefill_chunk_size=8,
+        )
+        tokens = eng.generate(prompts, SamplingParams(max_tokens=4, seed=2))
+        outs.append((tokens, eng.pool.k_cache.clone(), eng.graph_counters().get("prefill")))
+    assert outs[0][0] == outs[1][0] and torch.equal(outs[0][1], outs[1][1])
+    assert outs[1][2]["fallbacks"] == 0 and outs[1][2]["replays"] >= 4

@@ -80,15 +80,16 @@ def calls_per_token(spec, loops: int) -> dict[str, int]:
     }
 
 
-def other_per_token(spec, loops: int, leaf: dict[str, int]) -> dict[str, int]:
+def other_per_token(spec, loops: int, leaf: dict[str, int], async_gate: bool = False) -> dict[str, int]:
     """Kernels outside every lt.op range, by layer role: 2 residual adds per block, plus the runner's
     carried-state glue outside layers (prelude: state/inject writes, Huginn's embed scale; each loop:
-    state/inject reads, Raven's cat before the adapter, state write; coda: state read)."""
+    state/inject reads, Raven's cat before the adapter, state write, and with the async gate readback the
+    pre-loop state kept for a rollback; coda: state read)."""
     L = loops
     out = {"core": 2 * leaf["add"] * spec.n_core * L}
     rd, wr = leaf["index_select"], leaf["index_copy_"]
     if spec.family == "ouro":
-        out["-"] = wr + L * (rd + wr) + rd
+        out["-"] = wr + L * (rd + wr + (wr if async_gate else 0)) + rd
         return out
     out |= {"prelude": 2 * leaf["add"] * spec.n_prelude, "coda": 2 * leaf["add"] * spec.n_coda}
     scale = leaf["mul"] if spec.embed_scale != 1.0 else 0
@@ -267,7 +268,8 @@ def test_op_counts_match_analytic_formula(preset, profiled, leaf_ops):
     assert instances == {op: Counter({leaf[op]: n * tokens}) for op, n in calls.items()}
     # what no op range owns: residual adds in layers, the runner's carried-state glue outside them
     other = {role: n for (op, role), n in groups(analysis.breakdown.by_op_role).items() if op == "other"}
-    assert other == {role: n * tokens for role, n in other_per_token(eng.spec, eng.max_loops, leaf).items()}
+    expected = other_per_token(eng.spec, eng.max_loops, leaf, eng.async_gate)
+    assert other == {role: n * tokens for role, n in expected.items()}
     assert sum(by_op.values()) == analysis.counters.kernels
     assert not any("avg" in f for f in analysis.breakdown.formulas)  # every op factors evenly
 

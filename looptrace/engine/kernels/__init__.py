@@ -13,6 +13,8 @@ than the eager kernels they replace at small row counts.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -20,9 +22,25 @@ import torch
 EAGER_ROWS_THRESHOLD = 256
 
 
+_graph_warmup = False  # set while a CUDA graph's eager warm-up runs (see graph_warmup)
+
+
 def use_exact(rows: int, capturing: bool) -> bool:
-    """True inside CUDA-graph capture, or for an eager call over 256 rows."""
-    return capturing or rows > EAGER_ROWS_THRESHOLD
+    """True inside CUDA-graph capture (and its warm-ups), or for an eager call over 256 rows."""
+    return capturing or _graph_warmup or rows > EAGER_ROWS_THRESHOLD
+
+
+@contextmanager
+def graph_warmup() -> Iterator[None]:
+    """The eager warm-ups before a capture take the capture's code path, so every Triton kernel the graph
+    will hold is compiled and loaded there, with the graph's own shapes, strides and alignments. A kernel
+    first compiled inside the capture fails it ("operation not permitted when stream is capturing")."""
+    global _graph_warmup
+    previous, _graph_warmup = _graph_warmup, True
+    try:
+        yield
+    finally:
+        _graph_warmup = previous
 
 
 def is_capturing() -> bool:
@@ -155,6 +173,7 @@ __all__ = [
     "EAGER_ROWS_THRESHOLD",
     "available",
     "calibrate",
+    "graph_warmup",
     "is_capturing",
     "paged_attn",
     "rms_norm",
