@@ -75,10 +75,20 @@ class ProfileResult:
     interrupted: bool = False  # Ctrl-C: `windows` holds the windows that finished before it
 
 
+def steps_per_token(engine: LLMEngine) -> int:
+    """Engine steps one decode token takes per batch: loops + 2 (prelude, a step per loop, coda); 3 with
+    loop fusion (prelude, fused loops, coda); 1 with whole-token decode."""
+    if getattr(engine, "whole_token", False):
+        return 1
+    if getattr(engine, "fuse_loops", False):
+        return 3
+    return engine.max_loops + 2
+
+
 def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
-    """~8 tokens per request: one token costs loops + 2 steps per batch of max_num_seqs rows."""
+    """~8 tokens per request: one token costs `steps_per_token` steps per batch of max_num_seqs rows."""
     batches = -(-concurrency // engine.cfg.scheduler.max_num_seqs)
-    return 8 * (engine.max_loops + 2) * batches
+    return 8 * steps_per_token(engine) * batches
 
 
 def _graph_snapshot(engine: LLMEngine) -> dict[str, dict[str, Any]]:
@@ -178,7 +188,7 @@ def plan(engine: LLMEngine, cfg: ProfileConfig) -> tuple[int, int]:
     """(decode steps, max_tokens per request); ProfileInputError if a request would not fit the context."""
     decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
     # Enough output tokens that no request finishes inside the decode window.
-    per_token_steps = (engine.max_loops + 2) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
+    per_token_steps = steps_per_token(engine) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
     max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
     need = cfg.prompt_len + max_tokens - 1
     if need > engine.max_model_len:
@@ -225,6 +235,8 @@ def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
             tokens += len(out)
             _mark_tokens(len(out))
             if engine.stats.steps - count.steps0 >= decode_steps and out:
+                break
+            if not engine.has_unfinished_requests():  # every request finished: nothing left to step
                 break
     windows["decode"] = count.finish("decode", tokens, "output token")
     _sync(engine)

@@ -435,3 +435,38 @@ def test_window_counters(profiled):
     assert decode.graph == prefill.graph == {}
     a = result.analyses["decode"].counters
     assert (a.tokens, a.steps, a.submissions, a.mode) == (tokens, decode.steps, decode.submissions, "cpu")
+
+
+# --- decode windows of the faster recipes ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "settings, per_token",
+    [({}, 6), ({"loop_fusion": True}, 3), ({"loop_fusion": True, "whole_token": True}, 1)],
+)
+def test_decode_window_is_sized_by_the_recipes_steps_per_token(settings, per_token):
+    # The window was sized for loops + 2 steps per token; under whole-token decode the requests finished
+    # before it ended and the window stepped an idle engine forever (`profile --recipe exactloop` hung on
+    # the H200 and on CPU).
+    from looptrace.engine.config import SchedulerConfig
+    from looptrace.probes import session
+
+    eng = LLMEngine.from_preset(
+        "ouro-tiny",
+        EngineConfig(noise="zeros", scheduler=SchedulerConfig(**settings)),
+        device=torch.device("cpu"),
+    )
+    assert session.steps_per_token(eng) == per_token
+    result = profile_engine(eng, ProfileConfig(concurrency=1, prompt_len=PROMPT_LEN, level="step"))
+    window = result.windows["decode"]
+    assert window.tokens == 8 and window.steps == 8 * per_token
+
+
+def test_decode_window_ends_when_every_request_has_finished(monkeypatch):
+    # A window planned longer than the requests last (here: sized for 50 steps per token) stops at the
+    # step where the last request finishes instead of stepping an idle engine.
+    from looptrace.probes import session
+
+    eng = make_engine("ouro-tiny", None)
+    monkeypatch.setattr(session, "steps_per_token", lambda engine: 50)
+    result = profile_engine(eng, ProfileConfig(concurrency=1, prompt_len=PROMPT_LEN, level="step"))
+    window = result.windows["decode"]
+    assert 0 < window.tokens < window.steps < 400 and not eng.has_unfinished_requests()
