@@ -7,30 +7,12 @@ from __future__ import annotations
 import torch
 
 from looptrace.engine.config import GraphConfig
-from looptrace.engine.cuda_graphs import GraphCache, _Entry
-
-
-class _Replay:
-    def __init__(self, fn, static, out) -> None:
-        self.fn, self.static, self.out = fn, static, out
-
-    def replay(self) -> None:
-        for dst, src in zip(self.out, self.fn(*self.static)):
-            dst.copy_(src)
+from looptrace.engine.cuda_graphs import GraphCache
+from tests.helpers import stand_in_graphs
 
 
 def cache(**cfg) -> GraphCache:
-    body = lambda x: (x * 2,)  # noqa: E731
-    gc = GraphCache("recurrent", body, GraphConfig(**cfg), pool=None)
-
-    def capture(inputs):
-        static = tuple(x.clone() for x in inputs)
-        out = tuple(o.clone() for o in body(*static))
-        gc.counters.captures += 1
-        return _Entry(_Replay(body, static, out), static, out)  # type: ignore[arg-type]
-
-    gc._capture = capture  # type: ignore[method-assign]
-    return gc
+    return stand_in_graphs("recurrent", lambda x: (x * 2,), GraphConfig(**cfg))
 
 
 def run(gc: GraphCache, rows: int) -> torch.Tensor:

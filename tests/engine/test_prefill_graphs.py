@@ -9,35 +9,15 @@ import pytest
 import torch
 
 from looptrace.engine import LLMEngine, Observer, SamplingParams
-from looptrace.engine.config import GraphConfig
-from looptrace.engine.cuda_graphs import GraphCache, _Entry
-from tests.helpers import build_engine
+from looptrace.engine.cuda_graphs import GraphCache
+from tests.helpers import build_engine, stand_in_graphs
 
 PROMPTS = [[3 + i + j for j in range(5 + 4 * i)] for i in range(4)]
 
 
-class _Replay:
-    def __init__(self, fn, static, out) -> None:
-        self.fn, self.static, self.out = fn, static, out
-
-    def replay(self) -> None:
-        for dst, src in zip(self.out, self.fn(*self.static)):
-            dst.copy_(src)
-
-
 def stand_in(eng: LLMEngine) -> GraphCache:
     """A prefill graph cache whose capture keeps static buffers and whose replay re-runs the body."""
-    fn = eng.runner._prefill_pass
-    cache = GraphCache("prefill", fn, GraphConfig(max_graphs=64, eviction="lru"), pool=None)
-
-    def capture(inputs):
-        static = tuple(x.clone() for x in inputs)
-        out = tuple(o.clone() for o in fn(*static))
-        cache.counters.captures += 1
-        return _Entry(_Replay(fn, static, out), static, out)  # type: ignore[arg-type]
-
-    cache._capture = capture  # type: ignore[method-assign]
-    return cache
+    return stand_in_graphs("prefill", eng.runner._prefill_pass)
 
 
 def run(preset: str, graphed: bool, **settings):
