@@ -215,7 +215,12 @@ def _render_saved(paths: list[Path], fmt, output, plot) -> None:
         check_output_path(output)
         if plot is not None:
             _check_plot(plot)
-        data = merge_saved([_load_saved(p) for p in paths], paths)
+        from looptrace.drive import paired
+
+        try:
+            data = paired.merge_reports([_load_saved(p) for p in paths], [str(p) for p in paths])
+        except paired.BenchInputError as exc:
+            raise UsageError(f"--from {exc}") from None
         if plot is not None:
             write_plot(data, plot)
         write_output(render(data, fmt), output, Console(width=160))
@@ -233,31 +238,6 @@ def _load_saved(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("cells"), list):
         raise UsageError(f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})")
     return data
-
-
-def merge_saved(runs: list[dict[str, Any]], paths: list[Path]) -> dict[str, Any]:
-    """One report from several: the first file's header, every file's cells in order. The files must
-    compare the same recipes with the same overrides, and no cell may appear twice."""
-    first, seen = runs[0], {}
-    arms = {arm: (a["recipe"], a["overrides"]) for arm, a in first["header"]["arms"].items()}
-    for data, path in zip(runs, paths):
-        other = {arm: (a["recipe"], a["overrides"]) for arm, a in data["header"]["arms"].items()}
-        if other != arms or data["header"]["shared_overrides"] != first["header"]["shared_overrides"]:
-            raise UsageError(
-                f"--from {path}: its arms differ from {paths[0]}'s; merge runs of one comparison"
-            )
-        for cell in data["cells"]:
-            if cell["cell"] in seen:
-                raise UsageError(f"--from {path}: cell {cell['cell']} is also in {seen[cell['cell']]}")
-            seen[cell["cell"]] = path
-    if len(runs) == 1:
-        return first
-    header = dict(first["header"])
-    header["commands"] = [d["header"]["command"] for d in runs]
-    header["merged_from"] = [str(p) for p in paths]
-    header["interrupted"] = any(d["header"]["interrupted"] for d in runs)
-    header["cells_planned"] = [c for d in runs for c in d["header"]["cells_planned"]]
-    return {"schema": SCHEMA, "header": header, "cells": [c for d in runs for c in d["cells"]]}
 
 
 # Preparation: everything that can be wrong is found before an engine is built ------------------------

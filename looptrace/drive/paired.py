@@ -347,3 +347,28 @@ def run_paired(
             handles.clear()  # the last references: the engines go before the next cell is built
             backend.release()
         yield result
+
+
+# Saved reports ----------------------------------------------------------------------------------------
+def merge_reports(reports: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """One `looptrace bench` JSON report from several (runs split across jobs): the first one's header with
+    every command, every report's cells in order. They must compare the same recipes with the same
+    overrides, and a cell may appear once; `names` (the files) name the reports in the one-line errors."""
+    first, seen = reports[0], {}
+    arms = {arm: (a["recipe"], a["overrides"]) for arm, a in first["header"]["arms"].items()}
+    for data, name in zip(reports, names):
+        other = {arm: (a["recipe"], a["overrides"]) for arm, a in data["header"]["arms"].items()}
+        if other != arms or data["header"]["shared_overrides"] != first["header"]["shared_overrides"]:
+            raise BenchInputError(f"{name}: its arms differ from {names[0]}'s; merge runs of one comparison")
+        for cell in data["cells"]:
+            if cell["cell"] in seen:
+                raise BenchInputError(f"{name}: cell {cell['cell']} is also in {seen[cell['cell']]}")
+            seen[cell["cell"]] = name
+    if len(reports) == 1:
+        return first
+    header = dict(first["header"])
+    header["commands"] = [d["header"]["command"] for d in reports]
+    header["merged_from"] = list(names)
+    header["interrupted"] = any(d["header"]["interrupted"] for d in reports)
+    header["cells_planned"] = [c for d in reports for c in d["header"]["cells_planned"]]
+    return {"schema": first["schema"], "header": header, "cells": [c for d in reports for c in d["cells"]]}
