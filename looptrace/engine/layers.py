@@ -213,9 +213,9 @@ class AttentionMetadata(nn.Module):
     def __init__(self, block_size: int) -> None:
         super().__init__()
         self.block_size = block_size
-        # The torch attention path's gather list and length mask, built once per traversal here (with the
+        # Build the torch attention path's gather list and length mask once per traversal, here (with the
         # metadata); the Triton path needs neither (the engine turns this off when it enables that path).
-        self.build_mask = True
+        self.torch_path = True
 
     def forward(
         self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache
@@ -234,7 +234,7 @@ class AttentionMetadata(nn.Module):
             table_width=width,
             block_size=self.block_size,
         )
-        if self.build_mask:  # build them now, inside the metadata op (the properties cache them)
+        if self.torch_path:  # build them now, inside the metadata op (the properties cache them)
             ctx.gather_entries  # noqa: B018
             ctx.mask  # noqa: B018
         return ctx
@@ -257,7 +257,7 @@ class AttentionMetadata(nn.Module):
             packed=base.packed,
             _mask_from=base,
         )
-        if base._mask is not None:  # the torch path (see AttentionMetadata.build_mask): gather list now
+        if base._mask is not None:  # the torch path (see AttentionMetadata.torch_path): gather list now
             ctx.gather_entries  # noqa: B018
         return ctx
 
@@ -274,8 +274,9 @@ def enable_triton_attention(model: nn.Module) -> int:
 
 class PagedAttention(nn.Module):
     """Write this layer's K/V for every row, then attend over the row's own block table. Torch path:
-    index_put the K/V, gather the pages, SDPA with a length mask. Triton path (`kernels.attention`):
-    one K/V write kernel and one paged-attention kernel (packed prefill keeps the torch path)."""
+    index_put the K/V, gather the pages, SDPA with a length mask (or one causal block per request under
+    packed prefill). Triton path (`kernels.attention`): one K/V write kernel and one paged-attention
+    kernel, one query row per token for prefill rows too (packed or not)."""
 
     op_kind = "paged_attention"
     triton = False

@@ -140,11 +140,11 @@ class LLMEngine:
                 kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
             else:
                 self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
-        self._triton_attention = cfg.kernels.attention == "triton" and device.type == "cuda"
-        if self._triton_attention and kernels.available():
+        wants_triton = cfg.kernels.attention == "triton"
+        self._triton_attention = wants_triton and device.type == "cuda" and kernels.available()
+        if self._triton_attention:
             enable_triton_attention(model)
-        elif cfg.kernels.attention == "triton":
-            self._triton_attention = False
+        elif wants_triton:
             self.inactive_settings["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
         if device.type != "cuda":
             self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"
@@ -224,7 +224,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_slots=max_slots,
         )
-        self.runner.metadata.build_mask = not self._triton_attention  # the Triton path needs no mask
+        self.runner.metadata.torch_path = not self._triton_attention  # the Triton path needs no mask
         self.runner.triton_attention = self._triton_attention
         self._init_depth()  # LoopDuet split depth (issue #9)
         self.requests: dict[str, Request] = {}

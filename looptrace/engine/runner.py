@@ -15,6 +15,8 @@ computes and returns results; it never changes a request's stage or progress (th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +36,7 @@ from looptrace.engine.layers import (
     META_WBLOCK,
     META_WOFF,
     AttentionMetadata,
+    AttnContext,
     PackedRows,
 )
 from looptrace.engine.models import LoopedModel
@@ -312,6 +315,22 @@ class ModelRunner:
         self.last_graph_mode, self.last_fallback = cache.last_mode, cache.last_reason
         return out
 
+    @contextmanager
+    def _fused_range(self, stage: str) -> Iterator[None]:
+        """Loops fused into one submission show range observers (the profiler's) one loop range, -1; the
+        graph stays on (observers of hidden states get the loops one by one instead)."""
+        if self.hooks.active:
+            self.hooks.loop_begin(stage, -1)
+        yield
+        if self.hooks.active:
+            self.hooks.loop_end(stage, -1)
+
+    def _plane_contexts(self, raw: torch.Tensor, planes: list[int]) -> dict[int, AttnContext]:
+        """Attention metadata of one traversal for each plane of `raw` [planes, R, ...]: built once for the
+        first plane, then only each plane's addresses (the rows, their mask and rotary tables are shared)."""
+        base = self.metadata(raw[0], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        return {p: base if i == 0 else self.metadata.for_plane(raw[i], base) for i, p in enumerate(planes)}
+
     def _emit_hidden(self, stage: str, loop: int, rows: list[Row], state: torch.Tensor) -> None:
         ids = [r.request.request_id for r in rows]
         self.hooks.loop_hidden(stage, loop, ids, [r.pos for r in rows], state.detach().float().cpu())
@@ -394,11 +413,8 @@ class ModelRunner:
         inputs: tuple = (raw,)
         if self.spec.has_injection:
             inputs += (self.ops.state_init(self.state_pool, [(s.request, s.start, s.length) for s in spans]),)
-        if self.hooks.active:
-            self.hooks.loop_begin("prefill", -1)
-        out = self._maybe_graph(self.prefill_graphs, len(rows), self._prefill_pass, inputs)
-        if self.hooks.active:
-            self.hooks.loop_end("prefill", -1)
+        with self._fused_range("prefill"):
+            out = self._maybe_graph(self.prefill_graphs, len(rows), self._prefill_pass, inputs)
         state, inject = out[0], (out[1] if len(out) > 1 else None)
         if self.spec.n_prelude:
             self._mark(rows, boundary, "prelude")
@@ -414,12 +430,9 @@ class ModelRunner:
         row (depth-major), as `_prefill_rows` runs them eagerly. Returns (state, injection)."""
         boundary = self.layout.plane("prelude", 0)
         planes = sorted({boundary, *(self.layout.plane("core", t) for t in range(self.max_loops))})
-        index = {p: i for i, p in enumerate(planes)}
-        ctx0 = self.metadata(
-            raw[index[boundary]], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
-        )
-        ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw[index[p]], ctx0) for p in planes}
-        embedded, inject = self.model.prelude(raw[index[boundary]][:, META_TOKEN], ctx0)
+        ctx_of = self._plane_contexts(raw, planes)
+        tokens = raw[planes.index(boundary)][:, META_TOKEN]
+        embedded, inject = self.model.prelude(tokens, ctx_of[boundary])
         state = self.model.first_state(embedded)
         if state is None:
             state = init_state
@@ -629,12 +642,9 @@ class ModelRunner:
                 self.hooks.loop_end("recurrent", t)
             self.last_graph_mode, self.last_fallback = None, None
             out = (state,)
-        else:  # range observers (profile) see the fused loops as one range: the graph stays on
-            if self.hooks.active:
-                self.hooks.loop_begin("recurrent", -1)
-            out = self._maybe_graph(self.fused_graphs, len(rows), self._fused_pass, inputs)
-            if self.hooks.active:
-                self.hooks.loop_end("recurrent", -1)
+        else:
+            with self._fused_range("recurrent"):
+                out = self._maybe_graph(self.fused_graphs, len(rows), self._fused_pass, inputs)
         self.state_pool.index_copy_(0, slots, out[0])
         for t in range(loops):
             self._mark(rows, plane_sets[t][0], "core")
@@ -667,11 +677,8 @@ class ModelRunner:
         inputs: tuple = (raw,)
         if self.spec.has_injection:  # Huginn/OLMo: the noise draw stays eager (request generators), in order
             inputs += (self.ops.state_init(self.state_pool, [(r, r.decode_position, 1) for r in requests]),)
-        if self.hooks.active:
-            self.hooks.loop_begin("recurrent", -1)
-        tokens, logits = self._maybe_graph(self.token_graphs, len(rows), self._token_pass, inputs)
-        if self.hooks.active:
-            self.hooks.loop_end("recurrent", -1)
+        with self._fused_range("recurrent"):
+            tokens, logits = self._maybe_graph(self.token_graphs, len(rows), self._token_pass, inputs)
         for role, plane in self._token_roles():
             self._mark(rows, plane, role)
         if self.hooks.active and self.hooks.wants_logits:
@@ -696,16 +703,13 @@ class ModelRunner:
 
     def _token_pass(self, raw: torch.Tensor, init_state: torch.Tensor | None = None):
         """raw [planes, R, ...] in `_token_planes` order. Returns (greedy tokens, logits)."""
-        index = {p: i for i, p in enumerate(self._token_planes())}
-        first = raw[0]
-        base = self.metadata(first, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        ctx_of = self._plane_contexts(raw, self._token_planes())
 
         def ctx(role: str, t: int = 0):
-            i = index[self.layout.plane(role, t)]
-            return base if i == 0 else self.metadata.for_plane(raw[i], base)
+            return ctx_of[self.layout.plane(role, t)]
 
         embedded, inject = self.model.prelude(
-            first[:, META_TOKEN], ctx("prelude") if self.spec.n_prelude else None
+            raw[0][:, META_TOKEN], ctx("prelude") if self.spec.n_prelude else None
         )
         state = self.model.first_state(embedded)
         if state is None:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_triton_attention_is_inactive_on_cpu_and_keeps_the_torch_path():
     eng = build_engine("ouro-tiny", kernels__attention="triton")
     assert "kernels.attention" in eng.inactive_settings
-    assert eng.runner.metadata.build_mask  # the torch path's mask and gather list are built per traversal
+    assert eng.runner.metadata.torch_path  # the torch path's mask and gather list are built per traversal
     assert not any(m.triton for m in eng.model.modules() if isinstance(m, PagedAttention))
     torch_path = build_engine("ouro-tiny", kernels__attention="torch")
     assert "kernels.attention" not in torch_path.inactive_settings
@@ -38,7 +38,7 @@ def test_metadata_mask_and_gather_are_the_same_built_now_or_on_first_use():
     cache = torch.zeros(12, 16, 1, 4)
     meta = AttentionMetadata(16)
     eager = meta(raw, rope, torch.float32, cache, cache)
-    meta.build_mask = False
+    meta.torch_path = False
     lazy = meta(raw, rope, torch.float32, cache, cache)
     assert lazy._mask is None and lazy._gather is None  # the Triton path pays for neither
     assert torch.equal(lazy.mask, eager.mask) and torch.equal(lazy.gather_entries, eager.gather_entries)
@@ -64,7 +64,7 @@ for triton in (False, True):
     eng = LLMEngine(net, EngineConfig(noise="zeros"), device=torch.device("cpu"), dtype=torch.float32)
     if triton:
         assert enable_triton_attention(eng.model) == spec.num_layers
-        eng.runner.metadata.build_mask = False
+        eng.runner.metadata.torch_path = False
     out.append(eng.generate([[3, 5, 7, 9, 11], [4, 6, 8]], SamplingParams(max_tokens=3)))
 print("RESULT " + json.dumps(out))
 """
