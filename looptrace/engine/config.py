@@ -153,7 +153,8 @@ class GraphConfig:
     # Capture prefill chunks too (prelude + every loop, depth-major, one graph per row count): an eager
     # prefill batch is thousands of host-bound launches. Same kernels as the eager chunk, with the exact
     # kernels where they are on (R0). Chunks it cannot hold run eager: split depth, packed prefill on the
-    # torch attention path, hidden-state observers.
+    # torch attention path (the Triton path's packed query blocks are a graph input), hidden-state
+    # observers.
     prefill: bool = field(default=False, metadata=_meta("R0"))
 
     def __post_init__(self) -> None:
@@ -196,7 +197,8 @@ class KernelConfig:
 class PrefillConfig:
     __pydantic_config__ = _STRICT
     # ExactLoop: variable-length packed prefill across requests in one forward instead of per-row; the
-    # attention reduction order changes (R3).
+    # attention reduction order changes (R3). Torch path: one SDPA block per request chunk; Triton path:
+    # `kernels/packed_attention.py`, one program per block of 16 consecutive rows of a request.
     packed: bool = field(default=False, metadata=_meta("R3"))
 
     def __post_init__(self) -> None:

@@ -153,6 +153,7 @@ class AttnContext:
     table_width: int  # nb
     block_size: int
     packed: PackedRows | None = None  # packed prefill: rows grouped into one query block per request
+    blocks: torch.Tensor | None = None  # packed prefill, Triton path: [B, 2] query blocks (first row, rows)
     _gather: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
     _mask_from: AttnContext | None = None  # another plane's context of the same rows (shares its mask)
@@ -255,6 +256,7 @@ class AttentionMetadata(nn.Module):
             table_width=base.table_width,
             block_size=base.block_size,
             packed=base.packed,
+            blocks=base.blocks,
             _mask_from=base,
         )
         if base._mask is not None:  # the torch path (see AttentionMetadata.torch_path): gather list now
@@ -276,7 +278,8 @@ class PagedAttention(nn.Module):
     """Write this layer's K/V for every row, then attend over the row's own block table. Torch path:
     index_put the K/V, gather the pages, SDPA with a length mask (or one causal block per request under
     packed prefill). Triton path (`kernels.attention`): one K/V write kernel and one paged-attention
-    kernel, one query row per token for prefill rows too (packed or not)."""
+    kernel, one query row per token for prefill rows too, or under packed prefill one program per block of
+    a request's consecutive prompt rows (`kernels/packed_attention.py`)."""
 
     op_kind = "paged_attention"
     triton = False
@@ -288,8 +291,19 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        if self.triton:  # prefill rows too, packed or not: one query row per token, like the base engine
+        if self.triton:  # write every row's K/V first: a prompt row attends to the rows before it
             K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
+            if ctx.blocks is not None:  # packed prefill
+                return K.packed_attn(
+                    q,
+                    ctx.k_cache,
+                    ctx.v_cache,
+                    ctx.tables,
+                    ctx.ctx_lens,
+                    ctx.blocks,
+                    self.layer_id,
+                    self.scale,
+                )
             return K.paged_attn(
                 q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale
             )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from looptrace.engine import kernels as K  # imports no Triton until a kernel runs
 from looptrace.engine.config import EngineConfig
 from looptrace.engine.cuda_graphs import GraphCache
 from looptrace.engine.hooks import HookDispatcher
@@ -210,6 +211,7 @@ class ModelRunner:
         self.token_graphs: GraphCache | None = None
         self.prefill_graphs: GraphCache | None = None
         self.triton_attention = False  # set by the engine when the Triton attention path is on
+        self._no_blocks = torch.zeros((0, 2), dtype=torch.int64, device=device)  # per-row prefill attention
         if device.type == "cuda" and cfg.cuda_graphs.enabled:
             mempool = torch.cuda.graph_pool_handle()
             self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
@@ -325,10 +327,14 @@ class ModelRunner:
         if self.hooks.active:
             self.hooks.loop_end(stage, -1)
 
-    def _plane_contexts(self, raw: torch.Tensor, planes: list[int]) -> dict[int, AttnContext]:
+    def _plane_contexts(
+        self, raw: torch.Tensor, planes: list[int], blocks: torch.Tensor | None = None
+    ) -> dict[int, AttnContext]:
         """Attention metadata of one traversal for each plane of `raw` [planes, R, ...]: built once for the
-        first plane, then only each plane's addresses (the rows, their mask and rotary tables are shared)."""
+        first plane, then only each plane's addresses (the rows, their mask, rotary tables and packed
+        query blocks are shared)."""
         base = self.metadata(raw[0], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
+        base.blocks = blocks
         return {p: base if i == 0 else self.metadata.for_plane(raw[i], base) for i, p in enumerate(planes)}
 
     def _emit_hidden(self, stage: str, loop: int, rows: list[Row], state: torch.Tensor) -> None:
@@ -363,7 +369,9 @@ class ModelRunner:
         ctx0 = self.metadata(
             raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
         )
-        if self.cfg.prefill.packed:
+        if self.cfg.prefill.packed and self.triton_attention:
+            ctx0.blocks = self._packed_blocks(spans, len(rows))
+        elif self.cfg.prefill.packed:
             ctx0.packed = self._packed_rows(spans)
         ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw_of[p], ctx0) for p in planes}
         tokens = raw_of[boundary][:, META_TOKEN]
@@ -392,7 +400,8 @@ class ModelRunner:
     # Prefill as a CUDA graph (cuda_graphs.prefill) ---------------------------------------------------------
     def _prefill_graphable(self) -> bool:
         """Whether this chunk can replay a prefill graph: uniform depth, one traversal per loop, no observer
-        of hidden states, and no packed (torch-path) attention, whose block shape changes per chunk."""
+        of hidden states, and no packed torch-path attention, whose block shape changes per chunk (the
+        Triton path's packed blocks have a fixed count per row count)."""
         return (
             self.prefill_graphs is not None
             and (self.prefill_loops is None or self.prefill_loops >= self.max_loops)
@@ -410,7 +419,9 @@ class ModelRunner:
             self._check(rows, boundary, "prelude")
         for plane in core_planes:  # history before each request's first row: the same for every loop
             self._check(rows, plane, "core")
-        inputs: tuple = (raw,)
+        packed = self.cfg.prefill.packed  # only on the Triton path here (`_prefill_graphable`)
+        blocks = self._packed_blocks(spans, len(rows)) if packed else self._no_blocks
+        inputs: tuple = (raw, blocks)
         if self.spec.has_injection:
             inputs += (self.ops.state_init(self.state_pool, [(s.request, s.start, s.length) for s in spans]),)
         with self._fused_range("prefill"):
@@ -425,12 +436,13 @@ class ModelRunner:
             self._fill_coda(rows, state, last_rows, boundary)
         self._hand_off(rows, last_rows, state, inject)
 
-    def _prefill_pass(self, raw: torch.Tensor, init_state: torch.Tensor | None = None):
+    def _prefill_pass(self, raw: torch.Tensor, blocks: torch.Tensor, init_state: torch.Tensor | None = None):
         """raw [planes (sorted), R, ...]: prelude on the boundary plane, then loop t on plane t for every
-        row (depth-major), as `_prefill_rows` runs them eagerly. Returns (state, injection)."""
+        row (depth-major), as `_prefill_rows` runs them eagerly; blocks: packed prefill's query blocks
+        (none: per-row attention). Returns (state, injection)."""
         boundary = self.layout.plane("prelude", 0)
         planes = sorted({boundary, *(self.layout.plane("core", t) for t in range(self.max_loops))})
-        ctx_of = self._plane_contexts(raw, planes)
+        ctx_of = self._plane_contexts(raw, planes, blocks if blocks.shape[0] else None)
         tokens = raw[planes.index(boundary)][:, META_TOKEN]
         embedded, inject = self.model.prelude(tokens, ctx_of[boundary])
         state = self.model.first_state(embedded)
@@ -497,6 +509,12 @@ class ModelRunner:
             loops=range(p_loops, self.max_loops),
         )
         return state.index_copy(0, idx, sub)
+
+    def _packed_blocks(self, spans: list[PrefillSpan], rows: int) -> torch.Tensor:
+        """Packed prefill on the Triton path: each span's rows cut into query blocks, padded to a count
+        that depends only on the row count (a prefill graph keyed by rows fits any split into spans)."""
+        count = K.packed_block_count(rows, self.cfg.scheduler.max_num_seqs)
+        return self.staging.to_device(K.packed_blocks([s.length for s in spans], count))
 
     def _packed_rows(self, spans: list[PrefillSpan]) -> PackedRows:
         """Packed prefill: one query block per span (its rows are consecutive), padded to the longest."""

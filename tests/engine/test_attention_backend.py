@@ -77,3 +77,61 @@ print("RESULT " + json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch_tokens, triton_tokens = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert triton_tokens == torch_tokens and len(torch_tokens[0]) == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable")
+@pytest.mark.parametrize("model", ["ouro-tiny", "huginn-tiny"])
+def test_packed_prefill_on_the_interpreted_triton_path_gives_the_torch_paths_tokens(model):
+    # prefill.packed under Triton attention: each request's prompt rows in query blocks of the packed
+    # kernel (chunks of 4 rows: later chunks read cached keys; two requests share a prefill batch), eager
+    # and through prefill graphs (blocks are a graph input). fp32, trained tiny checkpoints: the same
+    # greedy tokens as per-row and packed torch attention.
+    code = f"""
+import json, torch
+from looptrace.assets import shipped_weights
+from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
+from looptrace.engine.checkpoint import load_checkpoint
+from looptrace.engine.config import PrefillConfig, SchedulerConfig
+from looptrace.engine import kernels
+from looptrace.engine.layers import enable_triton_attention
+torch.set_num_threads(1)
+out, blocks_seen, packed_calls, calls = [], [], [], []
+kernel = kernels.packed_attn
+kernels.packed_attn = lambda *a: packed_calls.append(1) or kernel(*a)
+from tests.helpers import stand_in_graphs
+runs = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
+for packed, triton, graphs in runs:
+    spec, net = load_checkpoint(shipped_weights("{model}"), torch.device("cpu"), torch.float32)
+    cfg = EngineConfig(
+        noise="zeros",
+        prefill=PrefillConfig(packed=packed),
+        scheduler=SchedulerConfig(prefill_chunk_size=4, max_num_batched_tokens=8),
+    )
+    eng = LLMEngine(net, cfg, device=torch.device("cpu"), dtype=torch.float32)
+    if triton:
+        enable_triton_attention(eng.model)
+        eng.runner.metadata.torch_path = False
+        eng.runner.triton_attention = True
+        make = eng.runner._packed_blocks
+        eng.runner._packed_blocks = lambda spans, rows: blocks_seen.append(len(spans)) or make(spans, rows)
+    if graphs:  # prefill chunks through the graph path (a CPU stand-in graph cache): blocks as an input
+        eng.runner.prefill_graphs = stand_in_graphs("prefill", eng.runner._prefill_pass)
+    out.append(eng.generate([[3, 5, 7, 9, 11, 13, 2], [4, 6, 8]], SamplingParams(max_tokens=3)))
+    calls.append(len(packed_calls))
+    packed_calls.clear()
+replays = eng.runner.prefill_graphs.counters.replays + eng.runner.prefill_graphs.counters.captures
+print("RESULT " + json.dumps([out, blocks_seen, calls, replays]))
+"""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, spans_per_batch, calls, graph_runs = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    per_row, torch_packed, triton_packed, graphed = tokens
+    assert graphed == triton_packed == torch_packed == per_row and len(per_row[0]) == 3
+    assert graph_runs >= 2  # the last run's prefill chunks went through the (stand-in) graph cache
+    assert max(spans_per_batch) == 2  # a batch held chunks of both requests
+    assert calls[:2] == [0, 0] and calls[2] > 0 and calls[3] >= calls[2]  # graphed: + stand-in captures

@@ -135,9 +135,11 @@ def test_async_gate_readback_equals_the_synchronous_gate(threshold):
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_prefill_graphs_equal_eager_prefill_bitwise(preset, exact):
-    """cuda_graphs.prefill: chunks replayed from graphs (with the exact kernels inside when they are on)
-    write the eager chunks' KV and give their tokens, bit for bit."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_prefill_graphs_equal_eager_prefill_bitwise(preset, exact, packed):
+    """cuda_graphs.prefill: chunks replayed from graphs (with the exact kernels inside when they are on,
+    and the packed prefill kernel's query blocks as a graph input under prefill.packed) write the eager
+    chunks' KV and give their tokens, bit for bit."""
     prompts = [[3 + i + j for j in range(5 + 9 * i)] for i in range(4)]
     outs = []
     for prefill_graphs in (False, True):
@@ -146,7 +148,9 @@ def test_prefill_graphs_equal_eager_prefill_bitwise(preset, exact):
             True,
             cuda_graphs__prefill=prefill_graphs,
             kernels__exact=exact,
+            prefill__packed=packed,
             scheduler__prefill_chunk_size=8,
+            scheduler__max_num_batched_tokens=16,  # two requests' chunks share a prefill batch
         )
         tokens = eng.generate(prompts, SamplingParams(max_tokens=4, seed=2))
         outs.append((tokens, eng.pool.k_cache.clone(), eng.graph_counters().get("prefill")))

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 EAGER_ROWS_THRESHOLD = 256
+PACKED_BLOCK_ROWS = 16  # query rows per program of the packed prefill kernel (a tl.dot needs >= 16)
 
 
 _graph_warmup = False  # set while a CUDA graph's eager warm-up runs (see graph_warmup)
@@ -89,6 +91,34 @@ def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: floa
     from looptrace.engine.kernels import paged_attention as pa
 
     return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
+
+
+def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, scale: float) -> torch.Tensor:
+    """Triton packed prefill attention, one launch (`packed_attention.packed_attention`)."""
+    from looptrace.engine.kernels import packed_attention as pk
+
+    return pk.packed_attention(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id, scale)
+
+
+def packed_block_count(rows: int, max_spans: int) -> int:
+    """Blocks the packed kernel's grid holds for `rows` prefill rows split into at most `max_spans`
+    requests (a fixed count per row count, so a CUDA graph keyed by rows fits every split)."""
+    return min(rows, -(-rows // PACKED_BLOCK_ROWS) + max(max_spans, 1) - 1)
+
+
+def packed_blocks(lengths: list[int], count: int) -> np.ndarray:
+    """[count, 2] int64 (first row, rows): each request's consecutive rows cut into blocks of at most
+    PACKED_BLOCK_ROWS, in row order, then (0, 0) padding blocks up to `count`."""
+    out = np.zeros((count, 2), dtype=np.int64)
+    b, first = 0, 0
+    for length in lengths:
+        for start in range(0, length, PACKED_BLOCK_ROWS):
+            if b >= count:
+                raise ValueError(f"{len(lengths)} spans of {sum(lengths)} rows need more than {count} blocks")
+            out[b] = (first + start, min(PACKED_BLOCK_ROWS, length - start))
+            b += 1
+        first += length
+    return out
 
 
 def write_kv(k, v, k_cache, v_cache, write_entry, write_offset, layer_id: int) -> None:
