@@ -3,6 +3,8 @@
 # file because at most 8 files come back):
 #   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny presets, CUDA)
 #   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
+#   bash bench/h200_table2.sh kernels        exact-kernel timings per row bucket (bench/kernels_h200.py)
+#                                            and attention timings (bench/attention_h200.py)
 #   bash bench/h200_table2.sh "CELL ..."     paired Table 2 cells, e.g. "ouro:512/128@1,8 huginn:512/64@1"
 #                                            (64 graphs on both arms; SIGINT at BENCH_TIMEOUT keeps the
 #                                            completed cells); DIFFS=1 adds the tiny-preset diffs.
@@ -16,21 +18,28 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$LOG"
 if [ "$1" = checks ]; then
-  timeout 300 python3 -m pytest -q -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
-    -p no:cacheprovider 2>&1 | grep -v Warning | tail -25 > "$OUT/gpu_tests_h200.txt"; tail -3 "$OUT/gpu_tests_h200.txt"
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
+    tests/engine/test_packed_attention_kernel.py \
+    -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests_h200.txt"; tail -3 "$OUT/gpu_tests_h200.txt"
   for m in ouro-tiny huginn-tiny; do
-    timeout 100 python3 -m looptrace diff base exactloop --model "$m" --device cuda --format json \
-      -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
+    timeout "${DIFF_TIMEOUT:-100}" python3 -m looptrace diff base exactloop --model "$m" --device cuda \
+      --format json -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
   done
+elif [ "$1" = kernels ]; then
+  mkdir -p "$OUT/kernels"
+  timeout 250 python3 bench/kernels_h200.py --sections timings --budget-s 200 --out "$OUT/kernels" >> "$LOG" 2>&1
+  echo "kernels exit $?" | tee -a "$LOG"
+  timeout 250 python3 bench/attention_h200.py --budget-s 200 --out "$OUT" >> "$LOG" 2>&1
+  echo "attention exit $?" | tee -a "$LOG"
 elif [ "$1" = profile ]; then
-  timeout 500 python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
+  timeout -s INT "${PROFILE_TIMEOUT:-500}" python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
     -o "$OUT/profile_compare_ouro-1.4b_c1.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
   grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1.txt" | tail -3
 else
   args=(); for c in $1; do args+=(--cell "$c"); done
   name=$(echo "$1" | sed 's/[ :\/@,]/_/g')
   # SIGINT, not SIGTERM: an interrupted bench still writes the cells it completed. Table 2: 64 graphs.
-  timeout -s INT "${BENCH_TIMEOUT:-560}" python3 -m looptrace bench "${args[@]}" --runs 3 \
+  timeout -s INT "${BENCH_TIMEOUT:-560}" python3 -m looptrace bench "${args[@]}" --runs "${RUNS:-3}" \
     --set cuda_graphs.max_graphs=64 --format json \
     -o "$OUT/bench_$name.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG"

@@ -168,6 +168,7 @@ def _report(sides: list[dict[str, Any]], fmt: OutputFormat, compare: bool) -> tu
             "a": _jsonable(sides[0]),
             "b": _jsonable(sides[1]),
             "decode_comparison": _comparison(sides),
+            "prefill_comparison": _comparison(sides, "prefill"),
         }
         return data, render_compare(sides, fmt)
     return {"schema": "looptrace.profile/1", **_jsonable(sides[0])}, render_single(sides[0], fmt)
@@ -225,10 +226,13 @@ def _jsonable(side: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in side.items() if k != "windows"} | {"windows": windows}
 
 
-def _comparison(sides: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _comparison(sides: list[dict[str, Any]], window: str = "decode") -> list[dict[str, Any]] | None:
+    """Per-counter B vs A rows of one window (None: a side lacks it, e.g. after a Ctrl-C there)."""
     from looptrace.probes.report import compare_rows
 
-    a, b = (s["windows"]["decode"]["analysis"].counters for s in sides)
+    if not all(window in s["windows"] for s in sides):
+        return None
+    a, b = (s["windows"][window]["analysis"].counters for s in sides)
     return compare_rows(a, b)
 
 
@@ -331,10 +335,11 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
     if labels[0] == labels[1]:
         labels = (f"A: {labels[0]}", f"B: {labels[1]}")
     if fmt == OutputFormat.csv:
-        lines = ["counter,a_per_token,b_per_token,ratio_b_over_a"]
-        for r in _comparison(sides):
-            ratio = r["ratio"] if r["ratio"] is not None else ""
-            lines.append(f"{r['counter']},{r['a_per_token']},{r['b_per_token']},{ratio}")
+        lines = ["window,counter,a_per_token,b_per_token,ratio_b_over_a"]
+        for window in ("decode", "prefill"):
+            for r in _comparison(sides, window) or []:
+                ratio = r["ratio"] if r["ratio"] is not None else ""
+                lines.append(f"{window},{r['counter']},{r['a_per_token']},{r['b_per_token']},{ratio}")
         return "\n".join(lines)
     console = Console(width=140, record=True, file=io.StringIO(), force_terminal=False)
     # Model, device and versions are shared by both sides (one --model/--device); the window is side A's.
@@ -349,6 +354,12 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
     a, b = (s["windows"]["decode"]["analysis"].counters for s in sides)
     console.print(counters_table([(labels[0], a), (labels[1], b)], title="Decode window, per output token"))
     console.print(compare_table(a, b, labels))
+    if _comparison(sides, "prefill") is not None:
+        a, b = (s["windows"]["prefill"]["analysis"].counters for s in sides)
+        console.print(
+            counters_table([(labels[0], a), (labels[1], b)], title="Prefill window, per prompt token")
+        )
+        console.print(compare_table(a, b, labels, title="prefill, per prompt token"))
     for s, label in zip(sides, labels):
         t = _engine_table(s)
         t.title = f"Engine counters: {label}"

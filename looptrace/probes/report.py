@@ -338,8 +338,10 @@ def _ratio_text(row: dict[str, Any]) -> str:
     return "–" if row["b_per_token"] == 0 else "inf"
 
 
-def compare_table(a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B")) -> Table:
-    table = Table(title=f"{labels[1]} vs {labels[0]} (per token)", title_justify="left")
+def compare_table(
+    a: Counters, b: Counters, labels: tuple[str, str] = ("A", "B"), title: str = "per token"
+) -> Table:
+    table = Table(title=f"{labels[1]} vs {labels[0]} ({title})", title_justify="left")
     table.add_column("counter")
     table.add_column(f"{labels[0]} /tok", justify="right")
     table.add_column(f"{labels[1]} /tok", justify="right")

@@ -142,6 +142,8 @@ def test_compare_json_fewer_loops_fewer_kernels() -> None:
     rows = {r["counter"]: r for r in data["decode_comparison"]}
     assert 0 < rows["kernels"]["ratio"] < 1
     assert rows["kernels"]["b_per_token"] < rows["kernels"]["a_per_token"]
+    prefill = {r["counter"]: r for r in data["prefill_comparison"]}  # prefill runs 2 loops, not 4
+    assert 0 < prefill["kernels"]["b_per_token"] < prefill["kernels"]["a_per_token"]
 
 
 def test_compare_table_shows_both_labels() -> None:
@@ -150,7 +152,9 @@ def test_compare_table_shows_both_labels() -> None:
     out = result.stdout
     assert "Decode window, per output token" in out
     assert "Engine counters: base" in out and "Engine counters: base + exit.max_loops=2" in out
-    assert "base + exit.max_loops=2 vs base" in out
+    assert "base + exit.max_loops=2 vs base (per token)" in out
+    assert "Prefill window, per prompt token" in out
+    assert "base + exit.max_loops=2 vs base (prefill, per prompt token)" in out
     head = out.split("Decode window, per output token")[0]  # a header before the tables
     for needle in ("model", "ouro-tiny", "device", "CPU", "versions", "torch", "A: base", "B: base + exit"):
         assert needle in head, needle
@@ -306,3 +310,14 @@ def test_compare_shows_the_gate_readback_of_the_base_exit_policy(tmp_path) -> No
     data = json.loads(out.read_text())
     sync, fixed = (data[arm]["windows"]["decode"]["per_token"] for arm in ("a", "b"))
     assert sync["kernels"] - fixed["kernels"] == 4  # the synchronous readback alone
+
+
+def test_compare_csv_has_both_windows() -> None:
+    result = invoke(*COMPARE, "--format", "csv")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "window,counter,a_per_token,b_per_token,ratio_b_over_a"
+    rows = {tuple(line.split(",")[:2]): line.split(",") for line in lines[1:]}
+    for window in ("decode", "prefill"):
+        a, b = float(rows[window, "kernels"][2]), float(rows[window, "kernels"][3])
+        assert 0 < b < a  # 2 loops instead of 4, in decode and in prefill

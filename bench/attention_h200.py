@@ -1,0 +1,217 @@
+"""Attention kernel timings (issue #8): where decode and prefill attention time goes on the GPU.
+
+    python bench/attention_h200.py [--out DIR] [--budget-s SECONDS]
+
+Times, with `triton.testing.do_bench` (median µs per launch, CUDA graph of 20 launches to leave out the
+host), at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head shapes in bf16:
+
+- decode: the per-row paged kernel (`kernels/paged_attention.py`) for R in {1, 8, 32, 64} rows at
+  contexts {128, 640, 2112}; the torch path's SDPA on the gathered pages is timed beside it;
+- prefill: one 128-row chunk of one request whose first position is 0, 384 or 1920 (the chunk's rows
+  attend to all earlier keys), per-row kernel vs the packed kernel (`kernels/packed_attention.py`).
+
+Writes `attention_h200.json` and `attention_h200.md` under --out (default: $OUT or .). Each shape is
+timed once; the script stops starting new shapes after --budget-s seconds and says which it skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BS = 16
+SHAPES = {"ouro-1.4b": (16, 16, 128), "huginn-0125": (55, 55, 96)}
+DECODE_ROWS = (1, 8, 32, 64)
+DECODE_CTX = (128, 640, 2112)
+PREFILL_STARTS = (0, 384, 1920)
+PREFILL_ROWS = 128
+REPS = 20
+DEVICE = "cuda"  # a smoke test may point it at the CPU (Triton interpreter)
+
+
+def pool_and_tables(ctx_per_row: list[int], kv_heads: int, dim: int, gen: torch.Generator):
+    """Two-layer pools with every row's pages scattered over distinct blocks; tables as entry bases."""
+    pages = [math.ceil(c / BS) for c in ctx_per_row]
+    blocks = sum(pages) + 4
+    shape = (blocks * 2, BS, kv_heads, dim)
+    k = torch.randn(shape, generator=gen, device=DEVICE).to(torch.bfloat16)
+    v = torch.randn(shape, generator=gen, device=DEVICE).to(torch.bfloat16)
+    perm = torch.randperm(blocks, generator=gen, device=DEVICE) * 2
+    width = max(pages)
+    tables = torch.full((len(ctx_per_row), width), -1, dtype=torch.int64, device=DEVICE)
+    used = 0
+    for r, n in enumerate(pages):
+        tables[r, :n] = perm[used : used + n]
+        used += n
+    return k, v, tables
+
+
+def graph_us(fn) -> float:
+    """Median µs per call of `fn` replayed from a CUDA graph of REPS calls (no host launch cost)."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    return do_bench(graph.replay, warmup=10, rep=80, return_mode="median") * 1000 / REPS
+
+
+def sdpa_gathered(q, k, v, tables, ctx, layer_id, scale):
+    """The torch path's shape of work: gather every row's pages, SDPA with a length mask."""
+    rows, heads, dim = q.shape
+    entries = tables.clamp_min(0) + layer_id
+    keys = k.index_select(0, entries.reshape(-1)).view(rows, -1, k.shape[2], dim)
+    vals = v.index_select(0, entries.reshape(-1)).view(rows, -1, v.shape[2], dim)
+    pos = torch.arange(keys.shape[1], device=q.device)
+    mask = (pos[None, :] < ctx[:, None]).view(rows, 1, 1, -1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys.transpose(1, 2),
+        vals.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=heads != k.shape[2],
+    )
+
+
+def decode_case(model: str, rows: int, ctx_len: int, gen) -> dict:
+    from looptrace.engine.kernels import paged_attention as pa
+
+    heads, kv_heads, dim = SHAPES[model]
+    k, v, tables = pool_and_tables([ctx_len] * rows, kv_heads, dim, gen)
+    ctx = torch.full((rows,), ctx_len, dtype=torch.int64, device=DEVICE)
+    q = torch.randn(rows, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    scale = dim**-0.5
+    return {
+        "triton_per_row_us": graph_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
+        "torch_sdpa_us": graph_us(lambda: sdpa_gathered(q, k, v, tables, ctx, 1, scale)),
+    }
+
+
+def prefill_case(model: str, start: int, gen) -> dict:
+    from looptrace.engine import kernels as K
+    from looptrace.engine.kernels import packed_attention as pk
+    from looptrace.engine.kernels import paged_attention as pa
+
+    heads, kv_heads, dim = SHAPES[model]
+    last = start + PREFILL_ROWS
+    k, v, request_table = pool_and_tables([last], kv_heads, dim, gen)
+    own = [math.ceil((p + 1) / BS) for p in range(start, last)]
+    tables = request_table.expand(PREFILL_ROWS, -1).clone()
+    for r, n in enumerate(own):  # each row's table: the request's pages up to its own position
+        tables[r, n:] = -1
+    ctx = torch.arange(start + 1, last + 1, device=DEVICE)
+    q = torch.randn(PREFILL_ROWS, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    count = K.packed_block_count(PREFILL_ROWS, 8)
+    blocks = torch.from_numpy(K.packed_blocks([PREFILL_ROWS], count)).to(DEVICE)
+    scale = dim**-0.5
+    per_row = pa.paged_attention(q, k, v, tables, ctx, 1, scale)
+    packed = pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)
+    return {
+        "triton_per_row_us": graph_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
+        "triton_packed_us": graph_us(lambda: pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)),
+        "packed_vs_per_row_max_abs": float((packed.float() - per_row.float()).abs().max()),
+    }
+
+
+def render(results: dict, device: str, versions: str, elapsed: float) -> str:
+    lines = [
+        "# Attention kernel timings (issue #8)",
+        "",
+        f"Device: {device}; {versions}. Command: `python bench/attention_h200.py` ({elapsed:.0f} s). Median",
+        f"µs per launch, replayed from a CUDA graph of {REPS} launches (no host launch cost).",
+        "",
+        "## Decode (one query row per request)",
+        "",
+        "| model | rows | context | Triton per-row | torch gather + SDPA |",
+        "|---|---|---|---|---|",
+    ]
+    for key, r in results["decode"].items():
+        model, rows, ctx_len = key.split("|")
+        cells = [
+            f"{r[c]:.1f}" if c in r else r.get("error", "-") for c in ("triton_per_row_us", "torch_sdpa_us")
+        ]
+        lines.append(f"| {model} | {rows} | {ctx_len} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"## Prefill (one {PREFILL_ROWS}-row chunk of one request)",
+        "",
+        "| model | first position | Triton per-row | Triton packed | max abs difference |",
+        "|---|---|---|---|---|",
+    ]
+    for key, r in results["prefill"].items():
+        model, start = key.split("|")
+        if "error" in r:
+            lines.append(f"| {model} | {start} | {r['error']} | | |")
+            continue
+        lines.append(
+            f"| {model} | {start} | {r['triton_per_row_us']:.1f} | {r['triton_packed_us']:.1f} | "
+            f"{r['packed_vs_per_row_max_abs']:.2e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(budget_s: float) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    deadline = time.time() + budget_s
+    results: dict = {"decode": {}, "prefill": {}}
+    plan = [
+        ("decode", f"{m}|{r}|{c}", lambda m=m, r=r, c=c: decode_case(m, r, c, gen))
+        for m in SHAPES
+        for r in DECODE_ROWS
+        for c in DECODE_CTX
+    ]
+    plan += [
+        ("prefill", f"{m}|{s}", lambda m=m, s=s: prefill_case(m, s, gen))
+        for m in SHAPES
+        for s in PREFILL_STARTS
+    ]
+    for section, key, case in plan:
+        if time.time() > deadline:
+            results[section][key] = {"error": "skipped: time budget"}
+            continue
+        try:
+            results[section][key] = case()
+        except Exception as e:  # record and keep going: one device call times everything it can
+            results[section][key] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        print(section, key, results[section][key], flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
+    import triton
+
+    t0 = time.time()
+    results = run(args.budget_s)
+    device = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    out = Path(args.out)
+    (out / "attention_h200.json").write_text(
+        json.dumps({"device": device, "versions": versions, **results}, indent=1)
+    )
+    (out / "attention_h200.md").write_text(render(results, device, versions, time.time() - t0))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
