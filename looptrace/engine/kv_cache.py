@@ -292,12 +292,13 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks // self.tables * self.block_size
 
-    def _cache_only_blocks(self) -> int:
+    def cache_only_blocks(self) -> int:
+        """Blocks held by the prefix cache alone (no request): evictable on demand."""
         return sum(1 for blocks in self.cache.values() for b in blocks if self.refcount[b] == 1)
 
     def available_blocks(self) -> int:
         """Free units plus units held only by the prefix cache (evictable)."""
-        return len(self.free) + self._cache_only_blocks()
+        return len(self.free) + self.cache_only_blocks()
 
     def reserved_growth(self) -> int:
         return sum(s.blocks_needed_total * self.tables - self._owned(s) for s in self.seqs.values())

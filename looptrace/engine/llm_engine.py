@@ -614,8 +614,22 @@ class LLMEngine:
         return [self.requests[i].outputs for i in ids]
 
     # Reporting ------------------------------------------------------------------------------------------
+    def kv_blocks(self) -> dict[str, int]:
+        """Pool blocks held by requests, held only by the prefix cache (evictable) and free."""
+        used, cached = self.blocks.used_blocks(), self.blocks.cache_only_blocks()
+        return {
+            "num_blocks": self.blocks.num_blocks,
+            "used_blocks": used,
+            "request_blocks": used - cached,
+            "cached_blocks": cached,
+            "free_blocks": self.blocks.num_blocks - used,
+        }
+
     def kv_usage(self) -> float:
-        return self.blocks.used_blocks() / self.blocks.num_blocks
+        """Fraction of the pool held by requests. Blocks only the prefix cache holds are evictable, so they
+        count as free (vLLM's convention; `kv_blocks()` reports them apart)."""
+        kv = self.kv_blocks()
+        return kv["request_blocks"] / kv["num_blocks"]
 
     def kv_summary(self) -> dict:
         reserved, live = self.layout.reserved_slots_per_token, self.layout.live_slots_per_token

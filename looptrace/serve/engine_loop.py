@@ -411,17 +411,11 @@ def _stage(req: Any) -> str:
 
 
 def kv_state(e: Any) -> dict[str, Any]:
-    """Blocks held by requests, by the prefix cache only (evictable) and free; live vs dead slots per plane
-    for the pages requests hold. Read defensively: engine internals may be renamed."""
+    """Blocks held by requests, by the prefix cache only (evictable) and free (`LLMEngine.kv_blocks`); live
+    vs dead slots per plane for the pages requests hold."""
+    kv = e.kv_blocks()
+    num, used, request_blocks = kv["num_blocks"], kv["used_blocks"], kv["request_blocks"]
     blocks = getattr(e, "blocks", None)
-    num = int(getattr(blocks, "num_blocks", 0) or 0)
-    used = int(blocks.used_blocks()) if blocks is not None else 0
-    cache = getattr(blocks, "cache", None) or {}
-    refcount = getattr(blocks, "refcount", None)
-    cached_only = 0
-    if refcount is not None:
-        cached_only = sum(1 for bl in cache.values() for b in bl if int(refcount[b]) == 1)
-    request_blocks = max(0, used - cached_only)
     layout = getattr(e, "layout", None)
     spec = getattr(e, "spec", None)
     planes: list[dict[str, Any]] = []
@@ -448,8 +442,8 @@ def kv_state(e: Any) -> dict[str, Any]:
         "block_size": block_size,
         "used_blocks": used,
         "request_blocks": request_blocks,
-        "cached_blocks": cached_only,
-        "free_blocks": num - used,
+        "cached_blocks": kv["cached_blocks"],
+        "free_blocks": kv["free_blocks"],
         "usage": request_blocks / num if num else 0.0,
         "planes": planes,
     }

@@ -2,9 +2,10 @@
 
 CPU: the kernel runs in the Triton interpreter in one child process (as in test_paged_attention_kernel.py),
 in fp32 (the interpreter's `tl.dot` multiplies the bit patterns of bf16 operands, triton-lang/triton#11584,
-so bf16 is judged on the GPU only), against the float64 per-row reference and the per-row Triton kernel: spans of 1, 5, 16, 17 and
-40 rows (one block, block edges, several blocks), chunks that start after cached keys, GQA and MHA, padding
-blocks, another layer; a row's output does not change when the other spans' queries do.
+so bf16 is judged on the GPU only), against the float64 per-row reference and the per-row Triton kernel:
+spans of 1, 2, 5, 16, 17, 33 and 40 rows (one block, block edges, several blocks), chunks that start after
+cached keys, GQA and MHA, padding blocks, another layer; a row's output does not change when the other
+spans' queries do.
 
 GPU (`gpu` marker): bf16 at the Ouro (16/16/128) and Huginn (55/55/96) shapes against the float64
 reference and the per-row kernel, and CUDA-graph replay == eager bitwise.

@@ -192,6 +192,20 @@ def test_cache_only_blocks_are_available_for_admission_and_evicted_by_prefill_cl
     assert bm.stats["evictions"] == 5 and list(bm.cache)[0] == keys[5] and len(bm.cache) == 7
 
 
+def test_kv_usage_counts_request_blocks_not_the_evictable_cache():
+    # Before: kv_usage() counted blocks only the prefix cache held, so a bench's "peak KV usage" grew from
+    # round to round of an idle engine (a finished request's published pages stayed "used").
+    engine, _ = make_engine(pages=8, chunk=8)
+    run(engine, BASE[:25], max_tokens=1, rid="A")  # finished; 6 pages published
+    kv = engine.kv_blocks()
+    assert kv["request_blocks"] == 0 and kv["cached_blocks"] == 24 and kv["used_blocks"] == 24
+    assert kv["free_blocks"] == kv["num_blocks"] - 24 and engine.kv_usage() == 0.0
+    rid = engine.add_request(tokens(9, 500), SamplingParams(max_tokens=4), request_id="B")
+    engine.step()  # B's first chunk: 8 positions, 2 pages of 4 planes
+    assert engine.requests[rid].num_prefilled == 8
+    assert engine.kv_blocks()["request_blocks"] == 8 and engine.kv_usage() == 8 / kv["num_blocks"]
+
+
 def test_huginn_planes_never_publishes():
     engine, _ = make_engine("huginn-tiny")
     run(engine, BASE[:21], rid="A")
