@@ -103,6 +103,13 @@ class SchedulerConfig:
     # on the shared layout (a speculative loop would overwrite the token's only KV slot).
     async_gate: bool = field(default=True, metadata=_meta("R1"))
     whole_token_max_rows: int = field(default=8, metadata=_meta("R1", ge=1))
+    # Beyond ExactLoop: whole-token decode without a blocking read per step. The next whole-token step is
+    # submitted before the last one's tokens reach the host: a row's input token comes from a device
+    # buffer the previous step wrote, and the host reads the tokens (EOS, stop, max_tokens) one step
+    # later, while the GPU runs the next step. A row that stopped on EOS ran one extra token, dropped; its
+    # presence in that step changes the batch of the others (R1). Batches over `whole_token_max_rows`
+    # read their tokens first and run synchronously.
+    async_decode: bool = field(default=False, metadata=_meta("R1"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)
@@ -112,6 +119,8 @@ class SchedulerConfig:
             raise ConfigError("scheduler.prefill_share=true needs scheduler.loop_fusion=true")
         if self.whole_token and not self.loop_fusion:
             raise ConfigError("scheduler.whole_token=true needs scheduler.loop_fusion=true")
+        if self.async_decode and not self.whole_token:
+            raise ConfigError("scheduler.async_decode=true needs scheduler.whole_token=true")
 
 
 @dataclass

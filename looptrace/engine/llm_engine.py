@@ -39,7 +39,7 @@ from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
 from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
 from looptrace.engine.request import Request, SamplingParams, Stage
-from looptrace.engine.runner import ModelRunner, PendingGate
+from looptrace.engine.runner import ModelRunner, PendingRead
 from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
 from looptrace.engine.weights import create_model, init_random
 
@@ -84,15 +84,30 @@ class Event(enum.Enum):
     TOKEN = "token"
     DECODED = "decoded"  # whole-token step: prelude, every loop and the coda in one step
     LOOP_SUBMITTED = "loop_submitted"  # async gate: a loop ran, its exit gate not yet read
+    TOKEN_SUBMITTED = "token_submitted"  # async decode: a whole token ran, the host has not read it yet
+    TOKEN_READ = "token_read"  # async decode: that token, read one step late
     GATE_READ = "gate_read"  # async gate: the exit decision of an earlier loop
     ABORTED = "aborted"
+
+
+PENDING_TOKEN = -1  # async decode: an output whose token the host has not read yet
 
 
 @dataclass
 class PendingLoops:
     """An async recurrent step's gate logits in flight and the (request, loops done) rows they decide."""
 
-    gate: PendingGate
+    gate: PendingRead
+    rows: list[tuple[Request, int]]
+    resolved: bool = False
+
+
+@dataclass
+class PendingTokens:
+    """An async whole-token step's sampled tokens in flight (scheduler.async_decode) and the rows they
+    belong to: (request, index of the token's placeholder in its outputs)."""
+
+    tokens: PendingRead
     rows: list[tuple[Request, int]]
     resolved: bool = False
 
@@ -201,6 +216,11 @@ class LLMEngine:
         # Whole-token decode: a fused row's next token is one RECURRENT step (prelude, loops, coda inside).
         self.whole_token = self.fuse_loops and cfg.scheduler.whole_token
         self.decode_entry = Stage.RECURRENT if self.whole_token else Stage.PRELUDE
+        # Async decode: whole-token steps submitted before the previous step's tokens are read.
+        self.async_decode = self.whole_token and cfg.scheduler.async_decode
+        if cfg.scheduler.async_decode and not self.async_decode:
+            self.inactive_settings["scheduler.async_decode"] = "needs whole-token decode at a fixed depth"
+        self._pending_tokens: PendingTokens | None = None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.blocks,
@@ -226,6 +246,7 @@ class LLMEngine:
         )
         self.runner.metadata.torch_path = not self._triton_attention  # the Triton path needs no mask
         self.runner.triton_attention = self._triton_attention
+        self.runner.async_decode = self.async_decode
         self._init_depth()  # LoopDuet split depth (issue #9)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -331,7 +352,7 @@ class LLMEngine:
         self._advance(req, Event.ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending_tokens is not None
 
     def num_running(self) -> int:
         """Admitted and not finished (at most scheduler.max_num_seqs)."""
@@ -354,6 +375,8 @@ class LLMEngine:
             if self._pending is not None:
                 with torch.inference_mode():
                     self._resolve_gates(self._pending)
+            if self._pending_tokens is not None:  # nothing left to submit behind it
+                return self._resolve_tokens(self._pending_tokens)
             return []
         label = self._label(batch)
         if self._depth_on:
@@ -365,9 +388,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         with torch.inference_mode(), attention_backend(self.device):
             earlier = self._pending  # a gate readback submitted by an earlier step
+            earlier_tokens = self._pending_tokens  # an async whole-token step's tokens
             outputs = self._run(batch)
             if earlier is not None:  # read it now: this step is already submitted behind it
                 self._resolve_gates(earlier)
+            if earlier_tokens is not None and not earlier_tokens.resolved:
+                outputs = self._resolve_tokens(earlier_tokens) + outputs
         self.stats.submissions = self.runner.submissions
         if self.hooks.active:
             self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
@@ -423,9 +449,21 @@ class LLMEngine:
             self.runner.prelude(batch.requests)
             for req in batch.requests:
                 self._advance(req, Event.PRELUDE_DONE)
+        elif batch.stage == Stage.RECURRENT and self.async_decode and self._defers(batch):
+            pending = self.runner.whole_token(batch.requests, defer=True)
+            rows = [(req, len(req.outputs)) for req in batch.requests]
+            for req in batch.requests:
+                self._advance(req, Event.TOKEN_SUBMITTED)
+            self._pending_tokens = PendingTokens(pending, rows)
         elif batch.stage == Stage.RECURRENT and self.whole_token:
-            tokens = self.runner.whole_token(batch.requests)
-            return [self._advance(req, Event.DECODED, token=t) for req, t in zip(batch.requests, tokens)]
+            outputs = []
+            if self._pending_tokens is not None:  # the phases below need every input token on the host
+                outputs = self._resolve_tokens(self._pending_tokens)
+            requests = [req for req in batch.requests if not req.is_finished]  # stopped just now: dropped
+            if not requests:
+                return outputs
+            tokens = self.runner.whole_token(requests)
+            return outputs + [self._advance(req, Event.DECODED, token=t) for req, t in zip(requests, tokens)]
         elif batch.stage == Stage.RECURRENT and self.fuse_loops:
             self.runner.recurrent_fused(batch.requests)
             for req in batch.requests:
@@ -448,6 +486,23 @@ class LLMEngine:
             tokens = self.runner.coda(batch.requests)
             return [self._advance(req, Event.TOKEN, token=tok) for req, tok in zip(batch.requests, tokens)]
         return []
+
+    def _defers(self, batch: Batch) -> bool:
+        """Whether a whole-token batch can run without its tokens read first: one graph pass (the phases
+        of a larger batch, or under a hidden-state observer, need every input token on the host)."""
+        return len(batch.requests) <= self.cfg.scheduler.whole_token_max_rows and not self.hooks.wants_hidden
+
+    def _resolve_tokens(self, pending: PendingTokens) -> list[TokenOutput]:
+        """Async decode: the tokens of an earlier whole-token step reach the host. A row that stopped
+        there (EOS, stop) and ran one more token since drops it."""
+        pending.resolved = True
+        if self._pending_tokens is pending:
+            self._pending_tokens = None
+        outputs = []
+        for (req, index), token in zip(pending.rows, pending.tokens.result()):
+            if not req.is_finished:  # not aborted, not stopped by an earlier token
+                outputs.append(self._advance(req, Event.TOKEN_READ, token=token, index=index))
+        return outputs
 
     def _resolve_gates(self, pending: PendingLoops) -> None:
         """Async gate readback: apply the exit decisions of an earlier recurrent step. A row that exited
@@ -476,6 +531,7 @@ class LLMEngine:
         gate: float | None = None,
         loop: int = 0,
         token: int = 0,
+        index: int = 0,
     ) -> TokenOutput | None:
         """The request state machine: every stage transition and progress update happens here.
 
@@ -486,6 +542,8 @@ class LLMEngine:
         RECURRENT/CODA --GATE_READ--> CODA (a late early exit; a loop run past it is rolled back) | unchanged
         RECURRENT --LOOPS_DONE--> CODA (loop fusion: every loop in one step)
         RECURRENT --DECODED--> RECURRENT | FINISHED (whole-token: TOKEN enters decode at RECURRENT)
+        RECURRENT --TOKEN_SUBMITTED--> RECURRENT | held (async decode: at max_tokens, waits for its read)
+        any --TOKEN_READ--> unchanged | FINISHED (async decode: the token read one step late)
         any --ABORTED--> FINISHED
         """
         if event == Event.ADMITTED:
@@ -539,6 +597,15 @@ class LLMEngine:
         elif event == Event.DECODED:
             req.loops_done = self.max_loops
             return self._emit_token(req, token)
+        elif event == Event.TOKEN_SUBMITTED:  # a placeholder until the token is read
+            req.loops_done = self.max_loops
+            req.outputs.append(PENDING_TOKEN)
+            req.exit_depths.append(req.loops_done)
+            if len(req.outputs) < req.params.max_tokens:
+                self._move(req, Stage.RECURRENT)
+        elif event == Event.TOKEN_READ:
+            req.outputs[index] = token
+            return self._token_known(req, index, requeue=False)
         elif event == Event.ABORTED:
             self._finish(req, "abort")
         return None
@@ -546,29 +613,38 @@ class LLMEngine:
     def _emit_token(self, req: Request, token: int) -> TokenOutput:
         req.outputs.append(token)
         req.exit_depths.append(req.loops_done)
+        return self._token_known(req, len(req.outputs) - 1, requeue=True)
+
+    def _token_known(self, req: Request, index: int, requeue: bool) -> TokenOutput:
+        """Output `index` of the request is known on the host: count it, report it, stop the request on
+        EOS or at max_tokens (dropping any later token an async step already ran), else `requeue` it for
+        its next token (an async row is queued already)."""
+        token, depth = req.outputs[index], req.exit_depths[index]
         self.stats.output_tokens += 1
         reason = None
         if not req.params.ignore_eos and token in self.spec.eos_token_ids:
             reason = "stop"
-        elif len(req.outputs) >= req.params.max_tokens:
+        elif index + 1 >= req.params.max_tokens:
             reason = "length"
         if self.hooks.active:
-            kind = "first_token" if len(req.outputs) == 1 else "token"
+            kind = "first_token" if index == 0 else "token"
             now = time.perf_counter()
-            self.hooks.request_event(
-                RequestEvent(kind, req.request_id, now, token, exit_depth=req.loops_done)
-            )
-        if reason is None:
-            self._move(req, self.decode_entry)
-        else:
+            self.hooks.request_event(RequestEvent(kind, req.request_id, now, token, exit_depth=depth))
+        if reason is not None:
+            del req.outputs[index + 1 :], req.exit_depths[index + 1 :]
             self._finish(req, reason)
-        return TokenOutput(req.request_id, token, reason is not None, reason, req.loops_done)
+        elif requeue:
+            self._move(req, self.decode_entry)
+        return TokenOutput(req.request_id, token, reason is not None, reason, depth)
 
     def _move(self, req: Request, stage: Stage) -> None:
         req.stage = stage
         self.scheduler.enqueue(req, stage)
 
     def _finish(self, req: Request, reason: str) -> None:
+        while req.outputs and req.outputs[-1] == PENDING_TOKEN:  # aborted with tokens unread: never read
+            req.outputs.pop()
+            req.exit_depths.pop()
         self.scheduler.remove(req)
         req.stage, req.finish_reason = Stage.FINISHED, reason
         self.blocks.free_request(req.request_id)

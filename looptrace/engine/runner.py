@@ -59,30 +59,42 @@ class GateReadback(nn.Module):
 
     op_kind = "readback"
 
-    def forward(self, gate_logits: torch.Tensor, defer: bool = False) -> list[float] | PendingGate:
-        """The logits as a host list (blocking), or with `defer` a PendingGate read later."""
+    def forward(self, gate_logits: torch.Tensor, defer: bool = False) -> list[float] | PendingRead:
+        """The logits as a host list (blocking), or with `defer` a PendingRead read later."""
         if not gate_logits.is_cuda:  # the same copy to a host buffer, so CPU profiles count it too
             values = gate_logits.detach().to("cpu", torch.float32, copy=True).reshape(-1).tolist()
-            return PendingGate(values=values) if defer else values
+            return PendingRead(values=values) if defer else values
         host = torch.empty(gate_logits.numel(), dtype=torch.float32, pin_memory=True)
         host.copy_(gate_logits.float().reshape(-1), non_blocking=True)
         if defer:
             event = torch.cuda.Event()
             event.record()
-            return PendingGate(host=host, event=event)
+            return PendingRead(host=host, event=event)
         torch.cuda.current_stream().synchronize()
         return host.tolist()
 
 
 @dataclass
-class PendingGate:
-    """Gate logits on their way to the host (async gate readback): read after the next submission."""
+class PendingRead:
+    """Values on their way to the host (async gate readback, async decode): read after the next
+    submission, when the GPU has usually finished the step that made them."""
 
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-    values: list[float] | None = None
+    values: list | None = None
 
-    def result(self) -> list[float]:
+    @classmethod
+    def start(cls, values: torch.Tensor) -> PendingRead:
+        """A non-blocking copy into pinned memory (CUDA), or the values at once (CPU)."""
+        if not values.is_cuda:
+            return cls(values=values.tolist())
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host=host, event=event)
+
+    def result(self) -> list:
         if self.values is None:
             if not self.event.query():  # usually done: the GPU has moved on to the next step
                 self.event.synchronize()
@@ -212,6 +224,10 @@ class ModelRunner:
         self.prefill_graphs: GraphCache | None = None
         self.triton_attention = False  # set by the engine when the Triton attention path is on
         self._no_blocks = torch.zeros((0, 2), dtype=torch.int64, device=device)  # per-row prefill attention
+        # scheduler.async_decode (set by the engine): each slot's last sampled token, written on the device
+        # by a whole-token step and read by the next one when the host does not know the token yet.
+        self.async_decode = False
+        self.token_buf = torch.zeros(max_slots, dtype=torch.int64, device=device)
         if device.type == "cuda" and cfg.cuda_graphs.enabled:
             mempool = torch.cuda.graph_pool_handle()
             self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
@@ -589,9 +605,9 @@ class ModelRunner:
 
     def recurrent(
         self, requests: list[Request], need_gate: bool, defer: bool = False
-    ) -> list[float] | PendingGate | None:
+    ) -> list[float] | PendingRead | None:
         """One loop for every row at its own depth; returns gate logits when the exit policy needs them.
-        `defer` (async gate readback): the logits come back as a PendingGate, and each row's state before
+        `defer` (async gate readback): the logits come back as a PendingRead, and each row's state before
         this loop is kept so a late exit decision can restore it (`rollback`)."""
         self.submissions += 1
         rows = [Row(r, r.decode_position) for r in requests]
@@ -675,11 +691,14 @@ class ModelRunner:
         return (state,)
 
     # Whole-token decode (scheduler.whole_token) ----------------------------------------------------------
-    def whole_token(self, requests: list[Request]) -> list[int]:
+    def whole_token(self, requests: list[Request], defer: bool = False) -> list[int] | PendingRead:
         """Prelude, every loop, coda, head and sampling for fresh decode rows in one submission (one CUDA
         graph per row count, greedy sampling inside it). The per-row arithmetic is that of the prelude,
         fused-recurrent and coda steps. Batches over `whole_token_max_rows`, or with an observer of
-        hidden states, run those three phases one after another in this step instead."""
+        hidden states, run those three phases one after another in this step instead.
+
+        `defer` (scheduler.async_decode): the tokens come back as a PendingRead, read after the next
+        submission; a row whose token the host does not know yet (-1) takes it from `token_buf`."""
         if len(requests) > self.cfg.scheduler.whole_token_max_rows or self.hooks.wants_hidden:
             self.prelude(requests)
             self.recurrent_fused(requests)
@@ -703,7 +722,9 @@ class ModelRunner:
             self.hooks.logits([r.request_id for r in requests], logits)
         if not all(r.params.greedy for r in requests):  # the graph's argmax serves greedy rows only
             tokens = self.ops.sampler(logits, requests)
-        return self._to_host(tokens)
+            if self.async_decode:
+                self.token_buf.index_copy_(0, raw[0][:, META_SLOT], tokens)
+        return PendingRead.start(tokens) if defer else self._to_host(tokens)
 
     def _token_planes(self) -> list[int]:
         """The distinct KV planes one whole-token pass touches (prelude/coda plane, then the core planes)."""
@@ -726,9 +747,10 @@ class ModelRunner:
         def ctx(role: str, t: int = 0):
             return ctx_of[self.layout.plane(role, t)]
 
-        embedded, inject = self.model.prelude(
-            raw[0][:, META_TOKEN], ctx("prelude") if self.spec.n_prelude else None
-        )
+        tokens_in, slots = raw[0][:, META_TOKEN], raw[0][:, META_SLOT]
+        if self.async_decode:  # a token still on its way to the host: the previous step's, on the device
+            tokens_in = torch.where(tokens_in >= 0, tokens_in, self.token_buf.index_select(0, slots))
+        embedded, inject = self.model.prelude(tokens_in, ctx("prelude") if self.spec.n_prelude else None)
         state = self.model.first_state(embedded)
         if state is None:
             state = init_state
@@ -736,7 +758,10 @@ class ModelRunner:
             state, _ = self.model.core(state, inject, ctx("core", t))
         coda_ctx = ctx("coda") if self.model.has_coda_layers else None
         logits = self.model.head(self.model.coda_hidden(state, coda_ctx))
-        return logits.argmax(dim=-1), logits
+        tokens = logits.argmax(dim=-1)
+        if self.async_decode:
+            self.token_buf.index_copy_(0, slots, tokens)
+        return tokens, logits
 
     def finalize_exits(self, requests: list[Request]) -> None:
         """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes and

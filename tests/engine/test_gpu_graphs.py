@@ -118,6 +118,28 @@ def test_whole_token_graph_equals_eager_and_replays_once_per_token(preset, atten
     assert token["replays"] == 2 * 4  # 4 decode tokens after the prefill's first, per request
 
 
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
+def test_async_decode_equals_synchronous_whole_token_decode(preset):
+    """scheduler.async_decode on CUDA: graph replays whose input tokens come from the device buffer, tokens
+    read one step late through pinned memory, give the synchronous whole-token tokens, batched (the same
+    batches: greedy, no EOS) and at batch 1; one replay per decode token."""
+    prompts, params = [[3, 4, 5, 6], [7, 8, 9], [2, 11, 4]], SamplingParams(max_tokens=6)
+    outs, counters = [], []
+    for async_decode in (False, True):
+        eng = _engine(
+            preset,
+            True,
+            scheduler__loop_fusion=True,
+            scheduler__prefill_share=True,
+            scheduler__whole_token=True,
+            scheduler__async_decode=async_decode,
+        )
+        outs.append((eng.generate(prompts, params), [eng.generate([p], params)[0] for p in prompts]))
+        counters.append(eng.graph_counters()["whole_token"])
+    assert outs[0] == outs[1]
+    assert counters[1]["fallbacks"] == 0 and counters[1]["replays"] == counters[0]["replays"]
+
+
 @pytest.mark.parametrize("threshold", [1.0, 0.5])
 def test_async_gate_readback_equals_the_synchronous_gate(threshold):
     """Async gate readback on CUDA (pinned buffer + event, read after the next submission) gives the
