@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
+from looptrace.engine.kernels.checks import graph_time_us
+
 BS = 16
 SHAPES = {"ouro-1.4b": (16, 16, 128), "huginn-0125": (55, 55, 96)}
 DECODE_ROWS = (1, 8, 32, 64)
 DECODE_CTX = (128, 640, 2112)
 PREFILL_STARTS = (0, 384, 1920)
 PREFILL_ROWS = 128
-REPS = 20
 DEVICE = "cuda"  # a smoke test may point it at the CPU (Triton interpreter)
 
 
@@ -51,22 +52,6 @@ def pool_and_tables(ctx_per_row: list[int], kv_heads: int, dim: int, gen: torch.
         tables[r, :n] = perm[used : used + n]
         used += n
     return k, v, tables
-
-
-def graph_us(fn) -> float:
-    """Median µs per call of `fn` replayed from a CUDA graph of REPS calls (no host launch cost)."""
-    from triton.testing import do_bench
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    return do_bench(graph.replay, warmup=10, rep=80, return_mode="median") * 1000 / REPS
 
 
 def sdpa_gathered(q, k, v, tables, ctx, layer_id, scale):
@@ -96,8 +81,8 @@ def decode_case(model: str, rows: int, ctx_len: int, gen) -> dict:
     q = torch.randn(rows, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
     scale = dim**-0.5
     return {
-        "triton_per_row_us": graph_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
-        "torch_sdpa_us": graph_us(lambda: sdpa_gathered(q, k, v, tables, ctx, 1, scale)),
+        "triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
+        "torch_sdpa_us": graph_time_us(lambda: sdpa_gathered(q, k, v, tables, ctx, 1, scale)),
     }
 
 
@@ -121,8 +106,10 @@ def prefill_case(model: str, start: int, gen) -> dict:
     per_row = pa.paged_attention(q, k, v, tables, ctx, 1, scale)
     packed = pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)
     return {
-        "triton_per_row_us": graph_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
-        "triton_packed_us": graph_us(lambda: pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)),
+        "triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
+        "triton_packed_us": graph_time_us(
+            lambda: pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)
+        ),
         "packed_vs_per_row_max_abs": float((packed.float() - per_row.float()).abs().max()),
     }
 
@@ -132,7 +119,7 @@ def render(results: dict, device: str, versions: str, elapsed: float) -> str:
         "# Attention kernel timings (issue #8)",
         "",
         f"Device: {device}; {versions}. Command: `python bench/attention_h200.py` ({elapsed:.0f} s). Median",
-        f"µs per launch, replayed from a CUDA graph of {REPS} launches (no host launch cost).",
+        "µs per launch, replayed from a CUDA graph of 20 launches (no host launch cost).",
         "",
         "## Decode (one query row per request)",
         "",

@@ -161,21 +161,6 @@ def run_checks(results: dict, only: str = "", on_variant=lambda: None) -> dict:
     return results
 
 
-def _graph_per_call(fn, reps=20):
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1000 / reps
-
-
 def run_timings(deadline: float = float("inf")) -> dict:
     from triton.testing import do_bench
 
@@ -202,8 +187,8 @@ def run_timings(deadline: float = float("inf")) -> dict:
                     out[key] = {
                         "eager_us": do_bench(case.eager, warmup=10, rep=60, return_mode="median") * 1000,
                         "exact_us": do_bench(case.exact, warmup=10, rep=60, return_mode="median") * 1000,
-                        "eager_graph_us": _graph_per_call(case.eager),
-                        "exact_graph_us": _graph_per_call(case.exact),
+                        "eager_graph_us": checks.graph_time_us(case.eager),
+                        "exact_graph_us": checks.graph_time_us(case.exact),
                     }
                 except Exception as e:
                     out[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}

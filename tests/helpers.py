@@ -1,4 +1,4 @@
-"""The one engine builder and the one recorder the tests share.
+"""The one engine builder and the one recorder the tests share (and a runner for interpreted Triton).
 
     engine = build_engine("huginn-tiny", scheduler__max_num_seqs=2, kv__layout="shared")
     rec = Recorder(hidden=True); engine.attach(rec)
@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +21,29 @@ import torch
 from looptrace.engine import EngineConfig, LLMEngine, Observer
 from looptrace.engine.config import GraphConfig, validate_config
 from looptrace.engine.cuda_graphs import GraphCache, _Entry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(code: str) -> Any:
+    """Runs `code` in a child Python under Triton's interpreter (TRITON_INTERPRET=1 must be set before
+    Triton decorates the kernels, so never in the test process); the code prints one line `RESULT <json>`,
+    returned parsed."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def interpreted_checks(module: str) -> dict:
+    """`module._cpu_checks()` (a dict of check name -> [ok, detail]) under Triton's interpreter."""
+    return run_interpreted(
+        "import json, torch; torch.set_num_threads(1)\n"
+        f"from {module} import _cpu_checks\n"
+        "print('RESULT ' + json.dumps(_cpu_checks()))\n"
+    )
 
 
 def build_config(noise: str = "zeros", **settings: Any) -> EngineConfig:

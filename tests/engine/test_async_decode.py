@@ -12,22 +12,13 @@ import pytest
 from looptrace.engine import LLMEngine, SamplingParams
 from looptrace.engine.config import ConfigError
 from looptrace.engine.llm_engine import PENDING_TOKEN
-from tests.helpers import Recorder, build_config, build_engine
-
-PROMPTS = [[5 + i, 9, 13 + 2 * i, 7, 21, 3 + i] for i in range(4)]
-FAMILIES = ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"]
+from tests.engine.test_whole_token import FAMILIES, PROMPTS
+from tests.engine.test_whole_token import engine as whole_token_engine
+from tests.helpers import Recorder, build_config
 
 
 def engine(preset: str, async_decode: bool, **settings) -> LLMEngine:
-    return build_engine(
-        preset,
-        noise="sequential",
-        scheduler__loop_fusion=True,
-        scheduler__prefill_share=True,
-        scheduler__whole_token=True,
-        scheduler__async_decode=async_decode,
-        **settings,
-    )
+    return whole_token_engine(preset, True, scheduler__async_decode=async_decode, **settings)
 
 
 def stream(e: LLMEngine, prompts, params) -> tuple[dict[str, list[int]], dict[str, str | None]]:

@@ -4,19 +4,12 @@ itself is tested in test_paged_attention_kernel.py (interpreter on CPU, bf16 on 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from looptrace.engine.layers import META_CTX, META_FIXED, AttentionMetadata, PagedAttention
-from tests.helpers import build_engine
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import build_engine, run_interpreted
 
 
 def test_triton_attention_is_inactive_on_cpu_and_keeps_the_torch_path():
@@ -68,14 +61,7 @@ for triton in (False, True):
     out.append(eng.generate([[3, 5, 7, 9, 11], [4, 6, 8]], SamplingParams(max_tokens=3)))
 print("RESULT " + json.dumps(out))
 """
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch_tokens, triton_tokens = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    torch_tokens, triton_tokens = run_interpreted(code)
     assert triton_tokens == torch_tokens and len(torch_tokens[0]) == 3
 
 
@@ -122,14 +108,7 @@ for packed, triton, graphs in runs:
 replays = eng.runner.prefill_graphs.counters.replays + eng.runner.prefill_graphs.counters.captures
 print("RESULT " + json.dumps([out, blocks_seen, calls, replays]))
 """
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens, spans_per_batch, calls, graph_runs = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    tokens, spans_per_batch, calls, graph_runs = run_interpreted(code)
     per_row, torch_packed, triton_packed, graphed = tokens
     assert graphed == triton_packed == torch_packed == per_row and len(per_row[0]) == 3
     assert graph_runs >= 2  # the last run's prefill chunks went through the (stand-in) graph cache

@@ -14,12 +14,7 @@ reference and the per-row kernel, and CUDA-graph replay == eager bitwise.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +22,8 @@ import torch
 
 from looptrace.engine import kernels as K
 from tests.engine.test_paged_attention_kernel import BS, make_pool, max_err, reference
+from tests.helpers import interpreted_checks
 
-ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
 
@@ -138,20 +133,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    code = (
-        "import json, torch; torch.set_num_threads(1)\n"
-        "from tests.engine.test_packed_attention_kernel import _cpu_checks\n"
-        "print('RESULT ' + json.dumps(_cpu_checks()))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return interpreted_checks("tests.engine.test_packed_attention_kernel")
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))

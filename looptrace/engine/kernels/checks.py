@@ -193,8 +193,9 @@ def silu_case(spec: ModelSpec, rows, kind, gen, device, options: dict | None = N
     return Case(f"silu_mul{label}", spec.name, rows, kind, eager, exact, silu.supported(gate, up))
 
 
-def in_graph(fn: Callable[[], tuple[torch.Tensor, ...]]):
-    """Warm up on a side stream, capture `fn` in a CUDA graph, replay once; returns (outputs, graph)."""
+def _capture(fn: Callable[[], object], calls: int = 1):
+    """Warm `fn` up on a side stream, then capture `calls` calls of it in one CUDA graph; returns (graph,
+    the last call's outputs)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -202,10 +203,26 @@ def in_graph(fn: Callable[[], tuple[torch.Tensor, ...]]):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = fn()
+        for _ in range(calls):
+            out = fn()
+    return g, out
+
+
+def in_graph(fn: Callable[[], tuple[torch.Tensor, ...]]):
+    """Capture `fn` in a CUDA graph (after a warm-up), replay once; returns (outputs, graph)."""
+    g, out = _capture(fn)
     g.replay()
     torch.cuda.synchronize()
     return out, g
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median µs per call of `fn`, replayed from one CUDA graph of `reps` calls (host launch cost left
+    out), measured with `triton.testing.do_bench`."""
+    from triton.testing import do_bench
+
+    g, _ = _capture(fn, reps)
+    return do_bench(g.replay, warmup=10, rep=80, return_mode="median") * 1000 / reps
 
 
 def compare(case: Case, mode: str) -> tuple[bool, int]:

@@ -29,6 +29,7 @@ import torch
 
 from looptrace.engine.kernels import PACKED_BLOCK_ROWS
 from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels.paged_attention import prepare
 
 tl = triton.language
 
@@ -130,22 +131,13 @@ def packed_attention(
     (first row, row count <= PACKED_BLOCK_ROWS; count 0 = padding), from `kernels.packed_blocks`. Every
     row must lie in exactly one block: a row in none is left unwritten.
     """
-    from looptrace.engine.kernels.paged_attention import _check_cache, _inner_contiguous
-
-    _check_cache(k_cache, v_cache)
-    rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if heads % kv_heads or k_cache.shape[3] != dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
     if blocks.dim() != 2 or blocks.shape[1] != 2:
         raise ValueError(f"blocks must be [B, 2] (first row, count), got {tuple(blocks.shape)}")
-    q = _inner_contiguous(q)
-    tables = _inner_contiguous(tables)
+    q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
     blocks = blocks.contiguous()
-    out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
-    if rows == 0 or blocks.shape[0] == 0:
+    if q.shape[0] == 0 or blocks.shape[0] == 0:
         return out
-    _packed_kernel[(blocks.shape[0], heads)](
+    _packed_kernel[(blocks.shape[0], q.shape[1])](
         q,
         k_cache,
         v_cache,
@@ -155,18 +147,11 @@ def packed_attention(
         out,
         layer_id,
         float(scale) * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *strides,
         tables.stride(0),
         ctx_lens.stride(0),
         out.stride(0),
-        GROUP=heads // kv_heads,
-        HEAD_DIM=dim,
-        D_PAD=max(16, triton.next_power_of_2(dim)),
-        PAGE=k_cache.shape[1],
+        **shape,
         BM=PACKED_BLOCK_ROWS,
         BN=BLOCK_N,
         num_warps=NUM_WARPS,

@@ -212,6 +212,24 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache/v_cache: head_dim must be contiguous")
 
 
+def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor):
+    """Shared by both attention wrappers: checks the shapes; returns q and tables with a unit inner stride,
+    the empty output `[R, H * D]`, and the launch arguments that follow the pointers and the scale (row,
+    head, cache, table, context and output strides) with the compile-time shape."""
+    _check_cache(k_cache, v_cache)
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads or k_cache.shape[3] != dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    q, tables = _inner_contiguous(q), _inner_contiguous(tables)
+    out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    shape = dict(
+        GROUP=heads // kv_heads, HEAD_DIM=dim, D_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1]
+    )
+    return q, tables, out, strides, shape
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -229,17 +247,10 @@ def paged_attention(
     `k_cache[tables[r, p] + layer_id, s]`. ctx 0 (padding row): zeros. See the module docstring for the
     design and the batch-invariance contract.
     """
-    _check_cache(k_cache, v_cache)
-    rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if heads % kv_heads or k_cache.shape[3] != dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    q = _inner_contiguous(q)
-    tables = _inner_contiguous(tables)
-    out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
-    if rows == 0:
+    q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
+    if q.shape[0] == 0:
         return out
-    _attn_kernel[(rows, heads)](
+    _attn_kernel[(q.shape[0], q.shape[1])](
         q,
         k_cache,
         v_cache,
@@ -248,18 +259,11 @@ def paged_attention(
         out,
         layer_id,
         float(scale) * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *strides,
         tables.stride(0),
         ctx_lens.stride(0),
         out.stride(0),
-        GROUP=heads // kv_heads,
-        HEAD_DIM=dim,
-        D_PAD=triton.next_power_of_2(dim),
-        PAGE=k_cache.shape[1],
+        **shape,
         BLOCK=BLOCK_N,
         num_warps=NUM_WARPS,
         num_stages=1,
