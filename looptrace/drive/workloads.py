@@ -270,7 +270,7 @@ class JsonlWorkload(Workload):
         if self.tokenizer is None:
             raise self._fail(lineno, "text 'prompt' needs a tokenizer (or give 'prompt_token_ids')")
         try:
-            encoded = self.tokenizer.encode(text)
+            encoded = self.tokenizer.encode(text, add_special_tokens=True)  # BOS where the model wants it
         except Exception as e:  # a tokenizer bug or bad input: report it with the line it came from
             detail = " ".join(str(e).split())  # keep the message on one line
             raise self._fail(lineno, f"tokenizer failed ({type(e).__name__}: {detail})") from None

@@ -297,7 +297,9 @@ def create_app(
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (got a list of several)", param="prompt")
             p = p[0]
-        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        # Special tokens on, as vLLM encodes a completion prompt: the tokenizer adds BOS where its model
+        # expects one (the trained tiny checkpoints do; a chat template writes its own).
+        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         check_prompt(ids, body)
         job = _Job(loop, tokenizer, body, ids)
         await job.start("cmpl")

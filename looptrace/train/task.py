@@ -92,6 +92,15 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, json.loads(line)
 
 
+def add_bos(tok) -> None:
+    """The models are trained on BOS-first prompts: encoding with special tokens (as vLLM and `looptrace
+    serve` do for a completion prompt) puts BOS first."""
+    from tokenizers import processors
+
+    bos = SPECIAL_NAMES[BOS]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, BOS)])
+
+
 def write_tokenizer(directory: Path) -> None:
     """tokenizer.json (+ tokenizer_config.json): one token per character, id = its byte value."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -102,6 +111,7 @@ def write_tokenizer(directory: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_NAMES.values()))
+    add_bos(tok)
     tok.save(str(directory / "tokenizer.json"))
     config = {
         "bos_token": SPECIAL_NAMES[BOS],

@@ -133,7 +133,7 @@ def test_jsonl_workload_uses_byte_tokenizer(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     m = json.loads(result.stdout)["metrics"]
     assert (m["completed"], m["failed"]) == (2, 0)
-    assert m["total_input_tokens"] == len(b"hello world") + len("hé".encode())  # UTF-8 bytes
+    assert m["total_input_tokens"] == 1 + len(b"hello world") + 1 + len("hé".encode())  # BOS, UTF-8 bytes
     assert m["total_output_tokens"] == 4 + 2
 
 

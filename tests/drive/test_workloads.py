@@ -152,8 +152,10 @@ def test_session_item_without_session_releases_nothing():
 
 # JSONL -----------------------------------------------------------------------------------------------
 class CharTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+    """One id per character; special tokens: a leading 1 (the workload asks for them, as vLLM does)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) for c in text]
 
 
 class EncodingTokenizer:
@@ -163,7 +165,7 @@ class EncodingTokenizer:
         def __init__(self, ids: list[int]):
             self.ids = ids
 
-    def encode(self, text: str) -> _Enc:
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Enc:
         return self._Enc([len(text)])
 
 
@@ -188,12 +190,12 @@ def test_jsonl_parses_text_ids_max_tokens_and_arrival(tmp_path):
     items = wl.initial_items()
     assert wl.total_requests() == 3
     assert [(i.prompt, i.max_tokens, i.arrival) for i in items] == [
-        ([104, 105], 5, 1.5),
+        ([1, 104, 105], 5, 1.5),  # text: encoded with special tokens; ids: as given
         ([3, 4, 5], 7, 0.0),
         ([9], 7, 2.0),
     ]
     items[0].prompt.append(0)  # callers may mutate what they get; the workload stays intact
-    assert wl.initial_items()[0].prompt == [104, 105]
+    assert wl.initial_items()[0].prompt == [1, 104, 105]
 
 
 def test_jsonl_accepts_tokenizers_encoding(tmp_path):
@@ -237,7 +239,7 @@ def test_jsonl_text_prompt_without_tokenizer(tmp_path):
 
 def test_jsonl_tokenizer_failure_is_one_line(tmp_path):
     class Broken:
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
             raise RuntimeError("boom\nsecond line")
 
     path = _write(tmp_path, ['{"prompt": "hello"}'])

@@ -71,3 +71,16 @@ def test_bad_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="not a readable tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_shipped_tiny_tokenizers_put_bos_first_only_with_special_tokens():
+    # Before: a completion prompt through `looptrace serve` reached the trained tiny models without the
+    # BOS they were trained with (their tokenizer.json added none), and they answered nonsense.
+    from looptrace.assets import shipped_weights
+    from looptrace.engine.tokenizer import load_tokenizer
+
+    for model in ("ouro-tiny", "huginn-tiny"):
+        tok = load_tokenizer(shipped_weights(model))
+        plain = tok.encode("20+87=")
+        assert tok.encode("20+87=", add_special_tokens=True) == [tok.bos_token_id, *plain]
+        assert tok.bos_token_id not in plain and tok.decode([tok.bos_token_id, *plain]) == "20+87="

@@ -63,7 +63,7 @@ def test_completion_stream_matches_non_stream(client):
 
 def test_text_prompt_and_chat(client):
     r = client.completions.create(model="ouro-tiny", prompt="Hello loops", max_tokens=4, temperature=0)
-    assert r.usage.prompt_tokens == len(b"Hello loops")
+    assert r.usage.prompt_tokens == len(b"Hello loops") + 1  # BOS first, as vLLM encodes a completion
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model="ouro", messages=msgs, max_tokens=6, temperature=0)
     assert chat.choices[0].message.role == "assistant"
@@ -73,6 +73,39 @@ def test_text_prompt_and_chat(client):
     )
     pieces = [c.choices[0].delta.content or "" for c in stream]
     assert "".join(pieces) == chat.choices[0].message.content
+
+
+def test_trained_tiny_model_answers_its_eval_questions_through_the_api():
+    # The serving path encodes a text prompt as the model was trained (BOS first), stops at EOS and
+    # decodes: the trained ouro-tiny answers its own eval questions as `looptrace depth` scores them.
+    import torch
+
+    from looptrace.assets import shipped_weights
+    from looptrace.engine import EngineConfig, LLMEngine
+    from looptrace.engine.checkpoint import load_checkpoint
+    from looptrace.engine.tokenizer import load_tokenizer
+    from looptrace.serve.server import build_server
+    from looptrace.train.evaluate import read_items
+
+    weights = shipped_weights("ouro-tiny")
+    _, net = load_checkpoint(weights, torch.device("cpu"), torch.float32)
+    engine = LLMEngine(net, EngineConfig(), device=torch.device("cpu"), dtype=torch.float32)
+    srv = build_server(
+        engine, port=0, model_name="ouro", tokenizer=load_tokenizer(weights), probe_interval=None
+    )
+    srv.start()
+    try:
+        api = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        items = read_items(weights / "eval.jsonl", need_answer=True)[:5]
+        texts = [
+            api.completions.create(model="ouro", prompt=it.prompt, max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+            for it in items
+        ]
+    finally:
+        srv.stop()
+    assert texts == [it.answer for it in items]
 
 
 def test_stop_string_cuts_the_text_and_frees_the_request(server, client):
