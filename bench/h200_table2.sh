@@ -3,6 +3,8 @@
 # file because at most 8 files come back):
 #   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny presets, CUDA)
 #   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
+#   bash bench/h200_table2.sh probe          exact-kernel launch variants, R0/R1-only diffs, exactloop
+#                                            profile at 8 rows (bench/exact_variants_h200.py)
 #   bash bench/h200_table2.sh kernels        exact-kernel timings per row bucket (bench/kernels_h200.py)
 #                                            and attention timings (bench/attention_h200.py)
 #   bash bench/h200_table2.sh "CELL ..."     paired Table 2 cells, e.g. "ouro:512/128@1,8 huginn:512/64@1"
@@ -16,6 +18,9 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
+# A Triton cache carried from the last call (.tcache/triton.tgz, excluded from git) saves the compiles.
+if [ -f .tcache/triton.tgz ]; then mkdir -p ~/.triton && tar -xzf .tcache/triton.tgz -C ~/.triton; fi
+trap 'tar -czf "$OUT/triton.tgz" -C ~/.triton cache 2>/dev/null' EXIT
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$LOG"
 if [ "$1" = checks ]; then
   timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
@@ -25,6 +30,18 @@ if [ "$1" = checks ]; then
     timeout "${DIFF_TIMEOUT:-100}" python3 -m looptrace diff base exactloop --model "$m" --device cuda \
       --format json -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
   done
+elif [ "$1" = probe ]; then
+  # Diagnostics of one call: exact-kernel launch variants, the R0/R1-only diffs (exactloop without its
+  # one R3 toggle, packed prefill: every stream must be identical), an exactloop profile at 8 rows.
+  timeout "${VARIANTS_TIMEOUT:-200}" python3 bench/exact_variants_h200.py --budget-s "${VARIANTS_BUDGET:-170}" \
+    --out "$OUT" >> "$LOG" 2>&1
+  echo "variants exit $?" | tee -a "$LOG"; grep -c "|" "$OUT/exact_variants_h200.md"
+  for m in ouro-tiny huginn-tiny; do
+    timeout 70 python3 -m looptrace diff base exactloop --model "$m" --device cuda --b-set prefill.packed=false \
+      --format json -o "$OUT/diff_r01_${m}_h200.json" 2>> "$LOG"; echo "diff r0/r1 $m exit $?" | tee -a "$LOG"
+  done
+  timeout -s INT 120 python3 -m looptrace profile --model ouro -c 8 --prompt-len 512 --recipe exactloop \
+    -o "$OUT/profile_exactloop_ouro-1.4b_c8.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
 elif [ "$1" = kernels ]; then
   mkdir -p "$OUT/kernels"
   timeout 250 python3 bench/kernels_h200.py --sections timings --budget-s 200 --out "$OUT/kernels" >> "$LOG" 2>&1
@@ -40,7 +57,7 @@ else
   name=$(echo "$1" | sed 's/[ :\/@,]/_/g')
   # SIGINT, not SIGTERM: an interrupted bench still writes the cells it completed. Table 2: 64 graphs.
   timeout -s INT "${BENCH_TIMEOUT:-560}" python3 -m looptrace bench "${args[@]}" --runs "${RUNS:-3}" \
-    --set cuda_graphs.max_graphs=64 --format json \
+    --set cuda_graphs.max_graphs=64 ${BENCH_ARGS:-} --format json \
     -o "$OUT/bench_$name.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG"
 fi

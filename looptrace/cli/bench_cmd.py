@@ -75,7 +75,10 @@ random prompts and OUTPUT tokens each (greedy, ignore_eos); MODEL is a preset or
 turn in this process: A, B, A, B, ... --runs times each. Each arm's first run is a dropped warm-up; mean
 and spread (min-max, std) cover the rest. Round r gives both arms the same prompts (seed + r). B/A is the
 ratio of the means; its range is that of the per-round ratios. Every arm gets scheduler.max_num_seqs=C
-(the burst is batched whole) unless --set/--a-set/--b-set say otherwise; on CUDA the two arms split the
+(the burst is admitted whole) and, with --prefill-batch whole (the default, as the paper's harness),
+max_num_batched_tokens=C*PROMPT and prefill_chunk_size=PROMPT (the burst's prompts prefill as one batch;
+--prefill-batch recipe keeps the recipe's 128-token chunks), unless --set/--a-set/--b-set say otherwise;
+on CUDA the two arms split the
 KV memory evenly (kv.num_blocks, equal bytes) unless an arm sets kv.num_blocks or
 kv.gpu_memory_utilization.
 
@@ -106,6 +109,7 @@ class Plan:
     threads: int
     random_weights: bool
     notes: list[str] = field(default_factory=list)
+    prefill_batch: str = "whole"  # paired.cell_defaults: the burst's prompts in one prefill batch
 
 
 def bench(
@@ -152,6 +156,14 @@ def bench(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show progress and per-cell lines on stderr.")] = True,
+    prefill_batch: Annotated[
+        str,
+        typer.Option(
+            "--prefill-batch",
+            help="whole: the burst's prompts prefill as one batch (token budget C x PROMPT, the paper's "
+            "harness); recipe: the recipe's own budget (128-token chunks).",
+        ),
+    ] = "whole",
     from_json: Annotated[
         list[Path] | None,
         typer.Option(
@@ -187,6 +199,7 @@ def bench(
                 random_weights,
                 output,
                 plot,
+                prefill_batch,
             )
         for note in plan.notes:
             err_console.print(f"[yellow]note:[/] {note}")
@@ -258,6 +271,7 @@ def prepare(
     random_weights,
     output,
     plot,
+    prefill_batch="whole",
 ) -> Plan:
     from looptrace.cli.output import check_outputs
     from looptrace.drive import paired
@@ -317,8 +331,24 @@ def prepare(
         real = sorted({c.model for c in resolved} & {cuda for _, cuda in FAMILY_PRESETS.values()})
         if real:
             notes.append(f"real-shape preset(s) {', '.join(real)} on CPU: expect a long run")
+    if prefill_batch not in paired.PREFILL_BATCHES:
+        raise UsageError(
+            f"--prefill-batch {prefill_batch!r}: expected one of {', '.join(paired.PREFILL_BATCHES)}"
+        )
     return Plan(
-        resolved, runs, recipes, loaded, shared, arm_sets, dev, dt, seed, threads, random_weights, notes
+        resolved,
+        runs,
+        recipes,
+        loaded,
+        shared,
+        arm_sets,
+        dev,
+        dt,
+        seed,
+        threads,
+        random_weights,
+        notes,
+        prefill_batch,
     )
 
 
@@ -358,7 +388,7 @@ class EngineBackend:
         p = self.plan
         if arm == "a":  # before the cell's first engine: its memory split is measured on a free GPU
             self._auto = self._pool_sets(cell)
-        sets = arm_overrides(cell, p.shared, p.arm_sets[arm], self._auto.get(arm, []))
+        sets = arm_overrides(cell, p.shared, p.arm_sets[arm], self._auto.get(arm, []), p.prefill_batch)
         with friendly_errors():
             setup = build_engine(
                 model=cell.model,
@@ -407,7 +437,10 @@ class EngineBackend:
         ]
         if not sized:
             return {}
-        cfgs = {arm: load_recipe(p.recipes[arm], arm_overrides(cell, [], user[arm])).config for arm in ARMS}
+        cfgs = {
+            arm: load_recipe(p.recipes[arm], arm_overrides(cell, [], user[arm], (), p.prefill_batch)).config
+            for arm in ARMS
+        }
         free, total = torch.cuda.mem_get_info(p.device)
         util = min(cfgs[arm].kv.gpu_memory_utilization for arm in ARMS)
         per_arm = kv_bytes_per_arm(free, total, util, len(ARMS) * weight_bytes)
@@ -565,6 +598,11 @@ def report_data(plan: Plan, done: list, interrupted: bool) -> dict[str, Any]:
         "workload": "burst: C requests at t=0, PROMPT random token ids (seed + round, the same for both "
         "arms), OUTPUT tokens each, greedy, ignore_eos",
         "cell_defaults": ["scheduler.max_num_seqs=C"]
+        + (
+            ["scheduler.max_num_batched_tokens=max(128, C*PROMPT)", "scheduler.prefill_chunk_size=PROMPT"]
+            if plan.prefill_batch == "whole"
+            else []
+        )
         + (["kv.num_blocks: equal KV bytes per arm (CUDA)"] if plan.device.type == "cuda" else []),
         "cells_planned": [c.label for c in plan.cells],
         "interrupted": interrupted,

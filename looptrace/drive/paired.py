@@ -172,14 +172,42 @@ def reference_for(cell: Cell) -> Reference | None:
 
 
 # Per-cell engine settings ---------------------------------------------------------------------------
+PREFILL_BATCHES = ("whole", "recipe")
+
+
+def cell_defaults(cell: Cell, prefill_batch: str = "whole") -> list[str]:
+    """The settings a burst cell gives both arms before anything the user sets.
+
+    Every request of the burst is admitted at once (scheduler.max_num_seqs=C). With prefill_batch
+    `whole` (the default) the burst's prompts are also prefilled as one batch: a token budget of C x
+    PROMPT and chunks of a whole prompt, as vllm-rlt's device-loop benchmark sets its engine
+    (`max_num_batched_tokens = max(128, C * prompt_len)`, `prefill_chunk_size = prompt_len`); the
+    ExactLoop paper's Table 2 TTFTs match one such prefill step per burst, not C x PROMPT / 128
+    round-robin chunks. `recipe` keeps the recipe's serving budget (128-token chunks)."""
+    items = [f"scheduler.max_num_seqs={cell.concurrency}"]
+    if prefill_batch == "whole":
+        items += [
+            f"scheduler.max_num_batched_tokens={max(128, cell.concurrency * cell.prompt_len)}",
+            f"scheduler.prefill_chunk_size={cell.prompt_len}",
+        ]
+    elif prefill_batch != "recipe":
+        raise BenchInputError(
+            f"--prefill-batch {prefill_batch!r}: expected one of {', '.join(PREFILL_BATCHES)}"
+        )
+    return items
+
+
 def arm_overrides(
-    cell: Cell, shared: Sequence[str], arm: Sequence[str], auto: Sequence[str] = ()
+    cell: Cell,
+    shared: Sequence[str],
+    arm: Sequence[str],
+    auto: Sequence[str] = (),
+    prefill_batch: str = "whole",
 ) -> list[str]:
     """The `section.key=value` items an arm's engine is built with for `cell`, in the order they apply
-    (a later item wins): the cell's defaults (every request of the burst admitted at once:
-    scheduler.max_num_seqs=C), `auto` (e.g. the KV pool split on CUDA), then the user's --set, then the
-    arm's own --a-set / --b-set."""
-    return [f"scheduler.max_num_seqs={cell.concurrency}", *auto, *shared, *arm]
+    (a later item wins): the cell's defaults (`cell_defaults`), `auto` (e.g. the KV pool split on CUDA),
+    then the user's --set, then the arm's own --a-set / --b-set."""
+    return [*cell_defaults(cell, prefill_batch), *auto, *shared, *arm]
 
 
 def sets_key(items: Iterable[str], key: str) -> bool:

@@ -81,7 +81,18 @@ def test_real_run_json(tiny_run) -> None:
         2,
     )
     assert cell["arms"]["a"]["max_num_seqs"] == 2 and cell["arms"]["b"]["max_num_seqs"] == 1
-    assert cell["arms"]["b"]["overrides"] == ["scheduler.max_num_seqs=2", "scheduler.max_num_seqs=1"]
+    # The cell defaults (the burst admitted and prefilled whole), then the arm's own --b-set.
+    assert cell["arms"]["b"]["overrides"] == [
+        "scheduler.max_num_seqs=2",
+        "scheduler.max_num_batched_tokens=128",
+        "scheduler.prefill_chunk_size=16",
+        "scheduler.max_num_seqs=1",
+    ]
+    assert h["cell_defaults"][:3] == [
+        "scheduler.max_num_seqs=C",
+        "scheduler.max_num_batched_tokens=max(128, C*PROMPT)",
+        "scheduler.prefill_chunk_size=PROMPT",
+    ]
     for run in cell["runs"]:
         assert run["dropped"] == (run["round"] == 0)
         assert (run["completed"], run["failed"], run["output_tokens"]) == (2, 0, 8)

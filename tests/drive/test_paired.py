@@ -114,9 +114,11 @@ def test_table2_cells_and_references() -> None:
 def test_arm_overrides_order_user_wins() -> None:
     cell = Cell("ouro-tiny", 16, 4, 8)
     items = arm_overrides(cell, ["kv.block_size=32"], ["scheduler.max_num_seqs=1"], ["kv.num_blocks=64"])
-    # The cell default first, so the user's own scheduler.max_num_seqs (applied later) wins.
+    # The cell defaults first, so the user's own scheduler.max_num_seqs (applied later) wins.
     assert items == [
         "scheduler.max_num_seqs=8",
+        "scheduler.max_num_batched_tokens=128",
+        "scheduler.prefill_chunk_size=16",
         "kv.num_blocks=64",
         "kv.block_size=32",
         "scheduler.max_num_seqs=1",
@@ -124,6 +126,39 @@ def test_arm_overrides_order_user_wins() -> None:
     assert paired.sets_key(items, "kv.num_blocks")
     assert not paired.sets_key(items, "kv.num")
     assert paired.sets_key([" kv.gpu_memory_utilization =0.5"], "kv.gpu_memory_utilization")
+
+
+def test_cell_defaults_prefill_the_burst_as_one_batch() -> None:
+    """--prefill-batch whole (the paper's harness): C x PROMPT tokens in one prefill step, whole prompts
+    per request; recipe: only the admission default, so the recipe's 128-token chunks stay."""
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.engine.request import SamplingParams
+    from looptrace.recipes import load_recipe
+
+    cell = Cell("ouro-tiny", 40, 2, 3)
+    assert paired.cell_defaults(cell) == [
+        "scheduler.max_num_seqs=3",
+        "scheduler.max_num_batched_tokens=128",  # 3 x 40 = 120, never under vllm-rlt's 128
+        "scheduler.prefill_chunk_size=40",
+    ]
+    assert paired.cell_defaults(Cell("ouro-1.4b", 512, 128, 64))[1:] == [
+        "scheduler.max_num_batched_tokens=32768",
+        "scheduler.prefill_chunk_size=512",
+    ]
+    assert paired.cell_defaults(cell, "recipe") == ["scheduler.max_num_seqs=3"]
+    with pytest.raises(BenchInputError, match="--prefill-batch 'chunks': expected one of whole, recipe"):
+        paired.cell_defaults(cell, "chunks")
+    # On the engine: three 100-token prompts prefill in one step (whole) or in three steps of the
+    # recipe's 128-token budget (recipe).
+    long = Cell("ouro-tiny", 100, 1, 3)
+    for mode, expected_steps in (("whole", 1), ("recipe", 3)):
+        cfg = load_recipe("base", arm_overrides(long, [], [], (), mode)).config
+        engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cpu")
+        for i in range(3):
+            engine.add_request([1 + i] * 100, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats.steps_by_stage["prefill"] == expected_steps, mode
 
 
 def test_kv_bytes_split_evenly() -> None:

@@ -214,6 +214,14 @@ def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return out.view(*x.shape[:-1], n)
 
 
+def one_kernel_warps(lanes: int) -> int:
+    """Warps of a one-kernel launch: at most one thread per lane. With more threads than lanes the
+    [1, LANES] accumulators are replicated and the kernel ran 7-60x slower on the H200 (8 rows of
+    Ouro's width: 22.9 µs with 4 warps, 2.3 µs with 2; bench/results/exact_variants_h200.md); 4 warps
+    were the fastest for 128-512 lanes. The bits do not depend on it: every add is spelled out."""
+    return max(1, min(lanes // 32, 4))
+
+
 def one_kernel_ok(rows: int, width: int) -> bool:
     return _ONE_KERNEL_ENABLED and reduce_shape(rows, width).one_kernel_ok
 
@@ -224,8 +232,11 @@ def rms_norm_fused(
     eps: float,
     order: str | None = None,
     mean_out: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """One kernel replaying PyTorch's mean order; falls back to `rms_norm_three` where it cannot."""
+    """One kernel replaying PyTorch's mean order; falls back to `rms_norm_three` where it cannot.
+    num_warps: the launch's warps (layout only: every add's order is spelled out, so any count gives the
+    same bits); None = the default for the row's lane count."""
     x2, w, out, out_bf16 = _prep(x, weight)
     m, n = x2.shape
     shape = reduce_shape(m, n)
@@ -249,7 +260,7 @@ def rms_norm_fused(
         CHUNK=_chunk(n),
         OUT_BF16=out_bf16,
         STORE_MEAN=mean_out is not None,
-        num_warps=max(1, min(lanes // 32, 8)) if lanes >= 128 else 4,
+        num_warps=num_warps or one_kernel_warps(lanes),
         **EXACT_OPTIONS,
     )
     return out.view(*x.shape[:-1], n)
@@ -275,6 +286,7 @@ __all__ = [
     "VEC",
     "fx",
     "one_kernel_ok",
+    "one_kernel_warps",
     "rms_norm",
     "rms_norm_fused",
     "rms_norm_three",

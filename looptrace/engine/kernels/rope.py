@@ -108,8 +108,14 @@ def _rope_interleaved_kernel(
     tl.store(op + 1, to_bf16(o1), mask=m)
 
 
+# Elements (head x pair) per program. 4096 made Huginn's [64 heads, 64 pairs] tile one program of 4 warps,
+# 20 µs per call on the H200, no faster than eager (bench/results/exact_variants_h200.md); elementwise
+# work, so the tile only changes which program computes an element, never its bits.
+TILE_ELEMENTS = 1024
+
+
 def _blocks(heads: int, block_d: int) -> tuple[int, int]:
-    block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
+    block_h = max(1, min(triton.next_power_of_2(heads), TILE_ELEMENTS // block_d))
     return block_h, triton.cdiv(heads, block_h)
 
 
