@@ -3,6 +3,7 @@
 # file because at most 8 files come back):
 #   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny presets, CUDA)
 #   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
+#   bash bench/h200_table2.sh kchecks        exact-kernel GPU tests (KSELECT, default "rmsnorm or rope") and graphs
 #   bash bench/h200_table2.sh probe          exact-kernel launch variants, R0/R1-only diffs, exactloop
 #                                            profile at 8 rows (bench/exact_variants_h200.py)
 #   bash bench/h200_table2.sh kernels        exact-kernel timings per row bucket (bench/kernels_h200.py)
@@ -30,6 +31,11 @@ if [ "$1" = checks ]; then
     timeout "${DIFF_TIMEOUT:-100}" python3 -m looptrace diff base exactloop --model "$m" --device cuda \
       --format json -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
   done
+elif [ "$1" = kchecks ]; then
+  # The exact kernels' GPU tests (bitwise vs eager, eager calls and graph replays) and the graph tests.
+  timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -m gpu tests/engine/test_gpu_kernels.py -k "${KSELECT:-rmsnorm or rope}" \
+    tests/engine/test_gpu_graphs.py -p no:cacheprovider -q 2>&1 | tail -15 > "$OUT/gpu_tests_kernels_h200.txt"
+  tail -3 "$OUT/gpu_tests_kernels_h200.txt"
 elif [ "$1" = probe ]; then
   # Diagnostics of one call: exact-kernel launch variants, the R0/R1-only diffs (exactloop without its
   # one R3 toggle, packed prefill: every stream must be identical), an exactloop profile at 8 rows.
