@@ -57,9 +57,12 @@ elif [ "$1" = kernels ]; then
   timeout 250 python3 bench/attention_h200.py --budget-s 200 --out "$OUT" >> "$LOG" 2>&1
   echo "attention exit $?" | tee -a "$LOG"
 elif [ "$1" = profile ]; then
-  timeout -s INT "${PROFILE_TIMEOUT:-500}" python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
-    -o "$OUT/profile_compare_ouro-1.4b_c1.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
-  grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1.txt" | tail -3
+  # PROFILE_C=8 PROFILE_PROMPT=512: the 8-row compare (bench/results/profile_compare_ouro-1.4b_c8.txt)
+  c=${PROFILE_C:-1}
+  timeout -s INT "${PROFILE_TIMEOUT:-500}" python3 -m looptrace profile --model ouro -c "$c" \
+    ${PROFILE_PROMPT:+--prompt-len "$PROFILE_PROMPT"} --compare base exactloop \
+    -o "$OUT/profile_compare_ouro-1.4b_c$c.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
+  grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c$c.txt" | tail -3
 else
   args=(); for c in $1; do args+=(--cell "$c"); done
   name=$(echo "$1" | sed 's/[ :\/@,]/_/g')
