@@ -149,6 +149,10 @@ def test_real_run_plot_and_renderings(tiny_run) -> None:
         (["--cell", "ouro-tiny:16/4@2", "--b-set", "bogus.key=1"], ["bogus"]),
         (["--cell", "ouro-tiny:16/4@2", "--plot", "speedup.txt"], ["--plot speedup.txt", ".svg"]),
         (["--cell", "ouro-tiny:16/4@2", "--seed", "-1"], ["--seed"]),
+        (
+            ["--cell", "ouro-tiny:16/4@2", "--prefill-batch", "chunks"],
+            ["--prefill-batch 'chunks'", "whole, recipe"],
+        ),
     ],
 )
 def test_bad_input(args, needles) -> None:
