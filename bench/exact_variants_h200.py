@@ -36,11 +36,12 @@ def log(*a):
 
 def norm_variants(rows: int, width: int) -> dict[str, dict]:
     from looptrace.engine.kernels.reduce_order import reduce_shape
+    from looptrace.engine.kernels.rmsnorm import one_kernel_warps
 
     shape = reduce_shape(rows, width)
     out = {"three": {"form": "three"}}
     if shape.one_kernel_ok:
-        default = max(1, min(shape.lanes // 32, 8)) if shape.lanes >= 128 else 4
+        default = one_kernel_warps(shape.lanes)  # the engine's launch (before a1ba082: 4 under 128 lanes)
         for nw in sorted({1, 2, 4, 8, default}):
             if nw * 32 <= max(shape.lanes, 32) * 4:  # no more than 4 threads per lane
                 out[f"one nw={nw}" + (" (default)" if nw == default else "")] = {"form": "one", "nw": nw}
