@@ -118,6 +118,30 @@ def test_whole_token_graph_equals_eager_and_replays_once_per_token(preset, atten
     assert token["replays"] == 2 * 4  # 4 decode tokens after the prefill's first, per request
 
 
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+def test_whole_token_graph_at_24_rows_equals_eager(preset):
+    """exactloop.yaml's whole_token_max_rows=64: a 24-row whole-token graph (over the former 8-row limit)
+    gives the eager whole-token step's tokens bit for bit; one replay per 24-row step, no fallback."""
+    prompts = [[3 + i, 4, 5 + i % 7, 6] for i in range(24)]
+    params = SamplingParams(max_tokens=4)
+    outs, counters = [], []
+    for graphs in (True, False):
+        eng = _engine(
+            preset,
+            graphs,
+            scheduler__loop_fusion=True,
+            scheduler__prefill_share=True,
+            scheduler__whole_token=True,
+            scheduler__whole_token_max_rows=64,
+            scheduler__max_num_seqs=24,
+            kernels__attention="triton",
+        )
+        outs.append(eng.generate(prompts, params))
+        counters.append(eng.graph_counters()["whole_token"])
+    assert outs[0] == outs[1]
+    assert counters[0]["fallbacks"] == 0 and counters[0]["captures"] == 1 and counters[0]["replays"] == 3
+
+
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
 def test_async_decode_equals_synchronous_whole_token_decode(preset):
     """scheduler.async_decode on CUDA: graph replays whose input tokens come from the device buffer, tokens
