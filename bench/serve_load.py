@@ -99,6 +99,10 @@ async def run_load(
             )
         )
         wall = time.perf_counter() - t0
+    # The checks after the load open a new connection: a pooled one idle for about the server's keep-alive
+    # timeout (uvicorn: 5 s, reached while the engine drains on a loaded machine) can be closed by the
+    # server just as it is reused ("Server disconnected without sending a response", seen in CI).
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0)) as client:
         if wait_idle is not None:
             drained = await asyncio.to_thread(wait_idle, idle_timeout)
         else:  # a remote server: poll its metrics until nothing runs or waits (bounded)
