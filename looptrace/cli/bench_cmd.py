@@ -507,7 +507,14 @@ class EngineBackend:
             "output_tokens": m.total_output_tokens,
             "steps_per_output_token": m.steps_per_output_token,
             "peak_kv_usage": m.peak_kv_usage,
-            **{f"graph_{k}": after[k] - before[k] for k in after},
+            **{f"graph_{k}": after[k] - before[k] for k in ("captures", "replays", "fallbacks")},
+            # which graph fell back and why (e.g. `prefill/oversized_batch`: a whole-burst prefill step has
+            # more rows than cuda_graphs.max_batch_size and runs eagerly, as the paper's prefill always does)
+            "graph_fallback_reasons": {
+                k: n - before["reasons"].get(k, 0)
+                for k, n in after["reasons"].items()
+                if n != before["reasons"].get(k, 0)
+            },
         }
 
     def release(self) -> None:
@@ -518,11 +525,14 @@ class EngineBackend:
             torch.cuda.empty_cache()
 
 
-def _graph_totals(engine) -> dict[str, int]:
-    totals = {"captures": 0, "replays": 0, "fallbacks": 0}
-    for counters in engine.graph_counters().values():
-        for k in totals:
+def _graph_totals(engine) -> dict[str, Any]:
+    """Captures, replays and fallbacks over every graph cache, and fallbacks by `graph/reason`."""
+    totals: dict[str, Any] = {"captures": 0, "replays": 0, "fallbacks": 0, "reasons": {}}
+    for name, counters in engine.graph_counters().items():
+        for k in ("captures", "replays", "fallbacks"):
             totals[k] += counters.get(k, 0)
+        for reason, n in counters.get("fallback_reasons", {}).items():
+            totals["reasons"][f"{name}/{reason}"] = n
     return totals
 
 

@@ -356,3 +356,18 @@ def test_from_merges_runs_split_across_jobs(tiny_run, tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text(json.dumps(second))
     line = assert_one_line_error(invoke("--from", out / "bench.json", "--from", tmp_path / "other.json"), 2)
     assert "arms differ" in line
+
+
+def test_runs_report_graph_fallbacks_by_graph_and_reason() -> None:
+    """A run's record names which graph fell back and why, as deltas over the run (a whole-burst prefill
+    step over cuda_graphs.max_batch_size counts `prefill/oversized_batch`)."""
+    from types import SimpleNamespace
+
+    from looptrace.cli.bench_cmd import _graph_totals
+
+    counters = {
+        "whole_token": {"captures": 1, "replays": 9, "fallbacks": 0, "fallback_reasons": {}},
+        "prefill": {"captures": 0, "replays": 0, "fallbacks": 2, "fallback_reasons": {"oversized_batch": 2}},
+    }
+    totals = _graph_totals(SimpleNamespace(graph_counters=lambda: counters))
+    assert totals == {"captures": 1, "replays": 9, "fallbacks": 2, "reasons": {"prefill/oversized_batch": 2}}
