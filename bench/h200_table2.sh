@@ -4,6 +4,7 @@
 #   bash bench/h200_table2.sh checks         GPU tests, diff base exactloop (tiny presets, CUDA)
 #   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
 #   bash bench/h200_table2.sh kchecks        exact-kernel GPU tests (KSELECT, default "rmsnorm or rope") and graphs
+#   bash bench/h200_table2.sh fused          the fused tails' GPU tests, graph tests, R0/R1 diffs, batch-1 profile
 #   bash bench/h200_table2.sh probe          exact-kernel launch variants, R0/R1-only diffs, exactloop
 #                                            profile at 8 rows (bench/exact_variants_h200.py)
 #   bash bench/h200_table2.sh kernels        exact-kernel timings per row bucket (bench/kernels_h200.py)
@@ -38,6 +39,20 @@ elif [ "$1" = kchecks ]; then
       tests/engine/test_gpu_kernels.py -k "${KSELECT:-rmsnorm or rope}" -p no:cacheprovider 2>&1 | tail -2
     timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -2
   } > "$OUT/gpu_tests_kernels_h200.txt"; cat "$OUT/gpu_tests_kernels_h200.txt"
+elif [ "$1" = fused ]; then
+  # The fused tails (kernels.residual_norm, kernels.rope_kv_write): their bitwise GPU tests, the graph
+  # tests, the R0/R1-only diffs, then the batch-1 profile of both arms.
+  { timeout 200 python3 -m pytest -m gpu tests/engine/test_gpu_kernels.py -k "residual_norm or rope_kv_write" \
+      -p no:cacheprovider 2>&1 | tail -4
+    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -3
+  } > "$OUT/gpu_tests_fused_h200.txt"; cat "$OUT/gpu_tests_fused_h200.txt"
+  for m in ouro-tiny huginn-tiny; do
+    timeout 70 python3 -m looptrace diff base exactloop --model "$m" --device cuda --b-set prefill.packed=false \
+      --format json -o "$OUT/diff_r01_${m}_h200.json" 2>> "$LOG"; echo "diff r0/r1 $m exit $?" | tee -a "$LOG"
+  done
+  timeout -s INT "${PROFILE_TIMEOUT:-200}" python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
+    -o "$OUT/profile_compare_ouro-1.4b_c1.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
+  grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1.txt" | tail -3
 elif [ "$1" = probe ]; then
   # Diagnostics of one call: exact-kernel launch variants, the R0/R1-only diffs (exactloop without its
   # one R3 toggle, packed prefill: every stream must be identical), an exactloop profile at 8 rows.

@@ -188,6 +188,11 @@ class KernelConfig:
     # q/k/v and gate/up as one GEMM each: R0 only where a startup check finds them bitwise equal on the
     # device in use (`rung_check: device`), otherwise R3.
     fused_projections: bool = field(default=False, metadata=_meta("R0", rung_check="device"))
+    # Beyond the paper, with `exact` on: a sandwich block's post-norm, residual add and next pre-norm as one
+    # exact kernel (Ouro: 4 norms + 2 adds per layer-loop become 2 launches), and RoPE of q and k with the
+    # K/V cache write as one (Ouro, Triton attention). The same fenced arithmetic as the single kernels.
+    residual_norm: bool = field(default=False, metadata=_meta("R0"))
+    rope_kv_write: bool = field(default=False, metadata=_meta("R0"))
     # Paged attention: `torch` (index_put K/V, gather the pages, SDPA: 8 kernels per layer-loop) or `triton`
     # (one K/V write kernel + one paged Triton kernel reading the row's own plane, online softmax in fp32,
     # as vLLM's Triton backend in the base engine, hence the default; CUDA only, the torch path elsewhere).

@@ -52,6 +52,30 @@ class RMSNorm(nn.Module):
         return h.to(x.dtype) * self.weight
 
 
+class ResidualRMSNorm(nn.Module):
+    """`h = residual + post(y); return h, nxt(h)`: a sandwich block's post-norm, residual add and the next
+    pre-norm as one exact kernel (`kernels.residual_norm`). Holds no weights: it reads the two RMSNorm
+    modules it is given, so checkpoint names do not change. Its own module so probes see a range around
+    the fused launch (op_kind `residual_norm`: an op of its own, apart from the four `norm` ops)."""
+
+    op_kind = "residual_norm"
+
+    def forward(self, y, residual, post: RMSNorm, nxt: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return K.residual_rms_norm(y, post.weight, post.eps, residual, nxt.weight, nxt.eps)
+
+
+def enable_fused_tails(model: nn.Module, residual_norm: bool, rope_kv_write: bool) -> int:
+    """Switch on the fused exact kernels beyond the single ops (`kernels.residual_norm`,
+    `kernels.rope_kv_write`) in every module that has them; returns how many modules."""
+    count = 0
+    for module in model.modules():
+        for flag, on in (("residual_norm", residual_norm), ("rope_kv_write", rope_kv_write)):
+            if on and hasattr(type(module), flag):
+                setattr(module, flag, True)
+                count += 1
+    return count
+
+
 class Embedding(nn.Embedding):
     op_kind = "embed"
 
@@ -293,20 +317,19 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if self.triton:  # write every row's K/V first: a prompt row attends to the rows before it
             K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
-            if ctx.blocks is not None:  # packed prefill
-                return K.packed_attn(
-                    q,
-                    ctx.k_cache,
-                    ctx.v_cache,
-                    ctx.tables,
-                    ctx.ctx_lens,
-                    ctx.blocks,
-                    self.layer_id,
-                    self.scale,
-                )
-            return K.paged_attn(
-                q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale
+            return self.attend_written(q, ctx)
+        return self._torch_path(q, k, v, ctx)
+
+    def attend_written(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """Triton path, after this layer's K/V of every row are in the cache (by `write_kv`, or by a kernel
+        that fused the write, `kernels.rope_kv_write`)."""
+        if ctx.blocks is not None:  # packed prefill
+            return K.packed_attn(
+                q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
             )
+        return K.paged_attn(q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale)
+
+    def _torch_path(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]
         # Entry view shifted by this layer: row e is entry e + layer_id (no per-layer index arithmetic).
         k_layer = ctx.k_cache[self.layer_id :]

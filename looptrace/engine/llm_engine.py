@@ -33,7 +33,7 @@ from looptrace.engine.hooks import (
     StepResult,
 )
 from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
-from looptrace.engine.layers import enable_exact_kernels, enable_triton_attention
+from looptrace.engine.layers import enable_exact_kernels, enable_fused_tails, enable_triton_attention
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
@@ -149,18 +149,19 @@ class LLMEngine:
         self.checked_rungs: dict[str, str] = {}
         # Settings accepted but without effect on this device, and why (reported in run headers).
         self.inactive_settings: dict[str, str] = {}
-        if cfg.kernels.exact:
-            if device.type == "cuda" and kernels.available():
-                enable_exact_kernels(model)
-                kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
-            else:
-                self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
+        exact_on = cfg.kernels.exact and device.type == "cuda" and kernels.available()
+        if exact_on:
+            enable_exact_kernels(model)
+            kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
+        elif cfg.kernels.exact:
+            self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
         wants_triton = cfg.kernels.attention == "triton"
         self._triton_attention = wants_triton and device.type == "cuda" and kernels.available()
         if self._triton_attention:
             enable_triton_attention(model)
         elif wants_triton:
             self.inactive_settings["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
+        self._enable_fused_tails(exact_on)
         if device.type != "cuda":
             self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"
         if cfg.kernels.fused_projections and fuse_model_projections(model):
@@ -256,6 +257,25 @@ class LLMEngine:
         from looptrace.engine.perturb import install_perturbation  # debug.perturb (test aid)
 
         self.perturbation = install_perturbation(self, cfg.debug.perturb)
+
+    def _enable_fused_tails(self, exact_on: bool) -> None:
+        """kernels.residual_norm / rope_kv_write: fused exact kernels built on `kernels.exact` (and the
+        Triton K/V write); inactive, with the reason, where those are off or the family has no such op."""
+        k = self.cfg.kernels
+        wanted = {"kernels.residual_norm": k.residual_norm, "kernels.rope_kv_write": k.rope_kv_write}
+        for name, on in wanted.items():
+            if not on:
+                continue
+            if not exact_on:
+                self.inactive_settings[name] = "needs kernels.exact active (CUDA with Triton)"
+            elif name == "kernels.rope_kv_write" and not self._triton_attention:
+                self.inactive_settings[name] = "needs the Triton attention path (kernels.attention=triton)"
+            elif not enable_fused_tails(
+                self.model,
+                residual_norm=name == "kernels.residual_norm",
+                rope_kv_write=name == "kernels.rope_kv_write",
+            ):
+                self.inactive_settings[name] = f"no fused kernel for the {self.spec.family} family"
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod

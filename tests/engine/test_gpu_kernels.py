@@ -73,6 +73,26 @@ def test_rope_bitwise(model, rows):
 @gpu
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("model", MODELS)
+def test_residual_norm_bitwise(model, rows):
+    def make(checks, kind, gen):
+        return checks.residual_norm_case(checks.spec(model), rows, kind, gen, "cuda")
+
+    assert _run(make) == []
+
+
+@gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("model", ["ouro-1.4b", "olmo-retrofit-1b"])
+def test_rope_kv_write_bitwise(model, rows):
+    def make(checks, kind, gen):
+        return checks.rope_write_case(checks.spec(model), rows, kind, gen, "cuda")
+
+    assert _run(make) == []
+
+
+@gpu
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("model", MODELS)
 def test_silu_mul_bitwise(model, rows):
     def make(checks, kind, gen):
         return checks.silu_case(checks.spec(model), rows, kind, gen, "cuda")

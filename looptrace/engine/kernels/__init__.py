@@ -62,6 +62,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str = "aut
     return rmsnorm.rms_norm(x, weight, eps, form)
 
 
+def residual_rms_norm(y, w_post, eps_post: float, residual, w_next, eps_next: float):
+    """`h = residual + rms_norm(y, w_post); return h, rms_norm(h, w_next)` in one launch (Ouro's post-norm,
+    residual add and next pre-norm), bit for bit (`rmsnorm.residual_rms_norm`)."""
+    from looptrace.engine.kernels import rmsnorm
+
+    return rmsnorm.residual_rms_norm(y, w_post, eps_post, residual, w_next, eps_next)
+
+
+def rope_half_write_kv(q, k, v, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id: int):
+    """`rope_half` of q and k, then `write_kv` of the rotated k and v, one launch; returns the rotated q."""
+    from looptrace.engine.kernels import rope
+
+    return rope.rope_half_write_kv(q, k, v, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id)
+
+
 def rope_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`layers.RotaryHalf.forward(q, k, cos, sin)` (Ouro, OLMo)."""
     from looptrace.engine.kernels import rope
@@ -181,6 +196,7 @@ def warmup(device: torch.device | str = "cuda", specs=()) -> None:
             x = torch.zeros(m, h, dtype=torch.bfloat16, device=device)
             w = torch.ones(h, dtype=torch.bfloat16, device=device)
             rms_norm(x, w, 1e-6)
+            residual_rms_norm(x, w, 1e-6, x, w, 1e-6)
             if not reduce_order.reduce_shape(m, h).one_kernel_ok:
                 rms_norm(x, w, 1e-6, form="three")
             q = torch.zeros(m, spec["heads"], d, dtype=torch.bfloat16, device=device)
@@ -206,8 +222,10 @@ __all__ = [
     "graph_warmup",
     "is_capturing",
     "paged_attn",
+    "residual_rms_norm",
     "rms_norm",
     "rope_half",
+    "rope_half_write_kv",
     "rope_interleaved",
     "silu_and_mul",
     "use_exact",

@@ -173,6 +173,69 @@ def rope_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
     return Case("rope", spec.name, rows, kind, eager, exact, uses)
 
 
+def residual_norm_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
+    """Ouro's post-norm + residual add + next pre-norm: `h = res + post(y); (h, nxt(h))` eagerly, against
+    `rmsnorm.residual_rms_norm` (one launch)."""
+    from looptrace.engine.kernels import rmsnorm
+
+    n = spec.hidden_size
+    y = make_input((rows, n), kind, gen, device, scale=3.0)
+    residual = make_input((rows, n), "random" if kind == "exp-edge" else kind, gen, device, scale=2.0)
+    post, nxt = (RMSNorm(n, spec.rms_norm_eps).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        post.weight.copy_(_weight(n, kind, gen, device))
+        nxt.weight.copy_(_weight(n, kind, gen, device))
+
+    def eager():
+        with torch.no_grad():
+            h = residual + post(y)
+            return h, nxt(h)
+
+    def exact():
+        w1, w2 = post.weight.detach(), nxt.weight.detach()
+        return rmsnorm.residual_rms_norm(y, w1, post.eps, residual, w2, nxt.eps)
+
+    uses = rmsnorm.residual_supported(y, residual, post.weight, nxt.weight)
+    return Case("residual_norm", spec.name, rows, kind, eager, exact, uses)
+
+
+def rope_write_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
+    """Rotate-half RoPE then the Triton K/V write (the base path) against `rope.rope_half_write_kv`: the
+    rotated q and both caches (each side writes its own zeroed pool; the last row is a padding row with
+    write_entry -1 when rows > 1, which must write nothing)."""
+    from looptrace.engine.kernels import paged_attention as pa
+    from looptrace.engine.kernels import rope
+
+    h, kvh, d, layers, page = spec.num_heads, spec.num_kv_heads, spec.head_dim, 3, 16
+    positions = torch.randint(0, spec.max_position, (rows,), generator=gen, device=device)
+    qkv = make_input((rows, (h + 2 * kvh) * d), kind, gen, device, scale=2.0)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.reshape(-1, h, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+    mod = RotaryHalf(d, spec.rope_theta).to(device)
+    cos, sin = mod.tables(positions, torch.bfloat16)
+    entries = (rows + 1) * layers
+    # distinct (entry base, slot) per row: block b = row, slot = a random offset
+    write_entry = torch.arange(rows, device=device, dtype=torch.int64) * layers
+    write_offset = torch.randint(0, page, (rows,), generator=gen, device=device)
+    if rows > 1:
+        write_entry[-1] = -1
+    pools = [torch.zeros(entries, page, kvh, d, dtype=torch.bfloat16, device=device) for _ in range(4)]
+    layer_id = 1
+
+    def eager():
+        kc, vc = pools[0].zero_(), pools[1].zero_()
+        qr, kr = mod(q, k, cos, sin)
+        pa.write_kv(kr, v, kc, vc, write_entry, write_offset, layer_id)
+        return qr, kc, vc
+
+    def exact():
+        kc, vc = pools[2], pools[3]
+        qr = rope.rope_half_write_kv(q, k, v, cos, sin, kc, vc, write_entry, write_offset, layer_id)
+        return qr, kc, vc
+
+    return Case("rope_kv_write", spec.name, rows, kind, eager, exact, rope.supported_half(q, k, cos, sin))
+
+
 def silu_case(spec: ModelSpec, rows, kind, gen, device, options: dict | None = None, label="") -> Case:
     import looptrace.engine.kernels.silu_mul as silu
 

@@ -9,6 +9,8 @@ Two forms (exactness.md §2, §5):
   4 strided accumulators per lane, shared-memory halving, warp-shuffle tree, `sum * fl32(M / (M*N))`).
   Only shapes whose eager mean splits a row across lanes alone (`ReduceShape.one_kernel_ok`); a shape whose
   mean would split across warps falls back to three kernels.
+`residual_rms_norm` chains post-norm, residual add and the next pre-norm of a sandwich block in one
+launch (two one-kernel norms around ATen's bf16 add), where eager runs three ops.
 Importing this module imports Triton.
 """
 
@@ -100,25 +102,8 @@ def _halve(s, HALF: tl.constexpr, ADJACENT: tl.constexpr):
 
 
 @triton.jit
-def _fused_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    mean_ptr,
-    stride_xm,
-    stride_om,
-    factor,
-    eps,
-    N: tl.constexpr,
-    LANES: tl.constexpr,
-    K: tl.constexpr,
-    DESC: tl.constexpr,
-    CHUNK: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    STORE_MEAN: tl.constexpr,
-):
-    row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * stride_xm
+def _row_mean(base, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr):
+    """mean(x^2) of the bf16 row at `base`, summed in PyTorch's order for the row bucket; fp32 [1]."""
     lanes = tl.arange(0, LANES)[None, :]  # [1, LANES]
     n_vec = N // 4
     acc0 = tl.zeros([1, LANES], tl.float32)
@@ -155,11 +140,75 @@ def _fused_kernel(
     s = _halve(s, 2, not DESC)
     s = _halve(s, 1, not DESC)
     total = tl.reshape(s, [1])
-    mean = mul_rn(total, tl.full([1], factor, tl.float32))
+    return mul_rn(total, tl.full([1], factor, tl.float32))
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    mean_ptr,
+    stride_xm,
+    stride_om,
+    factor,
+    eps,
+    N: tl.constexpr,
+    LANES: tl.constexpr,
+    K: tl.constexpr,
+    DESC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    STORE_MEAN: tl.constexpr,
+):
+    row = tl.program_id(0)
+    mean = _row_mean(x_ptr + row.to(tl.int64) * stride_xm, factor, N, LANES, K, DESC)
     if STORE_MEAN:
         tl.store(mean_ptr + row + tl.zeros([1], tl.int32), mean)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
     _norm_tail(x_ptr, w_ptr, out_ptr, row, stride_xm, stride_om, r, N, CHUNK, OUT_BF16)
+
+
+@triton.jit
+def _residual_norm_kernel(
+    y_ptr,
+    wy_ptr,
+    h_ptr,
+    h_out_ptr,
+    wn_ptr,
+    out_ptr,
+    stride_y,
+    stride_h,
+    stride_ho,
+    stride_o,
+    factor,
+    eps_y,
+    eps_n,
+    N: tl.constexpr,
+    LANES: tl.constexpr,
+    K: tl.constexpr,
+    DESC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """h_out = h + norm(y) * wy (bf16 add), out = norm(h_out) * wn: three eager ops, one program per row."""
+    row = tl.program_id(0)
+    rows = row.to(tl.int64)
+    mean = _row_mean(y_ptr + rows * stride_y, factor, N, LANES, K, DESC)
+    r = rsqrt_approx(add_rn(mean, tl.full([1], eps_y, tl.float32)))
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        m = cols < N
+        y = tl.load(y_ptr + rows * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        normed = round_bf16(mul_rn(round_bf16(mul_rn(y, r)), w))  # the bf16 output of the post-norm
+        h = tl.load(h_ptr + rows * stride_h + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_out_ptr + rows * stride_ho + cols, to_bf16(add_rn(h, normed)), mask=m)
+    # The next norm reads the new residual row back in its own lane order: every thread's stores above
+    # must be visible to the whole program first.
+    tl.debug_barrier()
+    mean_n = _row_mean(h_out_ptr + rows * stride_ho, factor, N, LANES, K, DESC)
+    r_n = rsqrt_approx(add_rn(mean_n, tl.full([1], eps_n, tl.float32)))
+    _norm_tail(h_out_ptr, wn_ptr, out_ptr, row, stride_ho, stride_o, r_n, N, CHUNK, True)
 
 
 def _prep(x: torch.Tensor, weight: torch.Tensor):
@@ -266,6 +315,66 @@ def rms_norm_fused(
     return out.view(*x.shape[:-1], n)
 
 
+def residual_supported(y: torch.Tensor, residual: torch.Tensor, w_post, w_next) -> bool:
+    rows, n = y.numel() // max(y.shape[-1], 1), y.shape[-1]
+    return (
+        _ONE_KERNEL_ENABLED
+        and y.shape == residual.shape
+        and residual.dtype == torch.bfloat16
+        and all(supported(y, w) and w.dtype == torch.bfloat16 for w in (w_post, w_next))
+        and reduce_shape(rows, n).one_kernel_ok
+    )
+
+
+def residual_rms_norm(
+    y: torch.Tensor,
+    w_post: torch.Tensor,
+    eps_post: float,
+    residual: torch.Tensor,
+    w_next: torch.Tensor,
+    eps_next: float,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = residual + norm_post(y); return h, norm_next(h)` (the sandwich block's post-norm, residual add
+    and the next pre-norm), bit for bit, in one kernel. Both norms are one-kernel RMSNorms with PyTorch's
+    mean order of the row bucket; the add is ATen's bf16 add (fp32 sum rounded to nearest even). Shapes the
+    one-kernel form cannot replay, other dtypes and CPU tensors take the eager ops."""
+    if not residual_supported(y, residual, w_post, w_next):
+        h = residual + rms_norm(y, w_post, eps_post)
+        return h, rms_norm(h, w_next, eps_next)
+    n = y.shape[-1]
+    y2, h2 = y.reshape(-1, n), residual.reshape(-1, n)
+    y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    m = y2.shape[0]
+    h_out = torch.empty((m, n), dtype=torch.bfloat16, device=y.device)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=y.device)
+    shape = reduce_shape(m, n)
+    _residual_norm_kernel[(m,)](
+        y2,
+        w_post.contiguous(),
+        h2,
+        h_out,
+        w_next.contiguous(),
+        out,
+        y2.stride(0),
+        h2.stride(0),
+        h_out.stride(0),
+        out.stride(0),
+        mean_factor(m, n),
+        eps_post,
+        eps_next,
+        n,
+        LANES=shape.lanes,
+        K=shape.vectors_per_lane,
+        DESC=(_ORDER or default_shuffle_order()) == "desc",
+        CHUNK=_chunk(n),
+        num_warps=num_warps or one_kernel_warps(shape.lanes),
+        **EXACT_OPTIONS,
+    )
+    return h_out.view(residual.shape), out.view(residual.shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str = "auto") -> torch.Tensor:
     """`RMSNorm.forward` of the engine, exact. form: 'auto' (one kernel where replayable), 'one', 'three'."""
     if not supported(x, weight):
@@ -287,6 +396,8 @@ __all__ = [
     "fx",
     "one_kernel_ok",
     "one_kernel_warps",
+    "residual_rms_norm",
+    "residual_supported",
     "rms_norm",
     "rms_norm_fused",
     "rms_norm_three",

@@ -6,6 +6,8 @@ Eager references (`looptrace.engine.layers`):
 - `RotaryInterleaved.forward`: pairs (2i, 2i+1) in fp32, `o0 = rn32(rn32(x0 c) - rn32(x1 s))`,
   `o1 = rn32(rn32(x1 c) + rn32(x0 s))`, one cast to bf16; q and k share one [R, Hq + Hk, D] output buffer.
   Huginn's `q + qk_bias[0]` / `k + qk_bias[1]` (bf16 adds, `rn_bf16(q + b)`) are fused in front.
+- `rope_half_write_kv`: rotate-half of q and k in one launch, with the K/V cache write of the paged
+  attention path fused in (the rotated k is stored only in the cache).
 Each product is fenced (`mul.rn`), so no FMA contraction can merge it into the add.
 Importing this module imports Triton.
 """
@@ -108,6 +110,73 @@ def _rope_interleaved_kernel(
     tl.store(op + 1, to_bf16(o1), mask=m)
 
 
+@triton.jit(do_not_specialize=["layer_id", "stride_w", "stride_o"])
+def _rope_half_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    kc_ptr,
+    vc_ptr,
+    went_ptr,
+    woff_ptr,
+    layer_id,
+    HQ,
+    HK,
+    stride_qr,
+    stride_qh,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    stride_cr,
+    stride_sr,
+    stride_or,
+    stride_oh,
+    stride_e,
+    stride_s,
+    stride_ch,
+    stride_w,
+    stride_o,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Head slots 0 .. HQ-1 are q heads (rotated into q_out), HQ .. HQ+HK-1 the k heads: rotated k and
+    the row's v go straight into the paged cache at (write_entry + layer_id, write_offset); rows with
+    write_entry < 0 (padding) write nothing to the cache. The rotation is `_rope_half_kernel`'s."""
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
+    md = d < HALF
+    is_q = slot < HQ
+    hk = (slot - HQ).to(tl.int64)
+    entry = tl.load(went_ptr + r * stride_w).to(tl.int64)
+    off = tl.load(woff_ptr + r * stride_o).to(tl.int64)
+    mq = is_q & md
+    mk = (slot >= HQ) & (slot < HQ + HK) & md & (entry >= 0)
+    src = tl.where(is_q, q_ptr + r * stride_qr + slot * stride_qh, k_ptr + r * stride_kr + hk * stride_kh)
+    x1 = tl.load(src + d, mask=mq | mk, other=0.0).to(tl.float32)
+    x2 = tl.load(src + d + HALF, mask=mq | mk, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + r * stride_cr + d, mask=md, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + r * stride_cr + HALF + d, mask=md, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + r * stride_sr + d, mask=md, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + r * stride_sr + HALF + d, mask=md, other=0.0).to(tl.float32)
+    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
+    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    qp = q_out_ptr + r * stride_or + slot * stride_oh + d
+    tl.store(qp, o1, mask=mq)
+    tl.store(qp + HALF, o2, mask=mq)
+    dst = (entry + layer_id) * stride_e + off * stride_s + hk * stride_ch + d
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=mk)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mk)
+    vp = v_ptr + r * stride_vr + hk * stride_vh + d
+    tl.store(vc_ptr + dst, tl.load(vp, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
+    tl.store(vc_ptr + dst + HALF, tl.load(vp + HALF, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
+
+
 # Elements (head x pair) per program. 4096 made Huginn's [64 heads, 64 pairs] tile one program of 4 warps,
 # 20 µs per call on the H200, no faster than eager (bench/results/exact_variants_h200.md); elementwise
 # work, so the tile only changes which program computes an element, never its bits.
@@ -172,6 +241,57 @@ def rope_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         )
         outs.append(out)
     return outs[0], outs[1]
+
+
+def rope_half_write_kv(q, k, v, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id: int):
+    """`RotaryHalf.forward(q, k, cos, sin)` then `paged_attention.write_kv` of the rotated k and of v, one
+    launch; returns the rotated q. k_cache/v_cache: the entry view `[E, block_size, KVH, D]`; write_entry
+    and write_offset `[R]` int64 (may be strided). The rotated k exists only in the cache."""
+    r, hq, d = q.shape
+    hk = k.shape[1]
+    if not supported_half(q, k, cos, sin) or v.shape != k.shape or k_cache.shape[2:] != (hk, d):
+        raise ValueError(f"rope_half_write_kv: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    q, k, v = _inner_contiguous(q), _inner_contiguous(k), _inner_contiguous(v)
+    cos, sin = _inner_contiguous(cos), _inner_contiguous(sin)
+    out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    block_d = triton.next_power_of_2(d // 2)
+    block_h, grid_h = _blocks(hq + hk, block_d)
+    _rope_half_write_kernel[(r, grid_h)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        out,
+        k_cache,
+        v_cache,
+        write_entry,
+        write_offset,
+        layer_id,
+        hq,
+        hk,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        write_entry.stride(0),
+        write_offset.stride(0),
+        HALF=d // 2,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+        **EXACT_OPTIONS,
+    )
+    return out
 
 
 def supported_interleaved(q, k, cos, sin, qk_bias) -> bool:
@@ -256,6 +376,7 @@ def rope_interleaved(
 
 __all__ = [
     "rope_half",
+    "rope_half_write_kv",
     "rope_interleaved",
     "rope_interleaved_eager",
     "supported_half",

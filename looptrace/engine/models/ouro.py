@@ -15,6 +15,7 @@ from looptrace.engine.layers import (
     ExitGate,
     LMHead,
     PagedAttention,
+    ResidualRMSNorm,
     RMSNorm,
     RotaryHalf,
     exact_kernels_on,
@@ -25,6 +26,7 @@ from looptrace.engine.models.base import LoopedModel
 
 class OuroAttention(nn.Module):
     op_kind = "attention"
+    rope_kv_write = False  # kernels.rope_kv_write: RoPE of q and k and the K/V cache write, one kernel
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
         super().__init__()
@@ -50,6 +52,12 @@ class OuroAttention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+        if self.rope_kv_write and self.paged.triton and exact_kernels_on(q.shape[0]):
+            q = K.rope_half_write_kv(
+                q, k, v, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
+                self.paged.layer_id,
+            )  # fmt: skip
+            return self.o_proj(self.paged.attend_written(q, ctx))
         q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
         return self.o_proj(self.paged(q, k, v, ctx))
 
@@ -90,7 +98,12 @@ def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
 
 
 class OuroLayer(nn.Module):
-    """Sandwich: post-norms applied before the residual add, plus the usual pre-norms."""
+    """Sandwich: post-norms applied before the residual add, plus the usual pre-norms.
+
+    Fused form (`kernels.residual_norm`, `forward(h, ctx, x, next_norm)`): the caller passes the residual
+    stream h and its pre-normed x = input_layernorm(h); each post-norm + residual add + following pre-norm
+    is one `ResidualRMSNorm` launch, the last one with the next layer's input norm (or the loop's final
+    norm), so the layer returns (h, next_norm(h)). Same ops, same order, same bits as the plain form."""
 
     op_kind = "layer"
 
@@ -104,8 +117,14 @@ class OuroLayer(nn.Module):
         self.input_layernorm_2 = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(spec.hidden_size, eps)
+        self.residual_attn, self.residual_mlp = ResidualRMSNorm(), ResidualRMSNorm()
 
-    def forward(self, h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: AttnContext, x=None, next_norm: RMSNorm | None = None):
+        if next_norm is not None:
+            h, x = self.residual_attn(
+                self.self_attn(x, ctx), h, self.input_layernorm_2, self.post_attention_layernorm
+            )
+            return self.residual_mlp(self.mlp(x), h, self.post_attention_layernorm_2, next_norm)
         h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
@@ -121,6 +140,8 @@ class OuroModel(nn.Module):
 
 
 class OuroForCausalLM(LoopedModel):
+    residual_norm = False  # kernels.residual_norm: the fused post-norm / residual / pre-norm chain
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -140,10 +161,23 @@ class OuroForCausalLM(LoopedModel):
         return embedded  # the first loop reads the embedding; later loops read the normed loop output
 
     def core(self, state, inject, ctx):
-        for layer in self.model.layers:
-            state = layer(state, ctx)
-        state = self.model.norm(state)
+        if self.residual_norm and exact_kernels_on(state.shape[0]):
+            state = self._core_chained(state, ctx)
+        else:
+            for layer in self.model.layers:
+                state = layer(state, ctx)
+            state = self.model.norm(state)
         return state, self.model.early_exit_gate(state).squeeze(-1)
+
+    def _core_chained(self, state, ctx):
+        """The loop with every layer in its fused form: each layer's last launch also computes the next
+        layer's input norm; the last layer's computes the loop's final norm, which is the new state."""
+        layers = self.model.layers
+        h, x = state, layers[0].input_layernorm(state)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = layer(h, ctx, x, next_norm)
+        return x
 
     def head(self, hidden):
         return self.lm_head(hidden)
