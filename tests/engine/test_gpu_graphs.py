@@ -137,7 +137,7 @@ def test_whole_token_graph_at_24_rows_equals_eager(preset):
             kernels__attention="triton",
         )
         outs.append(eng.generate(prompts, params))
-        counters.append(eng.graph_counters()["whole_token"])
+        counters.append(eng.graph_counters().get("whole_token"))  # the eager engine has no graph counters
     assert outs[0] == outs[1]
     assert counters[0]["fallbacks"] == 0 and counters[0]["captures"] == 1 and counters[0]["replays"] == 3
 
