@@ -327,7 +327,14 @@ def _display_header(side: dict[str, Any], recipe: str | None = None) -> dict[str
 
 
 def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
-    from looptrace.probes.report import compare_table, counters_table, header_table
+    from looptrace.probes.report import (
+        compare_table,
+        counters_table,
+        header_table,
+        kernels_table,
+        op_compare_table,
+        timeline_table,
+    )
 
     if fmt == OutputFormat.json:
         return ""
@@ -351,15 +358,27 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
         )
     )
     console.print()
-    a, b = (s["windows"]["decode"]["analysis"].counters for s in sides)
-    console.print(counters_table([(labels[0], a), (labels[1], b)], title="Decode window, per output token"))
-    console.print(compare_table(a, b, labels))
-    if _comparison(sides, "prefill") is not None:
-        a, b = (s["windows"]["prefill"]["analysis"].counters for s in sides)
+    for window, unit in (("decode", "output"), ("prefill", "prompt")):
+        if window == "prefill" and _comparison(sides, "prefill") is None:
+            continue  # absent after a Ctrl-C in the prefill window
+        xa, xb = (s["windows"][window]["analysis"] for s in sides)
+        a, b = xa.counters, xb.counters
+        title = f"{window.capitalize()} window, per {unit} token"
+        console.print(counters_table([(labels[0], a), (labels[1], b)], title=title))
+        timeline = timeline_table([(labels[0], a), (labels[1], b)], title=title)
+        if timeline is not None:
+            console.print(timeline)
         console.print(
-            counters_table([(labels[0], a), (labels[1], b)], title="Prefill window, per prompt token")
+            compare_table(
+                a, b, labels, title="per token" if window == "decode" else "prefill, per prompt token"
+            )
         )
-        console.print(compare_table(a, b, labels, title="prefill, per prompt token"))
+        console.print(op_compare_table(xa, xb, labels, title=f"{title}: kernels by op"))
+        if window == "decode":  # replayed kernels carry no op range: their names say where the time goes
+            for x, label in ((xa, labels[0]), (xb, labels[1])):
+                console.print(
+                    kernels_table(f"Decode top kernels by total time: {label}", x.top_by_time, x.counters)
+                )
     for s, label in zip(sides, labels):
         t = _engine_table(s)
         t.title = f"Engine counters: {label}"

@@ -152,6 +152,12 @@ class Counters:
     gpu_us: float = 0.0  # kernels + memcpy + memset; CPU mode: leaf-op time
     host_us: float = 0.0  # window wall time on the host
     submissions: int | None = None  # engine submissions, when the caller knows them
+    # Where the window's wall time goes on the GPU timeline (GPU mode only; `_timeline`): busy = union of
+    # its kernels and copies; idle inside graph replays = gaps between the kernels of one replay; idle =
+    # wall (host_us) - busy, the part not inside replays being time the GPU waited for the host.
+    gpu_busy_us: float | None = None
+    graph_gap_us: float | None = None
+    gpu_idle_us: float | None = None
 
     @property
     def syncs(self) -> int:
@@ -407,6 +413,8 @@ def analyze(
     _count_kernels(c, [e for e, _ in kernels], graph_corr)
     memory = in_window(e for e in events if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT))
     _count_memory(c, memory)
+    if mode == "gpu":
+        _timeline(c, [e for e, _ in kernels + memory], graph_corr)
     unlinked = sum(1 for _, (thread, _) in kernels + memory if thread is None)
     for e, _ in in_window(e for e in events if cl.is_api_call(e)):
         c.eager_launches += cl.is_eager_launch(e)
@@ -634,6 +642,26 @@ def _count_memory(c: Counters, items: list[tuple[TraceEvent, Position]]) -> None
             c.memcpy_other += 1
         c.pageable += info.pageable
         c.pinned += info.pinned
+
+
+def _union_us(spans: list[Interval]) -> float:
+    return sum(end - start for start, end in _merge(spans))
+
+
+def _timeline(c: Counters, device: list[TraceEvent], graph_corr: set[int]) -> None:
+    """GPU busy time (union of the device events' intervals: overlapping work counts once), idle time
+    between the kernels of each graph replay (a replay's span minus its busy union: launch latency between
+    dependent graph nodes), and idle wall time (window wall time minus busy, at least 0)."""
+    c.gpu_busy_us = _union_us([(e.ts, e.end) for e in device])
+    replays: dict[int, list[Interval]] = defaultdict(list)
+    for e in device:
+        if cl.is_graph_kernel(e, graph_corr) and e.correlation is not None:
+            replays[e.correlation].append((e.ts, e.end))
+    c.graph_gap_us = sum(
+        max(end for _, end in spans) - min(start for start, _ in spans) - _union_us(spans)
+        for spans in replays.values()
+    )
+    c.gpu_idle_us = max(0.0, c.host_us - c.gpu_busy_us)
 
 
 def _kernel_op(e: TraceEvent, ctx: Context, graph_corr: set[int]) -> str:

@@ -68,6 +68,9 @@ COUNTER_LABELS = {
     "gpu_us": "GPU time (µs)",
     "host_us": "host time (µs)",
     "submissions": "submissions",
+    "gpu_busy_us": "GPU busy, union (µs)",
+    "graph_gap_us": "GPU idle inside graph replays (µs)",
+    "gpu_idle_us": "GPU idle in the window (µs)",
 }
 
 
@@ -115,6 +118,55 @@ def counters_table(rows: Sequence[tuple[str, Counters]], title: str = "Per-token
             cells.append(Text(text, style="bold red") if _is_warning(key, value) else text)
         warn = c.pageable > 0
         table.add_row(label, *cells, style=WARN if warn else None)
+    return table
+
+
+def timeline_table(rows: Sequence[tuple[str, Counters]], title: str = "Wall time per token") -> Table | None:
+    """Where each run's window wall time goes on the GPU timeline (GPU traces only): GPU busy, idle
+    between the kernels of a graph replay, and idle outside replays (the GPU waiting for the host: launches,
+    syncs, scheduling). Shares of the wall time in brackets."""
+    rows = [(label, c) for label, c in rows if c.gpu_busy_us is not None]
+    if not rows:
+        return None
+    table = Table(title=f"{title}: GPU busy vs idle", title_justify="left")
+    table.add_column("run", overflow="fold")
+    for header in (
+        "wall\nms/tok",
+        "GPU busy\nms/tok",
+        "idle inside graph\nreplays ms/tok",
+        "idle, waiting\non host ms/tok",
+    ):
+        table.add_column(header, justify="right")
+    for label, c in rows:
+        wall = c.host_us
+        gaps = min(c.graph_gap_us or 0.0, c.gpu_idle_us or 0.0)
+        parts = (c.gpu_busy_us or 0.0, gaps, (c.gpu_idle_us or 0.0) - gaps)
+        share = [f" ({100 * us / wall:.0f}%)" if wall else "" for us in parts]
+        cells = [_fmt(us / 1e3 / c.tokens, 3) + s for us, s in zip(parts, share, strict=True)]
+        table.add_row(label, _fmt(wall / 1e3 / c.tokens, 3), *cells)
+    return table
+
+
+def op_compare_table(
+    a: Analysis, b: Analysis, labels: tuple[str, str], title: str = "Kernels by op, per token"
+) -> Table:
+    """Both runs' kernels and GPU time per token by op, side by side (ops of either run)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("op")
+    for label in labels:
+        table.add_column(f"{label}\nkernels/tok", justify="right")
+        table.add_column(f"{label}\n{_time_header(a.counters.mode)} µs/tok", justify="right")
+    by_op = [{s.key[0]: s for s in x.breakdown.by_op} for x in (a, b)]
+    ops = sorted(
+        set(by_op[0]) | set(by_op[1]), key=lambda op: -max(d[op].gpu_us if op in d else 0 for d in by_op)
+    )
+    for op in ops:
+        cells = []
+        for stats, x in zip(by_op, (a, b), strict=True):
+            s = stats.get(op)
+            tokens = x.counters.tokens
+            cells += [_fmt(s.kernels / tokens, 1), _fmt(s.gpu_us / tokens, 1)] if s else ["–", "–"]
+        table.add_row(op, *cells)
     return table
 
 
@@ -199,9 +251,11 @@ def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
     notes = Text()
     for note in analysis.notes:
         notes.append(f"• {note}\n", style=WARN if note.startswith("WARNING") else "dim")
+    timeline = timeline_table([(label, c)])
     return [
         header_table(header),
         counters_table([(label, c)]),
+        *([timeline] if timeline is not None else []),
         detail_table(c),
         sites_table(analysis),
         group_table("Kernels by stage", ["stage"], b.by_stage, c),
@@ -374,6 +428,9 @@ def render_compare(
         console.print(header_table(header))
         console.print()
     console.print(counters_table([(labels[0], a), (labels[1], b)]))
+    timeline = timeline_table([(labels[0], a), (labels[1], b)])
+    if timeline is not None:
+        console.print(timeline)
     console.print()
     console.print(compare_table(a, b, labels))
 

@@ -466,3 +466,29 @@ def test_real_profiler_chrome_export_loads(real_profile) -> None:
         "lt.window/decode", "lt.step#0", "lt.op/norm", "lt.op/mlp", "lt.step#1", "lt.op/norm", "lt.op/mlp"
     ]  # fmt: skip
     assert analyze(loaded).counters.totals() == analyze(live).counters.totals()
+
+
+def test_timeline_splits_wall_time_into_busy_graph_gaps_and_host_waits(kt) -> None:
+    """Window of 100 µs: one replay of three kernels with 2 and 3 µs gaps between them, one eager kernel
+    overlapping another (their union counts once), nothing else on the GPU."""
+    window = kt.annotation("lt.window/decode", 0.0, 100.0)
+    corr = kt.runtime("cudaGraphLaunch", 1.0)
+    for ts, dur in ((10.0, 5.0), (17.0, 4.0), (24.0, 6.0)):  # gaps 2 + 3 inside the replay
+        kt.kernel("k", ts, dur, corr, graph_id=1)
+    for ts, dur in ((50.0, 10.0), (55.0, 10.0)):  # two streams overlap: union 15
+        kt.kernel("e", ts, dur, kt.runtime("cudaLaunchKernel", 40.0))
+    c = analyze(parse_chrome_trace(kt.to_dict()), tokens=2).counters
+    assert window["dur"] == c.host_us == 100.0
+    assert c.gpu_us == pytest.approx(35.0)  # durations summed
+    assert c.gpu_busy_us == pytest.approx(30.0)  # 15 in the replay + 15 union of the eager pair
+    assert c.graph_gap_us == pytest.approx(5.0)
+    assert c.gpu_idle_us == pytest.approx(70.0)
+    assert c.per_token()["gpu_idle_us"] == pytest.approx(35.0)
+
+
+def test_timeline_is_absent_in_cpu_mode(kt) -> None:
+    with kt.range("lt.window/decode"):
+        kt.cpu_op("aten::add", kt.tick(), 2.0)
+    c = analyze(parse_chrome_trace(kt.to_dict()), tokens=1).counters
+    assert c.mode == "cpu" and c.kernels == 1
+    assert not {"gpu_busy_us", "graph_gap_us", "gpu_idle_us"} & c.totals().keys()
