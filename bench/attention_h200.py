@@ -6,9 +6,12 @@ Times, with `triton.testing.do_bench` (median µs per launch, CUDA graph of 20 l
 host), at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head shapes in bf16:
 
 - decode: the per-row paged kernel (`kernels/paged_attention.py`) for R in {1, 8, 32, 64} rows at
-  contexts {128, 640, 2112}; the torch path's SDPA on the gathered pages is timed beside it;
-- prefill: one 128-row chunk of one request whose first position is 0, 384 or 1920 (the chunk's rows
-  attend to all earlier keys), per-row kernel vs the packed kernel (`kernels/packed_attention.py`).
+  contexts {128, 640, 2112}, one-pass and split over key tiles (`split=True`, where `split_tiles` allows;
+  `split == one-pass` checked bitwise on every timed input); the torch path's SDPA on the gathered pages
+  is timed beside it;
+- prefill: one chunk of one request (128 rows whose first position is 0, 384 or 1920; 512 rows from 0, a
+  Table 2 prompt), per-row kernel vs the packed kernel (`kernels/packed_attention.py`) with query blocks
+  of 16, 32, 64 and 128 rows.
 
 Writes `attention_h200.json` and `attention_h200.md` under --out (default: $OUT or .). Each shape is
 timed once; the script stops starting new shapes after --budget-s seconds and says which it skipped.
@@ -32,8 +35,8 @@ BS = 16
 SHAPES = {"ouro-1.4b": (16, 16, 128), "huginn-0125": (55, 55, 96)}
 DECODE_ROWS = (1, 8, 32, 64)
 DECODE_CTX = (128, 640, 2112)
-PREFILL_STARTS = (0, 384, 1920)
-PREFILL_ROWS = 128
+PREFILL_CHUNKS = ((0, 128), (384, 128), (1920, 128), (0, 512))  # (first position, rows)
+PACKED_BLOCKS = (16, 32, 64, 128)
 DEVICE = "cuda"  # a smoke test may point it at the CPU (Triton interpreter)
 
 
@@ -80,38 +83,44 @@ def decode_case(model: str, rows: int, ctx_len: int, gen) -> dict:
     ctx = torch.full((rows,), ctx_len, dtype=torch.int64, device=DEVICE)
     q = torch.randn(rows, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
     scale = dim**-0.5
-    return {
+    out = {
         "triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
         "torch_sdpa_us": graph_time_us(lambda: sdpa_gathered(q, k, v, tables, ctx, 1, scale)),
     }
+    if pa.split_tiles(rows, heads, tables.shape[1], BS):
+        split = pa.paged_attention(q, k, v, tables, ctx, 1, scale, split=True)
+        out["split_equal"] = bool(torch.equal(split, pa.paged_attention(q, k, v, tables, ctx, 1, scale)))
+        out["triton_split_us"] = graph_time_us(
+            lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale, split=True)
+        )
+    return out
 
 
-def prefill_case(model: str, start: int, gen) -> dict:
+def prefill_case(model: str, start: int, chunk: int, gen) -> dict:
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import packed_attention as pk
     from looptrace.engine.kernels import paged_attention as pa
 
     heads, kv_heads, dim = SHAPES[model]
-    last = start + PREFILL_ROWS
+    last = start + chunk
     k, v, request_table = pool_and_tables([last], kv_heads, dim, gen)
     own = [math.ceil((p + 1) / BS) for p in range(start, last)]
-    tables = request_table.expand(PREFILL_ROWS, -1).clone()
+    tables = request_table.expand(chunk, -1).clone()
     for r, n in enumerate(own):  # each row's table: the request's pages up to its own position
         tables[r, n:] = -1
     ctx = torch.arange(start + 1, last + 1, device=DEVICE)
-    q = torch.randn(PREFILL_ROWS, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
-    count = K.packed_block_count(PREFILL_ROWS, 8)
-    blocks = torch.from_numpy(K.packed_blocks([PREFILL_ROWS], count)).to(DEVICE)
+    q = torch.randn(chunk, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
     scale = dim**-0.5
     per_row = pa.paged_attention(q, k, v, tables, ctx, 1, scale)
-    packed = pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)
-    return {
-        "triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
-        "triton_packed_us": graph_time_us(
-            lambda: pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale)
-        ),
-        "packed_vs_per_row_max_abs": float((packed.float() - per_row.float()).abs().max()),
-    }
+    out = {"triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale))}
+    for bm in PACKED_BLOCKS:
+        blocks = torch.from_numpy(K.packed_blocks([chunk], K.packed_block_count(chunk, 8, bm), bm)).to(DEVICE)
+        packed = pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale, bm)
+        out[f"packed{bm}_us"] = graph_time_us(
+            lambda blocks=blocks, bm=bm: pk.packed_attention(q, k, v, tables, ctx, blocks, 1, scale, bm)
+        )
+        out[f"packed{bm}_max_abs"] = float((packed.float() - per_row.float()).abs().max())
+    return out
 
 
 def render(results: dict, device: str, versions: str, elapsed: float) -> str:
@@ -123,32 +132,34 @@ def render(results: dict, device: str, versions: str, elapsed: float) -> str:
         "",
         "## Decode (one query row per request)",
         "",
-        "| model | rows | context | Triton per-row | torch gather + SDPA |",
-        "|---|---|---|---|---|",
+        "| model | rows | context | Triton one-pass | Triton split (bitwise equal) | torch gather + SDPA |",
+        "|---|---|---|---|---|---|",
     ]
     for key, r in results["decode"].items():
         model, rows, ctx_len = key.split("|")
-        cells = [
-            f"{r[c]:.1f}" if c in r else r.get("error", "-") for c in ("triton_per_row_us", "torch_sdpa_us")
-        ]
+        split = f"{r['triton_split_us']:.1f} ({r['split_equal']})" if "triton_split_us" in r else "-"
+        cells = [_us(r, "triton_per_row_us"), split, _us(r, "torch_sdpa_us")]
         lines.append(f"| {model} | {rows} | {ctx_len} | " + " | ".join(cells) + " |")
+    blocks = " | ".join(f"packed {bm} rows" for bm in PACKED_BLOCKS)
     lines += [
         "",
-        f"## Prefill (one {PREFILL_ROWS}-row chunk of one request)",
+        "## Prefill (one chunk of one request; max abs difference from the per-row kernel in brackets)",
         "",
-        "| model | first position | Triton per-row | Triton packed | max abs difference |",
-        "|---|---|---|---|---|",
+        f"| model | first position | rows | Triton per-row | {blocks} |",
+        "|---|---|---|---|" + "---|" * len(PACKED_BLOCKS),
     ]
     for key, r in results["prefill"].items():
-        model, start = key.split("|")
-        if "error" in r:
-            lines.append(f"| {model} | {start} | {r['error']} | | |")
-            continue
-        lines.append(
-            f"| {model} | {start} | {r['triton_per_row_us']:.1f} | {r['triton_packed_us']:.1f} | "
-            f"{r['packed_vs_per_row_max_abs']:.2e} |"
-        )
+        model, start, chunk = key.split("|")
+        cells = [_us(r, "triton_per_row_us")]
+        cells += [
+            f"{_us(r, f'packed{bm}_us')} [{r.get(f'packed{bm}_max_abs', 0):.1e}]" for bm in PACKED_BLOCKS
+        ]
+        lines.append(f"| {model} | {start} | {chunk} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _us(r: dict, key: str) -> str:
+    return f"{r[key]:.1f}" if key in r else r.get("error", "-")
 
 
 def run(budget_s: float) -> dict:
@@ -162,9 +173,9 @@ def run(budget_s: float) -> dict:
         for c in DECODE_CTX
     ]
     plan += [
-        ("prefill", f"{m}|{s}", lambda m=m, s=s: prefill_case(m, s, gen))
+        ("prefill", f"{m}|{s}|{n}", lambda m=m, s=s, n=n: prefill_case(m, s, n, gen))
         for m in SHAPES
-        for s in PREFILL_STARTS
+        for s, n in PREFILL_CHUNKS
     ]
     for section, key, case in plan:
         if time.time() > deadline:

@@ -21,7 +21,10 @@ import numpy as np
 import torch
 
 EAGER_ROWS_THRESHOLD = 256
-PACKED_BLOCK_ROWS = 16  # query rows per program of the packed prefill kernel (a tl.dot needs >= 16)
+# Query rows per program of the packed prefill kernel (a tl.dot needs >= 16). A program reads its request's
+# keys once per block, so bigger blocks read the K/V cache fewer times: H200, Huginn 512-token prompts,
+# bench/results/attention_h200.md (16 rows was the first choice).
+PACKED_BLOCK_ROWS = 64
 
 
 _graph_warmup = False  # set while a CUDA graph's eager warm-up runs (see graph_warmup)
@@ -98,14 +101,17 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate, up)
 
 
-def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
-    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
+def paged_attn(
+    q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float, split: bool = False
+) -> torch.Tensor:
+    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`;
+    `split`: one program per key tile where that pays, the same bits).
 
     Named apart from the submodule `paged_attention`: importing it sets the package attribute of that name.
     """
     from looptrace.engine.kernels import paged_attention as pa
 
-    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
+    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale, split)
 
 
 def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, scale: float) -> torch.Tensor:
@@ -115,22 +121,22 @@ def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, sc
     return pk.packed_attention(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id, scale)
 
 
-def packed_block_count(rows: int, max_spans: int) -> int:
+def packed_block_count(rows: int, max_spans: int, block_rows: int = PACKED_BLOCK_ROWS) -> int:
     """Blocks the packed kernel's grid holds for `rows` prefill rows split into at most `max_spans`
     requests (a fixed count per row count, so a CUDA graph keyed by rows fits every split)."""
-    return min(rows, -(-rows // PACKED_BLOCK_ROWS) + max(max_spans, 1) - 1)
+    return min(rows, -(-rows // block_rows) + max(max_spans, 1) - 1)
 
 
-def packed_blocks(lengths: list[int], count: int) -> np.ndarray:
+def packed_blocks(lengths: list[int], count: int, block_rows: int = PACKED_BLOCK_ROWS) -> np.ndarray:
     """[count, 2] int64 (first row, rows): each request's consecutive rows cut into blocks of at most
-    PACKED_BLOCK_ROWS, in row order, then (0, 0) padding blocks up to `count`."""
+    `block_rows`, in row order, then (0, 0) padding blocks up to `count`."""
     out = np.zeros((count, 2), dtype=np.int64)
     b, first = 0, 0
     for length in lengths:
-        for start in range(0, length, PACKED_BLOCK_ROWS):
+        for start in range(0, length, block_rows):
             if b >= count:
                 raise ValueError(f"{len(lengths)} spans of {sum(lengths)} rows need more than {count} blocks")
-            out[b] = (first + start, min(PACKED_BLOCK_ROWS, length - start))
+            out[b] = (first + start, min(block_rows, length - start))
             b += 1
         first += length
     return out

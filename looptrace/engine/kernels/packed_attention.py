@@ -2,7 +2,7 @@
 
 The per-row kernel (`paged_attention.py`) gives every prompt row its own program, which walks all of the
 row's keys: a 128-row chunk of one request reads the request's K/V 128 times per head. Here consecutive
-rows of one request's chunk form query blocks of `PACKED_BLOCK_ROWS` rows; a program loads its block's
+rows of one request's chunk form query blocks of `PACKED_BLOCK_ROWS` rows (64); a program loads its block's
 queries once, walks the keys of the block's longest row (its last) in tiles of `BLOCK_N` keys from key 0,
 and computes every row's scores with one `tl.dot` per tile (tensor cores; bf16 products, fp32
 accumulation), with the causal limit applied per row (`key < ctx_len[row]`). Online softmax in fp32;
@@ -124,12 +124,14 @@ def packed_attention(
     blocks: torch.Tensor,
     layer_id: int,
     scale: float,
+    block_rows: int = PACKED_BLOCK_ROWS,
 ) -> torch.Tensor:
     """Causal attention of packed prefill rows over their pages; returns `[R, H * D]` in q's dtype.
 
     q `[R, H, D]`; caches, tables and ctx_lens as `paged_attention.paged_attention`; blocks `[B, 2]` int64
-    (first row, row count <= PACKED_BLOCK_ROWS; count 0 = padding), from `kernels.packed_blocks`. Every
-    row must lie in exactly one block: a row in none is left unwritten.
+    (first row, row count <= block_rows; count 0 = padding), from `kernels.packed_blocks` with the same
+    `block_rows` (a power of two >= 16). Every row must lie in exactly one block: a row in none is left
+    unwritten.
     """
     if blocks.dim() != 2 or blocks.shape[1] != 2:
         raise ValueError(f"blocks must be [B, 2] (first row, count), got {tuple(blocks.shape)}")
@@ -152,9 +154,9 @@ def packed_attention(
         ctx_lens.stride(0),
         out.stride(0),
         **shape,
-        BM=PACKED_BLOCK_ROWS,
+        BM=block_rows,
         BN=BLOCK_N,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS if block_rows <= 64 else 2 * NUM_WARPS,
         num_stages=1,
     )
     return out
