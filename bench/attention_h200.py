@@ -6,9 +6,7 @@ Times, with `triton.testing.do_bench` (median µs per launch, CUDA graph of 20 l
 host), at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head shapes in bf16:
 
 - decode: the per-row paged kernel (`kernels/paged_attention.py`) for R in {1, 8, 32, 64} rows at
-  contexts {128, 640, 2112}, one-pass and split over key tiles (`split=True`, where `split_tiles` allows;
-  `split == one-pass` checked bitwise on every timed input); the torch path's SDPA on the gathered pages
-  is timed beside it;
+  contexts {128, 640, 2112}; the torch path's SDPA on the gathered pages is timed beside it;
 - prefill: one chunk of one request (128 rows whose first position is 0, 384 or 1920; 512 rows from 0, a
   Table 2 prompt), per-row kernel vs the packed kernel (`kernels/packed_attention.py`) with query blocks
   of 16, 32, 64 and 128 rows.
@@ -83,17 +81,10 @@ def decode_case(model: str, rows: int, ctx_len: int, gen) -> dict:
     ctx = torch.full((rows,), ctx_len, dtype=torch.int64, device=DEVICE)
     q = torch.randn(rows, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
     scale = dim**-0.5
-    out = {
+    return {
         "triton_per_row_us": graph_time_us(lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale)),
         "torch_sdpa_us": graph_time_us(lambda: sdpa_gathered(q, k, v, tables, ctx, 1, scale)),
     }
-    if pa.split_tiles(rows, heads, tables.shape[1], BS):
-        split = pa.paged_attention(q, k, v, tables, ctx, 1, scale, split=True)
-        out["split_equal"] = bool(torch.equal(split, pa.paged_attention(q, k, v, tables, ctx, 1, scale)))
-        out["triton_split_us"] = graph_time_us(
-            lambda: pa.paged_attention(q, k, v, tables, ctx, 1, scale, split=True)
-        )
-    return out
 
 
 def prefill_case(model: str, start: int, chunk: int, gen) -> dict:
@@ -132,13 +123,12 @@ def render(results: dict, device: str, versions: str, elapsed: float) -> str:
         "",
         "## Decode (one query row per request)",
         "",
-        "| model | rows | context | Triton one-pass | Triton split (bitwise equal) | torch gather + SDPA |",
-        "|---|---|---|---|---|---|",
+        "| model | rows | context | Triton per-row | torch gather + SDPA |",
+        "|---|---|---|---|---|",
     ]
     for key, r in results["decode"].items():
         model, rows, ctx_len = key.split("|")
-        split = f"{r['triton_split_us']:.1f} ({r['split_equal']})" if "triton_split_us" in r else "-"
-        cells = [_us(r, "triton_per_row_us"), split, _us(r, "torch_sdpa_us")]
+        cells = [_us(r, "triton_per_row_us"), _us(r, "torch_sdpa_us")]
         lines.append(f"| {model} | {rows} | {ctx_len} | " + " | ".join(cells) + " |")
     blocks = " | ".join(f"packed {bm} rows" for bm in PACKED_BLOCKS)
     lines += [

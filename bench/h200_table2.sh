@@ -5,8 +5,8 @@
 #   bash bench/h200_table2.sh profile        profile --compare base exactloop, Ouro-1.4B batch 1
 #   bash bench/h200_table2.sh kchecks        exact-kernel GPU tests (KSELECT, default "rmsnorm or rope") and graphs
 #   bash bench/h200_table2.sh fused          the fused tails' GPU tests, graph tests, R0/R1 diffs, batch-1 profile
-#   bash bench/h200_table2.sh split          split decode + packed-block GPU tests, attention timings, batch-1
-#                                            profile of both arms at prompt 512 (wall-time split)
+#   bash bench/h200_table2.sh p512           attention/packed GPU tests, attention timings, batch-1 profile of
+#                                            both arms at prompt 512 (wall-time split)
 #   bash bench/h200_table2.sh probe          exact-kernel launch variants, R0/R1-only diffs, exactloop
 #                                            profile at 8 rows (bench/exact_variants_h200.py)
 #   bash bench/h200_table2.sh kernels        exact-kernel timings per row bucket (bench/kernels_h200.py)
@@ -55,18 +55,17 @@ elif [ "$1" = fused ]; then
   timeout -s INT "${PROFILE_TIMEOUT:-200}" python3 -m looptrace profile --model ouro -c 1 --compare base exactloop \
     -o "$OUT/profile_compare_ouro-1.4b_c1.txt" 2>> "$LOG"; echo "profile exit $?" | tee -a "$LOG"
   grep -A4 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1.txt" | tail -3
-elif [ "$1" = split ]; then
-  # Split decode attention (kernels.split_decode, R0) and 64-row packed prefill blocks: the attention
-  # kernels' GPU tests (split == one-pass bitwise, eager and replayed), the engine-level split test and
-  # packed prefill graphs, the attention timings (one-pass vs split; packed blocks of 16..128 rows), then
-  # the batch-1 profile of both arms at the Table 2 prompt length (512), with the wall-time split.
+elif [ "$1" = p512 ]; then
+  # 64-row packed prefill blocks: the attention kernels' GPU tests and the prefill-graph tests, the
+  # attention timings (packed blocks of 16..128 rows), then the batch-1 profile of both arms at the Table 2
+  # prompt length (512), with the wall-time split.
   { timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -m gpu tests/engine/test_paged_attention_kernel.py \
-      tests/engine/test_packed_attention_kernel.py -p no:cacheprovider 2>&1 | tail -4
-    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -k "split_decode or prefill_graphs" \
-      -p no:cacheprovider 2>&1 | tail -4
-  } > "$OUT/gpu_tests_split_h200.txt"; cat "$OUT/gpu_tests_split_h200.txt"
-  timeout 170 python3 bench/attention_h200.py --budget-s 140 --out "$OUT" >> "$LOG" 2>&1
-  echo "attention exit $?" | tee -a "$LOG"
+      tests/engine/test_packed_attention_kernel.py -p no:cacheprovider 2>&1 | tail -2
+    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -k prefill_graphs \
+      -p no:cacheprovider 2>&1 | tail -2
+  } > "$OUT/gpu_tests_packed_h200.txt"; cat "$OUT/gpu_tests_packed_h200.txt"
+  [ "${SKIP_ATTENTION:-0}" = 1 ] || { timeout 170 python3 bench/attention_h200.py --budget-s 140 --out "$OUT" \
+    >> "$LOG" 2>&1; echo "attention exit $?" | tee -a "$LOG"; }
   timeout -s INT "${PROFILE_TIMEOUT:-170}" python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 \
     --compare base exactloop -o "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
   echo "profile exit $?" | tee -a "$LOG"; grep -A5 "GPU busy vs idle" "$OUT/profile_compare_ouro-1.4b_c1_p512.txt"

@@ -193,10 +193,6 @@ class KernelConfig:
     # K/V cache write as one (Ouro, Triton attention). The same fenced arithmetic as the single kernels.
     residual_norm: bool = field(default=False, metadata=_meta("R0"))
     rope_kv_write: bool = field(default=False, metadata=_meta("R0"))
-    # Beyond the paper, on the Triton attention path: decode attention with one program per key tile where
-    # few (row, head) programs would leave the GPU idle (batch 1), giving the one-pass kernel's bits
-    # (`kernels/paged_attention.py`, split decode).
-    split_decode: bool = field(default=False, metadata=_meta("R0"))
     # Paged attention: `torch` (index_put K/V, gather the pages, SDPA: 8 kernels per layer-loop) or `triton`
     # (one K/V write kernel + one paged Triton kernel reading the row's own plane, online softmax in fp32,
     # as vLLM's Triton backend in the base engine, hence the default; CUDA only, the torch path elsewhere).

@@ -288,13 +288,12 @@ class AttentionMetadata(nn.Module):
         return ctx
 
 
-def enable_triton_attention(model: nn.Module, split_decode: bool = False) -> int:
-    """Switch every paged-attention op to the Triton kernels (CUDA only), with the split decode kernel
-    where it pays if `split_decode`; returns how many ops."""
+def enable_triton_attention(model: nn.Module) -> int:
+    """Switch every paged-attention op to the Triton kernels (CUDA only); returns how many ops."""
     count = 0
     for module in model.modules():
         if isinstance(module, PagedAttention):
-            module.triton, module.split_decode = True, split_decode
+            module.triton = True
             count += 1
     return count
 
@@ -308,7 +307,6 @@ class PagedAttention(nn.Module):
 
     op_kind = "paged_attention"
     triton = False
-    split_decode = False  # kernels.split_decode: one program per key tile where that pays (same bits)
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -329,9 +327,7 @@ class PagedAttention(nn.Module):
             return K.packed_attn(
                 q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
             )
-        return K.paged_attn(
-            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale, self.split_decode
-        )
+        return K.paged_attn(q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale)
 
     def _torch_path(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]

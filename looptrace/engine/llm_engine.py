@@ -158,11 +158,9 @@ class LLMEngine:
         wants_triton = cfg.kernels.attention == "triton"
         self._triton_attention = wants_triton and device.type == "cuda" and kernels.available()
         if self._triton_attention:
-            enable_triton_attention(model, split_decode=cfg.kernels.split_decode)
+            enable_triton_attention(model)
         elif wants_triton:
             self.inactive_settings["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
-        if cfg.kernels.split_decode and not self._triton_attention:
-            self.inactive_settings["kernels.split_decode"] = "needs the Triton attention path (CUDA with Triton)"
         self._enable_fused_tails(exact_on)
         if device.type != "cuda":
             self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"

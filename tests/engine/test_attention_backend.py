@@ -21,13 +21,6 @@ def test_triton_attention_is_inactive_on_cpu_and_keeps_the_torch_path():
     assert "kernels.attention" not in torch_path.inactive_settings
 
 
-def test_split_decode_is_inactive_without_the_triton_path():
-    eng = build_engine("ouro-tiny", kernels__split_decode=True)
-    assert "Triton attention" in eng.inactive_settings["kernels.split_decode"]
-    assert not any(m.split_decode for m in eng.model.modules() if isinstance(m, PagedAttention))
-    assert "kernels.split_decode" not in build_engine("ouro-tiny").inactive_settings
-
-
 def test_metadata_mask_and_gather_are_the_same_built_now_or_on_first_use():
     rope = type("Rope", (), {"tables": staticmethod(lambda pos, dtype: (pos.float(), pos.float()))})()
     raw = torch.full((3, META_FIXED + 4), -1, dtype=torch.int64)

@@ -143,38 +143,6 @@ def test_whole_token_graph_at_24_rows_equals_eager(preset):
 
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
-def test_split_decode_engine_equals_one_pass_bitwise(preset):
-    """kernels.split_decode (R0): contexts past one key tile (150-token prompts, 2 tiles), at batch 1 and
-    2; every loop's hidden state (eager, observed) and the whole-token graphs' tokens equal the one-pass
-    kernel's, bit for bit."""
-    from looptrace.engine.layers import PagedAttention
-    from tests.helpers import Recorder
-
-    prompts = [[3 + (7 * i + j) % 40 for j in range(150 + 9 * i)] for i in range(2)]
-    params = SamplingParams(max_tokens=6, seed=3)
-    runs = {}
-    for split in (True, False):
-        settings = dict(
-            scheduler__loop_fusion=True,
-            scheduler__whole_token=True,
-            kernels__attention="triton",
-            kernels__split_decode=split,
-        )
-        eager = _engine(preset, False, **settings)
-        assert all(m.split_decode == split for m in eager.model.modules() if isinstance(m, PagedAttention))
-        rec = Recorder(hidden=True)
-        eager.attach(rec)
-        eager.generate(prompts, params)
-        graphed = _engine(preset, True, **settings)
-        tokens = [graphed.generate([p], params)[0] for p in prompts] + [graphed.generate(prompts, params)]
-        runs[split] = rec.states, tokens
-    (split_states, split_tokens), (one_states, one_tokens) = runs[True], runs[False]
-    assert split_states.keys() == one_states.keys() and len(split_states) > 0
-    assert [k for k, h in split_states.items() if not torch.equal(h, one_states[k])] == []
-    assert split_tokens == one_tokens
-
-
-@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
 def test_async_decode_equals_synchronous_whole_token_decode(preset):
     """scheduler.async_decode on CUDA: graph replays whose input tokens come from the device buffer, tokens
     read one step late through pinned memory, give the synchronous whole-token tokens, batched (the same

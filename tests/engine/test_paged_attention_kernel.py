@@ -162,41 +162,6 @@ def write_kv_case(pa, num_blocks, num_layers, kv_heads, dim, dtype, device, gen,
     return bool(torch.equal(kc, ek) and torch.equal(vc, ev))
 
 
-def split_equal(pa, q, kc, vc, tables, ctx, layer_id, scale):
-    """(split == one-pass bitwise, every arrival count back at 0, the launch really split)."""
-    one = pa.paged_attention(q, kc, vc, tables, ctx, layer_id, scale)
-    split = pa.paged_attention(q, kc, vc, tables, ctx, layer_id, scale, split=True)
-    _, locks = pa._split_workspace(q.device)
-    did_split = pa.split_tiles(q.shape[0], q.shape[1], tables.shape[1], kc.shape[1]) > 0
-    return bool(torch.equal(one, split)), int(locks.abs().sum()) == 0, did_split
-
-
-def split_checks(pa, gen) -> dict:
-    """Split decode == one-pass, bitwise, in fp32 under the interpreter: ragged contexts (one tile, a
-    partial last tile, exact tile edges), a padding row, GQA, twice in a row (the counts reset)."""
-    res = {}
-    cases = {  # name: (heads, kv_heads, dim, ctx, table width)
-        "split_gqa_d96": (4, 2, 96, [1, 128, 129, 300, 0, 257], 20),
-        "split_mha_d128": (2, 2, 128, [640, 17, 256], 41),
-    }
-    for name, (heads, kv_heads, dim, ctx_list, width) in cases.items():
-        kc, vc = make_pool(60, 2, kv_heads, dim, torch.float32, "cpu", gen)
-        tables = make_tables(ctx_list, width, 60, 2, gen, "cpu")
-        ctx = torch.tensor(ctx_list)
-        for trial in range(2):
-            q = torch.randn(len(ctx_list), heads, dim, generator=gen) * 4  # peaked softmax: alpha < 1 matters
-            equal, reset, did_split = split_equal(pa, q, kc, vc, tables, ctx, 1, dim**-0.5)
-            res[f"{name}_{trial}"] = [equal and reset and did_split, [equal, reset, did_split]]
-    # Where split_tiles refuses (one tile; too many pairs), split=True runs the one-pass kernel.
-    res["split_refused"] = [
-        pa.split_tiles(1, 16, 8, 16) == 0
-        and pa.split_tiles(64, 16, 40, 16) == 0
-        and pa.split_tiles(1, 16, 40, 16) == 5,
-        None,
-    ]
-    return res
-
-
 # ------------------------------------------------------------------------------ CPU (Triton interpreter)
 
 
@@ -233,7 +198,6 @@ def _cpu_checks() -> dict:
             poisoned_padding_equal(pa, q, kc, vc, tables, ctx, layer_id, scale),
             None,
         ]
-    res.update(split_checks(pa, gen))
     res["write_kv_d96"] = [write_kv_case(pa, 12, 3, 2, 96, torch.float32, "cpu", gen, 2), None]
     res["write_kv_d128_layer0"] = [write_kv_case(pa, 12, 1, 3, 128, torch.float32, "cpu", gen, 0), None]
     # write then read: a row attends to the key it just wrote (the engine's per-layer order).
@@ -285,18 +249,6 @@ def test_interpreted_batch_invariance(cpu_results, case):
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_interpreted_never_reads_padding(cpu_results, case):
     assert cpu_results[f"{case}_poisoned_padding"][0]
-
-
-@pytest.mark.parametrize(
-    "case", ["split_gqa_d96_0", "split_gqa_d96_1", "split_mha_d128_0", "split_mha_d128_1"]
-)
-def test_interpreted_split_equals_one_pass(cpu_results, case):
-    ok, detail = cpu_results[case]
-    assert ok, f"(bitwise equal, counts reset, split) = {detail}"
-
-
-def test_interpreted_split_refused_where_it_does_not_pay(cpu_results):
-    assert cpu_results["split_refused"][0]
 
 
 @pytest.mark.parametrize("case", ["write_kv_d96", "write_kv_d128_layer0", "write_then_attend"])
@@ -420,36 +372,3 @@ def test_gpu_write_kv_exact(shape):
     gen = torch.Generator().manual_seed(11)
     for layer_id in (0, 2):
         assert write_kv_case(pa, 40, 3, kv_heads, dim, torch.bfloat16, "cuda", gen, layer_id)
-
-
-@gpu
-@pytest.mark.parametrize("rows", (1, 2, 8))
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_gpu_split_equals_one_pass(shape, rows):
-    """The split decode kernel gives the one-pass kernel's bits: bf16, random and peaked scores, contexts
-    1..1900 (1 to 15 tiles; the table 16), a padding row at 8 rows, eager and under CUDA-graph replay with
-    new inputs."""
-    from looptrace.engine.kernels import paged_attention as pa
-
-    for seed in range(3):
-        q, kc, vc, tables, ctx, layer_id, scale, _, _ = _gpu_case(shape, rows, seed=300 + seed, max_ctx=1900)
-        assert pa.split_tiles(rows, q.shape[1], tables.shape[1], BS) > 0
-        for boost in (1.0, 8.0):  # 8x: a few keys dominate, the running max moves between tiles
-            qs = (q.float() * boost).to(q.dtype)
-            one = pa.paged_attention(qs, kc, vc, tables, ctx, layer_id, scale)
-            split = pa.paged_attention(qs, kc, vc, tables, ctx, layer_id, scale, split=True)
-            assert torch.equal(one, split), (seed, boost, max_err(one, split))
-    s_q, s_ctx = q.clone(), ctx.clone()
-    pa.paged_attention(s_q, kc, vc, tables, s_ctx, layer_id, scale, split=True)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        s_out = pa.paged_attention(s_q, kc, vc, tables, s_ctx, layer_id, scale, split=True)
-    gen = torch.Generator().manual_seed(5)
-    for trial in range(4):
-        s_q.normal_()
-        s_ctx.copy_((ctx - torch.randint(0, 200, (rows,), generator=gen).to("cuda")).clamp_min(0))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = pa.paged_attention(s_q, kc, vc, tables, s_ctx, layer_id, scale)
-        assert torch.equal(s_out, eager), trial

@@ -101,17 +101,14 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate, up)
 
 
-def paged_attn(
-    q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float, split: bool = False
-) -> torch.Tensor:
-    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`;
-    `split`: one program per key tile where that pays, the same bits).
+def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
+    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
 
     Named apart from the submodule `paged_attention`: importing it sets the package attribute of that name.
     """
     from looptrace.engine.kernels import paged_attention as pa
 
-    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale, split)
+    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
 
 
 def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, scale: float) -> torch.Tensor:
