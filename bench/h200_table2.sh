@@ -105,7 +105,7 @@ else
 fi
 if [ "${DIFFS:-0}" = 1 ]; then
   for m in ouro-tiny huginn-tiny; do
-    timeout 60 python3 -m looptrace diff base exactloop --model "$m" --device cuda --format json \
+    timeout "${DIFF_TIMEOUT:-100}" python3 -m looptrace diff base exactloop --model "$m" --device cuda --format json \
       -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?" | tee -a "$LOG"
   done
 fi
