@@ -42,7 +42,15 @@ def test_r0_variant_table_exit_0() -> None:
     assert "2/2 identical batched, 2/2 at batch 1" in out
 
 
-def test_json_report_bisect_and_localize(tmp_path: Path) -> None:
+def test_json_report_bisect_and_localize(tmp_path: Path, monkeypatch) -> None:
+    # The planted ulp is an R3 change, so diff also grades it on the built-in questions; a few of them, as in
+    # test_base_vs_exactloop (all 500 cost ~55 s on CPU; the answers differ on none of them). The accuracy
+    # check itself: test_accuracy_file.
+    import looptrace.assets
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(looptrace.assets.default_eval_set("ouro-tiny").read_text().splitlines(True)[:8]))
+    monkeypatch.setattr(looptrace.assets, "default_eval_set", lambda preset=None: few)
     path = tmp_path / "diff.json"
     r = invoke(
         "base",
@@ -88,6 +96,7 @@ def test_json_report_bisect_and_localize(tmp_path: Path) -> None:
         1,
     )
     assert data["verdict"] == {"ok": True, "violations": []}
+    assert data["accuracy"]["file"] == str(few) and data["accuracy"]["sequences_differ"] == 0
 
 
 def test_csv() -> None:

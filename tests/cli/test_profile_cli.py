@@ -288,8 +288,8 @@ def test_compare_shows_the_gate_readback_of_the_base_exit_policy(tmp_path) -> No
     On CPU the readback is one copy op per recurrent step: 4 more copy kernels per token (4 loops); the
     base's async gate readback also keeps each row's pre-loop state (one index_copy per loop) for a late
     exit's rollback: 4 more kernels."""
-    out = tmp_path / "cmp.json"
-    result = invoke("--compare", "base", "base", "--b-set", "exit.policy=fixed", "--model", "ouro", "-o", out)
+    out = tmp_path / "cmp.json"  # FAST: a 4-token decode window (the default is 8): the same counts per token
+    result = invoke("--compare", "base", "base", "--b-set", "exit.policy=fixed", *FAST, "-o", out)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     gate, fixed = (data[arm]["windows"]["decode"]["per_token"] for arm in ("a", "b"))
@@ -301,8 +301,7 @@ def test_compare_shows_the_gate_readback_of_the_base_exit_policy(tmp_path) -> No
         "scheduler.async_gate=false",
         "--b-set",
         "exit.policy=fixed",
-        "--model",
-        "ouro",
+        *FAST,
         "-o",
         out,
     ]

@@ -71,7 +71,9 @@ def test_packed_prefill_on_the_interpreted_triton_path_gives_the_torch_paths_tok
     # prefill.packed under Triton attention: each request's prompt rows in query blocks of the packed
     # kernel (chunks of 4 rows: later chunks read cached keys; two requests share a prefill batch), eager
     # and through prefill graphs (blocks are a graph input). fp32, trained tiny checkpoints: the same
-    # greedy tokens as per-row and packed torch attention.
+    # greedy tokens as per-row and packed torch attention. max_num_seqs 2 (both requests fit): the kernel's
+    # grid holds min(rows, max_num_seqs) query blocks, padding included, and the interpreter runs padding
+    # programs too; at the default 8 every chunk launched 7-8 blocks for 1-2 spans (1.5x the time).
     code = f"""
 import json, torch
 from looptrace.assets import shipped_weights
@@ -91,7 +93,7 @@ for packed, triton, graphs in runs:
     cfg = EngineConfig(
         noise="zeros",
         prefill=PrefillConfig(packed=packed),
-        scheduler=SchedulerConfig(prefill_chunk_size=4, max_num_batched_tokens=8),
+        scheduler=SchedulerConfig(prefill_chunk_size=4, max_num_batched_tokens=8, max_num_seqs=2),
     )
     eng = LLMEngine(net, cfg, device=torch.device("cpu"), dtype=torch.float32)
     if triton:

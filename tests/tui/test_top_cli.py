@@ -12,12 +12,6 @@ from tests.tui.conftest import SESSION
 runner = CliRunner()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_once_on_a_replay_prints_a_table():
     result = runner.invoke(app, ["top", "--replay", str(SESSION), "--once"])
     assert result.exit_code == 0, result.output
@@ -34,7 +28,12 @@ def test_once_on_a_vllm_endpoint(vllm_endpoint):
 
 
 def test_unreachable_url_is_exit_2():
-    result = runner.invoke(app, ["top", f"http://127.0.0.1:{_free_port()}", "--once"])
+    # A port bound but never listening refuses connections, and stays ours while the test runs (a port
+    # closed before the call could be taken by a server of a test running in parallel: pytest -n 2).
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        result = runner.invoke(app, ["top", f"http://127.0.0.1:{port}", "--once"])
     assert result.exit_code == 2
     assert "cannot connect" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
