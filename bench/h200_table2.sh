@@ -19,6 +19,8 @@
 # then here: looptrace bench --from A.json --from B.json --from C.json -o bench/results/table2_h200.json
 #            --plot bench/results/table2_h200.svg
 set -u
+# GPU tests run in one process (`-n 0`: pyproject's addopts spreads the CPU suite over two pytest-xdist
+# workers, which the device image has; one GPU is better served by one process and one compile cache).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
@@ -27,7 +29,7 @@ if [ -f .tcache/triton.tgz ]; then mkdir -p ~/.triton && tar -xzf .tcache/triton
 trap 'tar -czf "$OUT/triton.tgz" -C ~/.triton cache 2>/dev/null' EXIT
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$LOG"
 if [ "$1" = checks ]; then
-  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -n 0 -m gpu tests/engine/test_gpu_graphs.py tests/engine/test_paged_attention_kernel.py \
     tests/engine/test_packed_attention_kernel.py \
     -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests_h200.txt"; tail -3 "$OUT/gpu_tests_h200.txt"
   for m in ouro-tiny huginn-tiny; do
@@ -37,16 +39,16 @@ if [ "$1" = checks ]; then
 elif [ "$1" = kchecks ]; then
   # The exact kernels' GPU tests (bitwise vs eager, eager calls and graph replays) and the graph tests.
   # (no -q: pyproject's addopts has one, and a second drops pytest's summary line)
-  { [ "${KSELECT:-rmsnorm or rope}" = none ] || timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -m gpu \
+  { [ "${KSELECT:-rmsnorm or rope}" = none ] || timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -n 0 -m gpu \
       tests/engine/test_gpu_kernels.py -k "${KSELECT:-rmsnorm or rope}" -p no:cacheprovider 2>&1 | tail -2
-    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -2
+    timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -2
   } > "$OUT/gpu_tests_kernels_h200.txt"; cat "$OUT/gpu_tests_kernels_h200.txt"
 elif [ "$1" = fused ]; then
   # The fused tails (kernels.residual_norm, kernels.rope_kv_write): their bitwise GPU tests, the graph
   # tests, the R0/R1-only diffs, then the batch-1 profile of both arms.
-  { timeout 200 python3 -m pytest -m gpu tests/engine/test_gpu_kernels.py -k "residual_norm or rope_kv_write" \
+  { timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_gpu_kernels.py -k "residual_norm or rope_kv_write" \
       -p no:cacheprovider 2>&1 | tail -4
-    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -3
+    timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_gpu_graphs.py -p no:cacheprovider 2>&1 | tail -3
   } > "$OUT/gpu_tests_fused_h200.txt"; cat "$OUT/gpu_tests_fused_h200.txt"
   for m in ouro-tiny huginn-tiny; do
     timeout 70 python3 -m looptrace diff base exactloop --model "$m" --device cuda --b-set prefill.packed=false \
@@ -59,9 +61,9 @@ elif [ "$1" = p512 ]; then
   # 64-row packed prefill blocks: the attention kernels' GPU tests and the prefill-graph tests, the
   # attention timings (packed blocks of 16..128 rows), then the batch-1 profile of both arms at the Table 2
   # prompt length (512), with the wall-time split.
-  { timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -m gpu tests/engine/test_paged_attention_kernel.py \
+  { timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py \
       tests/engine/test_packed_attention_kernel.py -p no:cacheprovider 2>&1 | tail -2
-    timeout 150 python3 -m pytest -m gpu tests/engine/test_gpu_graphs.py -k prefill_graphs \
+    timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_gpu_graphs.py -k prefill_graphs \
       -p no:cacheprovider 2>&1 | tail -2
   } > "$OUT/gpu_tests_packed_h200.txt"; cat "$OUT/gpu_tests_packed_h200.txt"
   [ "${SKIP_ATTENTION:-0}" = 1 ] || { timeout 170 python3 bench/attention_h200.py --budget-s 140 --out "$OUT" \

@@ -6,7 +6,7 @@ R=${1:-/tmp/res}
 mkdir -p "$R"
 export KINETO_LOG_LEVEL=5 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt"
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q tests/engine/test_gpu_graphs.py -p no:cacheprovider > "$R/gpu_tests.txt" 2>&1; tail -1 "$R/gpu_tests.txt"
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -n 0 -q tests/engine/test_gpu_graphs.py -p no:cacheprovider > "$R/gpu_tests.txt" 2>&1; tail -1 "$R/gpu_tests.txt"
 run() { local name=$1; shift; timeout 240 python3 bench/profile_h200.py "$name" "$R" -- "$@" > "$R/$name.log" 2>&1; tail -1 "$R/$name.log"; }
 run profile_ouro-1.4b_c1 --model ouro -c 1
 run profile_ouro-1.4b_c32 --model ouro -c 32 --set scheduler.max_num_seqs=32
