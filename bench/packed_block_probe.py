@@ -16,7 +16,10 @@ def main() -> int:
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
         return 2
-    rows = int(sys.argv[1])
+    rows = int(sys.argv[1]) if sys.argv[1].isdigit() else 0
+    if rows < 16 or rows & (rows - 1):
+        print(f"error: ROWS must be a power of two >= 16, got {sys.argv[1]!r}", file=sys.stderr)
+        return 2
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import packed_attention as pk
 
