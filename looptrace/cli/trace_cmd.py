@@ -4,39 +4,67 @@ from __future__ import annotations
 
 import io
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from looptrace.cli.common import OutputFormat, UsageError, fail, interrupt_exit
 from looptrace.cli.output import atomic_write_text, check_output, infer_format
-from looptrace.probes.counters import analyze as analyze_trace
-from looptrace.probes.events import TraceError, load_chrome_trace
-from looptrace.probes.report import render_report, to_csv, to_json
+
+if TYPE_CHECKING:
+    from looptrace.probes.capture import CapturedGraph
 
 EXAMPLES = """
 [bold]EXAMPLES[/bold]
 
   looptrace trace analyze decode.json --tokens 64
 
+  looptrace trace analyze vllm_decode_full/graph_execution.json.gz   [dim]# finds capture_traces/[/dim]
+
+  looptrace trace analyze replay.json.gz --capture run1/capture_traces --format json -o report.json
+
+  looptrace trace analyze sglang_prefill.json.gz --device MI300X
+
   looptrace trace analyze vllm_rank0.json.gz --step-marker execute_model --format json -o counters.json
 
   looptrace trace analyze run.json --window all --format csv
 
+  looptrace trace analyze ouro_vllm.json.gz --loops 4   [dim]# loops run back to back[/dim]
+
 [bold]TOKENS[/bold]  --tokens N, else --step-marker instances in the window (none is an error), else the
-lt.tokens/<n> markers of looptrace's own traces (the same tokens `looptrace profile` reported), else
-lt.step#/ProfilerStep# instances, else 1 (totals; the notes say so).
+lt.tokens/<n> markers of looptrace's own traces (the same tokens `looptrace profile` reported), else the
+engine's step annotations (vLLM execute_<n>_context_…_generation_…, SGLang step[EXTEND|DECODE …]: output
+tokens when the window decodes, else prompt tokens; the phase table gives decode per output token and
+prefill per prompt token), else lt.step#, ProfilerStep#, execute_model or gpu_model_runner instances,
+else 1 (totals; the notes say so).
+
+[bold]GRAPH REPLAYS[/bold]  kernels of a CUDA/HIP graph replay have no CPU op around them; --capture DIR
+(default: a capture_traces/ folder beside the trace, with execution_details.json) maps them, by order,
+to the launches recorded while the graph was captured (vLLM --profiler-config.capture_torch_profiler,
+SGLang --enable-profile-cuda-graph). Without one the report says they are not attributed.
+
+[bold]LOOPED MODELS[/bold]  in a trace without looptrace's lt.* ranges, a looped model (Ouro, Huginn) is
+found from its launch pattern: within each engine step, two or more consecutive blocks of layers with the
+same ops, separated by the same ops, are passes of the recurrent block. Kernels then get stage, loop and
+layer (core<i>, prelude<i>, coda<i>); the report adds "Kernels by op and loop" (JSON: breakdown.by_loop,
+breakdown.by_op_layer_loop) and a note on what was found. Loops that run back to back with no op between
+them look like a deeper plain model: --loops N and/or --layers-per-loop L split them (and keep only
+patterns of that shape). Traces with lt ranges take loops from the ranges; the hints are ignored there.
 
 [bold]OUTPUT[/bold]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
 given; written whole and atomically, through a symlink; a directory or a device is refused.
 
-[bold]EXIT CODES[/bold]  0 ok · 2 bad input (missing file, invalid JSON, no events, no such window,
-unknown --step-marker, unwritable -o) · 130 interrupted (Ctrl-C)
+[bold]EXIT CODES[/bold]  0 ok · 2 bad input (missing file, invalid JSON, truncated gzip, not a trace, no
+events, no such window, unknown --step-marker, a capture folder without execution_details.json,
+unwritable -o) · 130 interrupted (Ctrl-C)
 
-[bold]LEARN MORE[/bold]  counters and event rules: looptrace/probes/counters.py and classify.py docstrings
+[bold]LEARN MORE[/bold]  counters and event rules: looptrace/probes/counters.py and classify.py docstrings;
+runtime names: runtime.py; steps: steps.py; categories: categories.py; capture traces: capture.py;
+loop inference: loops.py
 """
 
 trace_app = typer.Typer(
@@ -57,7 +85,8 @@ def _wrote(output: Path) -> None:
     Console(stderr=True, highlight=False).print(f"wrote {output}")
 
 
-def _emit(text: str, output: Path | None) -> None:
+def emit(text: str, output: Path | None) -> None:
+    """Text to stdout, or written whole and atomically to OUTPUT (trace analyze and trace compare)."""
     if output is None:
         sys.stdout.write(text)
         return
@@ -103,37 +132,101 @@ def analyze(
         Optional[Path], typer.Option("--output", "-o", help="Write to PATH instead of stdout.")
     ] = None,
     top: Annotated[int, typer.Option(min=0, help="Kernels listed in each top-kernels table.")] = 10,
+    capture: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--capture",
+            help="Capture-trace folder (execution_details.json + traces) that attributes graph-replayed "
+            "kernels. Default: capture_traces/ beside the trace, if present.",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Device for the roofline peaks (e.g. H100, MI300X). Default: the trace's.",
+            show_default=False,
+        ),
+    ] = None,
+    loops: Annotated[
+        Optional[int],
+        typer.Option(
+            "--loops",
+            min=1,
+            help="Looped model: passes of its recurrent block per forward (traces without lt ranges; "
+            "see LOOPED MODELS).",
+            show_default=False,
+        ),
+    ] = None,
+    layers_per_loop: Annotated[
+        Optional[int],
+        typer.Option(
+            "--layers-per-loop",
+            min=1,
+            help="Looped model: layers in its recurrent block (traces without lt ranges).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Per-token counters (Table A4 shape), kernel attribution by stage/op/layer and top kernels."""
+    """Per-token counters (Table A4 shape), op categories and per-op roofline, kernel attribution by
+    stage/op/layer and top kernels; vLLM, SGLang, Hugging Face and looptrace traces (CUDA and ROCm)."""
     with interrupt_exit():
-        _analyze(trace, tokens, step_marker, window, infer_format(fmt, output), output, top)
+        options = _Options(tokens, step_marker, window, top, capture, device, loops, layers_per_loop)
+        _analyze(trace, options, infer_format(fmt, output), output)
 
 
-def _analyze(
-    trace: Path,
-    tokens: int | None,
-    step_marker: str | None,
-    window: WindowChoice,
-    fmt: OutputFormat,
-    output: Path | None,
-    top: int,
-) -> None:
+@dataclass(frozen=True)
+class _Options:
+    tokens: int | None
+    step_marker: str | None
+    window: WindowChoice
+    top: int
+    capture: Path | None
+    device: str | None
+    loops: int | None = None
+    layers_per_loop: int | None = None
+
+
+def _captures(trace: Path, folder: Path | None) -> list[CapturedGraph] | None:
+    """Graphs of the given capture folder, else of the one beside the trace (a broken one is an error
+    either way: it was meant for this trace)."""
+    from looptrace.probes.capture import find_capture_dir, load_captures
+
+    folder = folder or find_capture_dir(trace)
+    return load_captures(folder) if folder is not None else None
+
+
+def _analyze(trace: Path, o: _Options, fmt: OutputFormat, output: Path | None) -> None:
+    # The analysis modules load here, not at import: `looptrace --help` and usage errors stay fast.
+    from looptrace.probes.capture import find_capture_dir
+    from looptrace.probes.counters import analyze as analyze_trace
+    from looptrace.probes.events import TraceError, load_chrome_trace
+    from looptrace.probes.report import render_report, to_csv, to_json
+
     try:
-        check_output(output)
+        check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
         loaded = load_chrome_trace(trace)
         if not loaded.events:
             raise TraceError(f"{trace}: no complete ('ph': 'X') events in the trace")
-        result = analyze_trace(loaded, tokens=tokens, window=window.value, step_marker=step_marker, top=top)
+        captures = _captures(trace, o.capture)
+        result = analyze_trace(
+            loaded, tokens=o.tokens, window=o.window.value, step_marker=o.step_marker, top=o.top,
+            captures=captures, device=o.device, loops=o.loops, layers_per_loop=o.layers_per_loop,
+        )  # fmt: skip
     except (TraceError, UsageError) as exc:
         raise fail(str(exc)) from None
     header = {"trace": str(trace), "window": result.counters.window, "mode": result.counters.mode}
+    if captures is not None:
+        header["capture"] = str(o.capture or find_capture_dir(trace))
+    if result.device:
+        header["device"] = result.device
     if fmt is OutputFormat.json:
-        _emit(to_json(result, header) + "\n", output)
+        emit(to_json(result, header) + "\n", output)
     elif fmt is OutputFormat.csv:
-        _emit(to_csv(result, header), output)
+        emit(to_csv(result, header), output)
     elif output is None:
         render_report(result, header, Console(width=None if sys.stdout.isatty() else 160))
     else:
         buf = io.StringIO()
         render_report(result, header, Console(file=buf, width=160, color_system=None))
-        _emit(buf.getvalue(), output)
+        emit(buf.getvalue(), output)

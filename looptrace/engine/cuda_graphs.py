@@ -100,9 +100,13 @@ class GraphCache:
     def run_body_eagerly(self, rows: int) -> None:
         """Run the captured function eagerly on the static inputs of graph `rows`: the same kernels in the
         same order as a replay (profilers use this to attribute a replay's kernels to ops). Its only side
-        effect, the KV writes, rewrites the slots the last replay wrote with the same values."""
+        effect, the KV writes, rewrites the slots the last replay wrote with the same values. It runs under
+        `graph_warmup()`, the capture's code path: without it the exact Triton kernels fall back to their
+        eager ops below 256 rows (H200, exactloop's whole-token graph: 5,142 eager kernels vs the replay's
+        990, so no replay matched its body; bench/results/graph_body_probe_exactloop_ouro-1.4b_h200.txt)."""
         entry = self.entries[rows]
-        self.fn(*entry.inputs)
+        with graph_warmup():
+            self.fn(*entry.inputs)
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Entry:
         static = tuple(x.clone() for x in inputs)

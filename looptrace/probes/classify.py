@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from looptrace.probes import runtime as rt
 from looptrace.probes.events import API_CATS, TraceEvent
 
 KERNEL_CAT = "kernel"
@@ -41,39 +42,19 @@ MEMCPY_CAT = "gpu_memcpy"
 MEMSET_CAT = "gpu_memset"
 SYNC_CAT = "cuda_sync"
 
-EAGER_LAUNCH_NAMES = frozenset(
-    {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
-)
-GRAPH_LAUNCH_NAMES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
+# Call names per kind, both runtimes (CUDA and HIP): the tables live in `runtime`.
+EAGER_LAUNCH_NAMES = rt.names_of(rt.EAGER_LAUNCH)
+GRAPH_LAUNCH_NAMES = rt.names_of(rt.GRAPH_LAUNCH)
 
 # Sync kinds. `stream_wait` orders two streams on the device and does not block the host: it is counted
 # apart and left out of the blocking total.
 BLOCKING_SYNC_KINDS = ("stream", "device", "event", "sync_memcpy", "unknown")
-STREAM_WAIT = "stream_wait"
+STREAM_WAIT = rt.STREAM_WAIT
 # cudaEventQuery returns at once (cudaErrorNotReady if the event is pending), yet CUPTI records an
 # `Event Sync` activity for it (seen on an H200, CUDA 13) and HTA lists it as blocking. It is a poll:
 # counted apart, not in the blocking total.
-EVENT_QUERY = "event_query"
-RUNTIME_SYNC_KINDS = {
-    "cudaEventQuery": EVENT_QUERY,
-    "cuEventQuery": EVENT_QUERY,
-    "cudaStreamSynchronize": "stream",
-    "cuStreamSynchronize": "stream",
-    "cudaDeviceSynchronize": "device",
-    "cuCtxSynchronize": "device",
-    "cudaEventSynchronize": "event",
-    "cuEventSynchronize": "event",
-    "cudaStreamWaitEvent": STREAM_WAIT,
-    "cuStreamWaitEvent": STREAM_WAIT,
-    # Synchronous copies return only when the copy is done (the Async variants are not listed: their
-    # hidden syncs show up as pageable copies).
-    "cudaMemcpy": "sync_memcpy",
-    "cudaMemcpy2D": "sync_memcpy",
-    "cuMemcpy": "sync_memcpy",
-    "cuMemcpyDtoH_v2": "sync_memcpy",
-    "cuMemcpyHtoD_v2": "sync_memcpy",
-    "cuMemcpyDtoD_v2": "sync_memcpy",
-}
+EVENT_QUERY = rt.EVENT_QUERY
+RUNTIME_SYNC_KINDS = {name: kind for name, kind in rt.API_KINDS.items() if kind in rt.SYNC_KINDS}
 ACTIVITY_SYNC_KINDS = {
     "Stream Sync": "stream",
     "Context Sync": "device",

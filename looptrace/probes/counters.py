@@ -21,7 +21,8 @@ marker (a user_annotation name prefix: `lt.step#`, else `ProfilerStep#`, or `ste
 Host position: host events (cpu_op, runtime/driver calls) are where they are. Device events (kernels,
 memcpy, memset, cuda_sync) sit at the runtime/driver call with the same `args.correlation`; graph-replay
 kernels share the correlation of their `cudaGraphLaunch`, so they land on the ranges enclosing the replay.
-Device events without such a call fall back to their own timestamp and get no attribution.
+Device events without such a call fall back to their own timestamp and get no attribution; those that ran
+before the first device event launched in the trace were queued before profiling began and are left out.
 
 Attribution: each kernel (GPU mode) or leaf cpu_op (CPU mode: the trace has no kernel events) takes the
 innermost enclosing lt.stage / lt.loop / lt.layer / lt.op ranges *on the thread of its host position*.
@@ -30,21 +31,43 @@ Kernels with no lt.op range are `graph` (inside a graph replay) or `other`.
 Tokens: per-token values divide window totals by `tokens=` (the caller knows how many tokens it sampled);
 else, with `step_marker=`, by its instances in the window (an error if there are none); else by the sum
 of the window's `lt.tokens/<n>` markers (looptrace's own traces: the same divisor as `looptrace profile`,
-whatever the steps per token); else by the instances of a default step marker (right for one token per
-step, e.g. vLLM decode at batch 1); else by 1 (totals), and the notes say so.
+whatever the steps per token); else, in traces without lt ranges, by the tokens of the engine's step
+annotations (`steps`: output tokens when the window decodes, else prompt tokens); else by the instances
+of a default step marker (right for one token per step); else by 1 (totals), and the notes say so.
+
+Foreign traces (no lt ranges): every device event also gets a category, op and layer from the CPU ops
+open at its launch (`opstats`, `categories`; graph replays through capture traces, `capture`), and
+kernels' contexts become op = category, with loops inferred by `loops` where a looped model shows (GPU
+kernels and CPU-mode leaf ops alike; `loops=` / `layers_per_loop=` are its hints). `Breakdown.by_loop` and
+`by_op_layer_loop` give the op × loop and op × layer × loop tables either way (ranges or inference).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import difflib
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
+from looptrace.probes import categories as cats
 from looptrace.probes import classify as cl
-from looptrace.probes.events import Trace, TraceError, TraceEvent
+from looptrace.probes import steps as st
+from looptrace.probes.capture import HOW_TO_RECORD, CapturedGraph, attribute_replay, pick_graph
+from looptrace.probes.events import Trace, TraceError, TraceEvent, enclosing_chains
+from looptrace.probes.opstats import (
+    CategoryRow,
+    KernelOp,
+    OpRow,
+    ancestry_chains,
+    category_rows,
+    device_peak,
+    kernel_op,
+    op_rows,
+    short_kernel_name,
+)
 
 # --- annotation-name convention -------------------------------------------------------------------------
 
@@ -64,7 +87,7 @@ OP_KINDS = (
     "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head", "sample",
     "state_init", "kv_copy", "metadata", "readback",
 )  # fmt: skip
-DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#")
+DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#", *st.OLD_STEP_MARKERS)  # engine grammars: `steps`
 WINDOW_CHOICES = ("auto", "decode", "prefill", "all")
 GRAPH_OP = "graph"  # kernel of a graph replay with no finer range
 OTHER_OP = "other"  # eager kernel outside every lt.op range
@@ -158,6 +181,9 @@ class Counters:
     gpu_busy_us: float | None = None
     graph_gap_us: float | None = None
     gpu_idle_us: float | None = None
+    # Wall time on the GPU timeline: first to last device event of the window (TraceLens's "GPU timeline
+    # total"), extended to the lt.window ranges when they define the window (`_timeline`).
+    wall_us: float | None = None
 
     @property
     def syncs(self) -> int:
@@ -211,6 +237,13 @@ class Breakdown:
     by_stage: list[GroupStat] = field(default_factory=list)  # key: (stage,)
     by_op_role: list[GroupStat] = field(default_factory=list)  # key: (op, layer role)
     formulas: list[str] = field(default_factory=list)
+    # Loop index as a string ("0", "1", ...; NONE outside loops); ops in by_op order, then loop, layer.
+    by_loop: list[GroupStat] = field(default_factory=list)  # key: (op, loop)
+    by_op_layer_loop: list[GroupStat] = field(default_factory=list)  # key: (op, layer, loop)
+
+    @property
+    def has_loops(self) -> bool:
+        return any(s.key[1] != NONE for s in self.by_loop)
 
 
 @dataclass
@@ -223,6 +256,40 @@ class Analysis:
     step_marker: str | None
     notes: list[str] = field(default_factory=list)
     sites: list[SiteStat] = field(default_factory=list)  # where syncs and copies come from
+    categories: list[CategoryRow] = field(default_factory=list)  # device time per op category
+    ops: list[OpRow] = field(default_factory=list)  # per (category, op, layer), with roofline costs
+    phases: list[PhaseStat] = field(default_factory=list)  # engine steps by phase (foreign traces)
+    device: str | None = None  # the trace's device, by name
+    replays: ReplayStat | None = None  # graph-replayed kernels and how much of their time has an op
+
+
+@dataclass
+class ReplayStat:
+    """Kernels of graph replays in the window; `attributed_us`: their time mapped to a launching CPU op
+    (through a capture trace) whose category is not `other`."""
+
+    kernels: int
+    gpu_us: float
+    attributed_us: float
+
+    @property
+    def attributed_share(self) -> float:
+        return 100.0 * self.attributed_us / self.gpu_us if self.gpu_us else 0.0
+
+
+@dataclass
+class PhaseStat:
+    """Engine steps of one phase in the window: decode per output token, prefill per prompt token."""
+
+    phase: str  # prefill | decode | mixed
+    steps: int
+    tokens: int
+    unit: str  # "output token" | "prompt token" | "token"
+    gpu_us: float  # device time of the events launched inside these steps
+
+    @property
+    def per_token_us(self) -> float | None:
+        return self.gpu_us / self.tokens if self.tokens else None
 
 
 @dataclass
@@ -333,25 +400,6 @@ class _Locator:
         return (call.pid, call.tid), call.ts
 
 
-def enclosing_chains(ranges: list[TraceEvent], times: Sequence[float]) -> list[tuple[TraceEvent, ...]]:
-    """For each time, the ranges of one thread that contain it (start <= t < end), outer → inner.
-    `ranges` must be sorted by (ts, -dur). One sweep, so cost is O((ranges + times) log) per thread."""
-    out: list[tuple[TraceEvent, ...]] = [()] * len(times)
-    stack: list[TraceEvent] = []
-    i = 0
-    for q in sorted(range(len(times)), key=times.__getitem__):
-        t = times[q]
-        while i < len(ranges) and ranges[i].ts <= t:
-            while stack and stack[-1].end <= ranges[i].ts:
-                stack.pop()
-            stack.append(ranges[i])
-            i += 1
-        while stack and stack[-1].end <= t:
-            stack.pop()
-        out[q] = tuple(r for r in stack if r.end > t)  # tolerate ranges that overlap without nesting
-    return out
-
-
 def _contexts(positions: list[Position], ranges: list[TraceEvent]) -> list[Context]:
     """Context of each position, from the lt.* ranges of its thread."""
     by_thread: dict[tuple, list[TraceEvent]] = defaultdict(list)
@@ -382,26 +430,41 @@ def analyze(
     step_marker: str | None = None,
     submissions: int | None = None,
     top: int = 10,
+    captures: Sequence[CapturedGraph] | None = None,
+    device: str | None = None,
+    loops: int | None = None,
+    layers_per_loop: int | None = None,
 ) -> Analysis:
-    """Counters, attribution and top kernels of one window of `trace` (rules in the module docstring)."""
+    """Counters, attribution and top kernels of one window of `trace` (rules in the module docstring).
+    `captures`: graphs of the capture traces that attribute replayed kernels; `device`: a device name
+    overriding the trace's `deviceProperties` for the roofline; `loops`, `layers_per_loop`: hints for the
+    loop inference of traces without lt ranges (`loops.detect_loops`; ignored where lt ranges exist)."""
     events = trace.events
     if not events:
         raise TraceError(f"{trace.source}: no complete events in the trace")
     if tokens is not None and tokens < 1:
         raise ValueError("tokens must be >= 1")
+    for hint, flag in ((loops, "loops"), (layers_per_loop, "layers_per_loop")):
+        if hint is not None and hint < 1:
+            raise ValueError(f"{flag} must be >= 1")
     mode = cl.detect_mode(events)
     windows, label = select_windows(trace, window)
     inside = _window_test(windows)
     locate = _Locator(events)
+    stale = _queued_before_trace(events, locate)
 
     def in_window(items: Iterable[TraceEvent]) -> list[tuple[TraceEvent, Position]]:
-        located = ((e, locate(e)) for e in items)
+        located = ((e, locate(e)) for e in items if id(e) not in stale)
         return [(e, pos) for e, pos in located if inside(pos[1])]
 
+    ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
+    engine_steps = [] if ranges else [s for s in st.engine_steps(events) if inside(s.event.ts)]
     marker, steps = _count_steps(events, step_marker, inside, f"{trace.source} (window {label})")
     tokens_source = ""
     if tokens is None and step_marker is None:
         tokens, tokens_source = _marked_tokens(events, inside)
+    if tokens is None and step_marker is None and engine_steps and marker != STEP_PREFIX:
+        marker, steps, tokens, tokens_source = _engine_tokens(engine_steps)
     if not tokens_source:
         tokens, tokens_source = _resolve_tokens(tokens, marker, steps)
     host_us = _host_span(events) if windows is None else sum(end - start for start, end in windows)
@@ -414,7 +477,7 @@ def analyze(
     memory = in_window(e for e in events if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT))
     _count_memory(c, memory)
     if mode == "gpu":
-        _timeline(c, [e for e, _ in kernels + memory], graph_corr)
+        _timeline(c, [e for e, _ in kernels + memory], graph_corr, extend_to_window=windows is not None)
     unlinked = sum(1 for _, (thread, _) in kernels + memory if thread is None)
     for e, _ in in_window(e for e in events if cl.is_api_call(e)):
         c.eager_launches += cl.is_eager_launch(e)
@@ -424,7 +487,7 @@ def analyze(
     site_items: list[tuple[str, TraceEvent, Position]] = []
     for kind, e in cl.select_syncs(events):
         pos = locate(e)
-        if inside(pos[1]):
+        if id(e) not in stale and inside(pos[1]):
             setattr(c, SYNC_FIELDS[kind], getattr(c, SYNC_FIELDS[kind]) + 1)
             site_items.append((f"sync {kind}", e, pos))
     site_items += [("host scalar read", e, pos) for e, pos in reads]
@@ -435,7 +498,6 @@ def analyze(
         )
         site_items.append((what, e, pos))
 
-    ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
     # lt.op instances get a context too (their own layer/loop), for the per-call factors of the formulas.
     op_positions = [((r.pid, r.tid), r.ts) for r in ranges if r.name.startswith(OP_PREFIX) and inside(r.ts)]
     site_positions = [pos for _, _, pos in site_items]
@@ -448,12 +510,214 @@ def analyze(
     if bodies:
         kernel_ctx, replay_ops, replay_note = _attribute_replays(kernels, kernel_ctx, graph_corr, bodies)
         op_ctx = op_ctx + replay_ops
+    device_items = kernels + memory
+    kops, op_notes = _kernel_ops(events, device_items, kernel_ctx, graph_corr, captures, engine_steps)
+    if not ranges:  # CPU traces too: their leaf cpu_ops have categories from `_kernel_ops`
+        hints = {"loops": loops, "layers_per_loop": layers_per_loop}
+        kernel_ctx, loop_note = _foreign_contexts(kops[:n_k], kernels, engine_steps, hints)
+        op_notes += [loop_note] if loop_note else []
     breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
     by_count, by_time = _top_kernels([e for e, _ in kernels], top)
     notes = _notes(c, tokens_source, unlinked, mode)
+    if stale:
+        notes.append(_stale_note(events, stale))
     if replay_note:
         notes.append(replay_note)
-    return Analysis(c, breakdown, by_count, by_time, tokens_source, marker, notes, sites)
+    notes += op_notes
+    durations = [e.dur for e, _ in device_items]
+    props = trace.device_properties
+    peak = device_peak(props, device)
+    return Analysis(
+        c, breakdown, by_count, by_time, tokens_source, marker, notes, sites,
+        categories=category_rows(durations, kops, tokens),
+        ops=op_rows(durations, kops, peak),
+        phases=_phases(engine_steps, device_items),
+        device=_device_name(peak, props),
+        replays=_replay_stat(kernels, kops, graph_corr),
+    )  # fmt: skip
+
+
+def _device_name(peak: object, props: list[dict]) -> str | None:
+    """The roofline table's device name, else the trace's own (MI300X traces from vLLM leave it empty)."""
+    if peak is not None:
+        return str(getattr(peak, "name", peak))
+    return next((str(x["name"]) for x in props if x.get("name")), None)
+
+
+def _replay_stat(
+    kernels: list[tuple[TraceEvent, Position]], kops: list[KernelOp], graph_corr: set[int]
+) -> ReplayStat | None:
+    graph = [(e, k) for (e, _), k in zip(kernels, kops, strict=False) if cl.is_graph_kernel(e, graph_corr)]
+    if not graph:
+        return None
+    attributed = sum(e.dur for e, k in graph if k.call is not None and k.category != cats.OTHER)
+    return ReplayStat(len(graph), sum(e.dur for e, _ in graph), attributed)
+
+
+# --- foreign traces: steps, stale device events, op attribution -----------------------------------------
+
+
+def _engine_tokens(steps: list[st.Step]) -> tuple[str, int, int, str]:
+    """(marker, steps, tokens, source) from the engine's step annotations; tokens 1 (totals) if the
+    annotations carry no counts (older vLLM `execute_model`)."""
+    totals = st.step_tokens(steps)
+    marker = st.VLLM_STEP if steps[0].grammar == "vllm" else st.SGLANG_STEP
+    if totals.tokens < 1:
+        return marker, totals.steps, 1, "unknown (step annotations without token counts): pass --tokens"
+    return marker, totals.steps, totals.tokens, st.describe(totals, steps[0].grammar)
+
+
+def _phases(steps: list[st.Step], items: list[tuple[TraceEvent, Position]]) -> list[PhaseStat]:
+    """Device time of the events launched inside each phase's steps (by host time, any thread)."""
+    if not steps:
+        return []
+    spans = sorted((s.event.ts, s.event.end, s) for s in steps)
+    starts = [x[0] for x in spans]
+    gpu: dict[str, float] = defaultdict(float)
+    for e, (_, t) in items:
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t < spans[i][1]:
+            gpu[spans[i][2].phase] += e.dur
+    out = []
+    for phase in (st.PREFILL, st.DECODE, st.MIXED):
+        mine = [s for s in steps if s.phase == phase]
+        if not mine:
+            continue
+        prompt = sum(s.prompt_tokens or 0 for s in mine)
+        output = sum(s.output_tokens or 0 for s in mine)
+        count, unit = {
+            st.PREFILL: (prompt, "prompt token"),
+            st.DECODE: (output, "output token"),
+            st.MIXED: (prompt + output, "token"),
+        }[phase]
+        out.append(PhaseStat(phase, len(mine), count, unit, gpu.get(phase, 0.0)))
+    return out
+
+
+def _queued_before_trace(events: list[TraceEvent], locate: _Locator) -> set[int]:
+    """Device events that ran before the first device event launched in the trace and have no launching
+    call: work queued before profiling began (Kineto flushes it with the trace). They belong to no
+    profiled step, so they are left out (TraceLens drops them too: on the H100 trace, 436 kernels and 73
+    memsets of the previous step, 13.7 ms of GPU time)."""
+    device = [e for e in events if e.cat in (cl.KERNEL_CAT, cl.MEMCPY_CAT, cl.MEMSET_CAT)]
+    linked = [e.ts for e in device if e.correlation in locate.calls]
+    if not linked:
+        return set()
+    first = min(linked)
+    return {id(e) for e in device if e.ts < first and e.correlation not in locate.calls}
+
+
+def _stale_note(events: list[TraceEvent], stale: set[int]) -> str:
+    gone = [e for e in events if id(e) in stale]
+    us = sum(e.dur for e in gone)
+    return (
+        f"{len(gone)} device events ({us / 1e3:,.2f} ms) ran before the first launch the trace records and "
+        "have no launching call (work queued before profiling began): left out"
+    )
+
+
+def _kernel_ops(
+    events: list[TraceEvent],
+    items: list[tuple[TraceEvent, Position]],
+    ctx: list[Context],
+    graph_corr: set[int],
+    captures: Sequence[CapturedGraph] | None,
+    steps: list[st.Step],
+) -> tuple[list[KernelOp], list[str]]:
+    """Category, op, layer and call of every device event of the window: CPU-op ancestry at the launch;
+    graph replays through the capture traces; lt.op ranges set the category in looptrace's traces."""
+    chains = ancestry_chains(events, [pos for _, pos in items])
+    kops = [kernel_op(e.name, chain) for (e, _), chain in zip(items, chains, strict=True)]
+    for i, cx in enumerate(ctx):  # kernels come first in `items`
+        if cx.op is not None:
+            ko = kops[i]
+            layer = cx.layer if cx.layer is not None else ko.layer
+            kops[i] = dataclasses.replace(ko, category=cats.lt_category(cx.op, items[i][0].name), layer=layer)
+    replays: dict[int, list[int]] = defaultdict(list)
+    for i, (e, _) in enumerate(items[: len(ctx)]):  # kernels only; those an lt.graph body mapped stay
+        if e.correlation in graph_corr and ctx[i].op is None:
+            replays[e.correlation].append(i)
+    if not replays:
+        return kops, []
+    return kops, _attribute_foreign_replays(items, kops, replays, captures, steps)
+
+
+def _attribute_foreign_replays(
+    items: list[tuple[TraceEvent, Position]],
+    kops: list[KernelOp],
+    replays: dict[int, list[int]],
+    captures: Sequence[CapturedGraph] | None,
+    steps: list[st.Step],
+) -> list[str]:
+    """Map each replay's kernels (device order) to the capture of its graph; a note on the outcome."""
+    total = sum(len(idx) for idx in replays.values())
+    if not captures:
+        us = sum(items[i][0].dur for idx in replays.values() for i in idx)
+        for i in (i for idx in replays.values() for i in idx):
+            name = items[i][0].name
+            kops[i] = KernelOp(cats.kernel_category(name), short_kernel_name(name))
+        return [
+            f"{total} kernels of {len(replays)} graph replay(s) ({us / 1e3:,.2f} ms) cannot be attributed to "
+            f"the CPU ops that launched them (categories from kernel names only): {HOW_TO_RECORD}"
+        ]
+    matched = attributed = differ = 0
+    for corr, idx in replays.items():
+        idx.sort(key=lambda i: items[i][0].ts)
+        names = [items[i][0].name for i in idx]
+        graph = pick_graph(captures, names, _step_rows(steps, items[idx[0]][1][1]))
+        if graph is None:
+            continue
+        ops, bad = attribute_replay([items[i][0] for i in idx], graph, corr)
+        for i, op in zip(idx, ops, strict=True):
+            kops[i] = op
+        matched, attributed, differ = matched + 1, attributed + len(idx), differ + bad
+    note = (
+        f"graph replays attributed through the capture traces: {matched} of {len(replays)} replay(s), "
+        f"{attributed} of {total} kernels matched by order to the capture's launches"
+    )
+    if differ:
+        note += f" ({differ} kernel names differ from the capture's)"
+    return [note]
+
+
+def _step_rows(steps: list[st.Step], t: float) -> int | None:
+    """Tokens scheduled in the step around host time t: the graph's batch size in vLLM/SGLang."""
+    step = next((s for s in steps if s.event.ts <= t < s.event.end), None)
+    if step is None:
+        return None
+    return (step.prompt_tokens or 0) + (step.output_tokens or 0) or step.rows
+
+
+def _foreign_contexts(
+    kops: list[KernelOp],
+    kernels: list[tuple[TraceEvent, Position]],
+    steps: list[st.Step],
+    hints: dict[str, int | None],
+) -> tuple[list[Context], str | None]:
+    """Contexts of kernels in a trace without lt ranges: op = category, layer from the module path; and,
+    where a looped pattern repeats within a step, stage/loop/layer/role from `loops.detect_loops` (the
+    one call site; kernels grouped by engine step, in launch order). Also the note on what was found."""
+    ctx = [Context(op=k.category, layer=None if k.layer is None else f"layer{k.layer}") for k in kops]
+    from looptrace.probes.loops import detect_loops  # here: `loops` imports this module
+
+    groups: dict[int, list[int]] = defaultdict(list)
+    starts = [s.event.ts for s in steps]
+    for i, (_, (_, t)) in enumerate(kernels):
+        j = bisect.bisect_right(starts, t) - 1
+        groups[j if j >= 0 and t < steps[j].event.end else -1].append(i)
+    # launch order; kernels of one graph replay share a launch time, so device order breaks ties
+    order = [
+        sorted(idx, key=lambda i: (kernels[i][1][1], kernels[i][0].ts)) for _, idx in sorted(groups.items())
+    ]
+    found = detect_loops(
+        [[ctx[i] for i in idx] for idx in order],
+        names=[[kernels[i][0].name for i in idx] for idx in order],
+        **hints,
+    )
+    for idx, inferred in zip(order, found.steps, strict=True):
+        for i, cx in zip(idx, inferred, strict=True):
+            ctx[i] = cx
+    return ctx, (f"loops inferred from the kernel pattern: {found.how}" if found.how else None)
 
 
 def _sites(items: list[tuple[str, TraceEvent, Position]], ctx: list[Context], locate) -> list[SiteStat]:
@@ -492,31 +756,33 @@ def _graph_bodies(events: list[TraceEvent], ranges: list[TraceEvent], locate) ->
 
 
 def _match_body(names: tuple, bodies: dict[tuple, list[Context]]) -> tuple[list[Context] | None, str]:
-    """Exact name sequence first. Else the body sharing the longest common prefix + suffix, if what
-    differs in between is small: under capture a GEMM may run other or extra cuBLAS kernels than eagerly
-    (seen on an H200: a `memcpy_post` before a gemv). Kernels in the differing middle take the op of the
-    first kernel after it (a library's prologue kernel belongs to the call that follows)."""
+    """Exact name sequence first. Else the body whose kernels align best with the replay's (difflib's
+    matching blocks), if few replay kernels stay unmatched: under capture cuBLAS may run other or extra
+    kernels than eagerly, at several places (H200, exactloop's whole-token graph: a `memcpy_post` before
+    each of the 4 gate gemvs, 990 kernels vs the body's 986). An unmatched kernel takes the op of the
+    first matched kernel after it (a library's prologue kernel belongs to the call that follows)."""
     body = bodies.get(names)
     if body is not None:
         return body, "exact"
-    best, best_key, best_fix = None, None, (0, 0)
+    slack = max(8, len(names) // 50)
+    best, best_blocks, best_matched = None, [], 0
     for key, b in bodies.items():
-        n = min(len(key), len(names))
-        pre = next((i for i in range(n) if key[i] != names[i]), n)
-        suf = next((i for i in range(n - pre) if key[-1 - i] != names[-1 - i]), n - pre)
-        if pre + suf > sum(best_fix):
-            best, best_key, best_fix = b, key, (pre, suf)
-    pre, suf = best_fix
-    if best is None or len(names) - pre - suf > max(8, len(names) // 50):
+        if abs(len(key) - len(names)) > slack:
+            continue
+        blocks = difflib.SequenceMatcher(None, key, names, autojunk=False).get_matching_blocks()
+        matched = sum(m.size for m in blocks)
+        if matched > best_matched:
+            best, best_blocks, best_matched = b, blocks, matched
+    if best is None or len(names) - best_matched > slack:
         return None, "unmatched"
-    mapped = []
-    for i in range(len(names)):
-        if i < pre:
-            mapped.append(best[i])
-        elif i >= len(names) - suf:
-            mapped.append(best[len(best_key) - (len(names) - i)])
-        else:
-            mapped.append(best[len(best_key) - suf] if suf else best[pre - 1])
+    mapped: list[Context | None] = [None] * len(names)
+    for m in best_blocks:
+        mapped[m.b : m.b + m.size] = best[m.a : m.a + m.size]
+    following = best[-1]
+    for j in range(len(names) - 1, -1, -1):  # fill the gaps from the right: the next matched kernel's op
+        if mapped[j] is None:
+            mapped[j] = following
+        following = mapped[j]
     return mapped, "aligned"
 
 
@@ -543,11 +809,14 @@ def _attribute_replays(
     ctx = list(kernel_ctx)
     op_calls: list[Context] = []
     outcome: Counter[str] = Counter()
+    matched: dict[tuple, tuple[list[Context] | None, str]] = {}
     example = ""
     for idx in replays.values():
         idx.sort(key=lambda i: kernels[i][0].ts)
         names = tuple(kernels[i][0].name for i in idx)
-        body, how = _match_body(names, bodies)
+        if names not in matched:  # replays of one graph repeat one sequence: align it once
+            matched[names] = _match_body(names, bodies)
+        body, how = matched[names]
         outcome[how] += 1
         if body is None:
             example = example or _mismatch(names, bodies)
@@ -648,10 +917,16 @@ def _union_us(spans: list[Interval]) -> float:
     return sum(end - start for start, end in _merge(spans))
 
 
-def _timeline(c: Counters, device: list[TraceEvent], graph_corr: set[int]) -> None:
+def _timeline(c: Counters, device: list[TraceEvent], graph_corr: set[int], extend_to_window: bool) -> None:
     """GPU busy time (union of the device events' intervals: overlapping work counts once), idle time
     between the kernels of each graph replay (a replay's span minus its busy union: launch latency between
-    dependent graph nodes), and idle wall time (window wall time minus busy, at least 0)."""
+    dependent graph nodes), wall time and idle wall time (wall - busy).
+
+    Wall = first to last device event of the window (TraceLens's "GPU timeline total"), extended to the
+    lt.window ranges' length when those define the window (looptrace's windows end after a sync, so they
+    are the measured interval). Without lt.window ranges the host span is not used: host and device
+    clocks need not agree (on the vLLM MI300X trace the first kernel starts 8.4 ms after the host's step
+    annotation began and runs 8 ms past its end), and the GPU may still run work queued earlier."""
     c.gpu_busy_us = _union_us([(e.ts, e.end) for e in device])
     replays: dict[int, list[Interval]] = defaultdict(list)
     for e in device:
@@ -661,7 +936,9 @@ def _timeline(c: Counters, device: list[TraceEvent], graph_corr: set[int]) -> No
         max(end for _, end in spans) - min(start for start, _ in spans) - _union_us(spans)
         for spans in replays.values()
     )
-    c.gpu_idle_us = max(0.0, c.host_us - c.gpu_busy_us)
+    span = max(e.end for e in device) - min(e.ts for e in device) if device else 0.0
+    c.wall_us = max(span, c.host_us) if extend_to_window else span
+    c.gpu_idle_us = max(0.0, c.wall_us - c.gpu_busy_us)
 
 
 def _kernel_op(e: TraceEvent, ctx: Context, graph_corr: set[int]) -> str:
@@ -675,6 +952,29 @@ def _groups(acc: dict[tuple[str, ...], list[float]]) -> list[GroupStat]:
     return sorted(stats, key=lambda s: (-s.kernels, s.key))
 
 
+def _loop_order(value: str) -> tuple[int, int]:
+    """Loop "0", "1", ... in numeric order, NONE (no loop) last."""
+    return (1, 0) if value == NONE else (0, int(value))
+
+
+def _layer_order(layer: str) -> tuple[int, int, str]:
+    """prelude0.., core0.., coda0.., then other names; numeric within a role."""
+    m = _LAYER_RE.match(layer)
+    if m is None:
+        return (len(ROLE_ORDER) + 1, 0, layer)
+    return (ROLE_ORDER.get(m.group(1) or NONE, len(ROLE_ORDER)), int(m.group(2)), layer)
+
+
+def _loop_groups(acc: dict[tuple[str, ...], list[float]], rank: dict[str, int]) -> list[GroupStat]:
+    """Groups keyed (op, loop) or (op, layer, loop): ops as in `by_op`, then loop, then layer."""
+
+    def order(s: GroupStat) -> tuple:
+        op, *layer, loop = s.key
+        return (rank.get(op, len(rank)), op, _loop_order(loop), *(_layer_order(x) for x in layer))
+
+    return sorted((GroupStat(key, int(v[0]), v[1]) for key, v in acc.items()), key=order)
+
+
 def _breakdown(
     kernels: list[tuple[TraceEvent, Position]],
     kernel_ctx: list[Context],
@@ -685,15 +985,27 @@ def _breakdown(
     by_op: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
     by_stage: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
     by_op_role: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_loop: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
+    by_cell: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0, 0.0])
     per_call: Counter[int] = Counter()  # kernels per lt.op range instance, by id
     for (e, _), ctx in zip(kernels, kernel_ctx, strict=True):
         op = _kernel_op(e, ctx, graph_corr)
-        for acc, key in ((by_op, (op,)), (by_stage, (ctx.stage,)), (by_op_role, (op, ctx.role))):
+        loop = NONE if ctx.loop is None else str(ctx.loop)
+        for acc, key in (
+            (by_op, (op,)),
+            (by_stage, (ctx.stage,)),
+            (by_op_role, (op, ctx.role)),
+            (by_loop, (op, loop)),
+            (by_cell, (op, ctx.layer or NONE, loop)),
+        ):
             acc[key][0] += 1
             acc[key][1] += e.dur
         if ctx.op_range is not None:
             per_call[id(ctx.op_range)] += 1
     b = Breakdown(_groups(by_op), _groups(by_stage), _groups(by_op_role))
+    rank = {s.key[0]: i for i, s in enumerate(b.by_op)}
+    b.by_loop = _loop_groups(by_loop, rank)
+    b.by_op_layer_loop = _loop_groups(by_cell, rank)
     instances: dict[str, list[Context]] = defaultdict(list)
     for ctx in op_ctx:
         instances[ctx.op].append(ctx)

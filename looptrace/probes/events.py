@@ -11,7 +11,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import sys
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,25 @@ class Trace:
         return [e for e in self.events if e.cat in cats]
 
 
+def enclosing_chains(ranges: list[TraceEvent], times: Sequence[float]) -> list[tuple[TraceEvent, ...]]:
+    """For each time, the ranges of one thread that contain it (start <= t < end), outer → inner.
+    `ranges` must be sorted by (ts, -dur). One sweep, so cost is O((ranges + times) log) per thread."""
+    out: list[tuple[TraceEvent, ...]] = [()] * len(times)
+    stack: list[TraceEvent] = []
+    i = 0
+    for q in sorted(range(len(times)), key=times.__getitem__):
+        t = times[q]
+        while i < len(ranges) and ranges[i].ts <= t:
+            while stack and stack[-1].end <= ranges[i].ts:
+                stack.pop()
+            stack.append(ranges[i])
+            i += 1
+        while stack and stack[-1].end <= t:
+            stack.pop()
+        out[q] = tuple(r for r in stack if r.end > t)  # tolerate ranges that overlap without nesting
+    return out
+
+
 def _as_int(value: Any) -> int | None:
     if value is None or isinstance(value, bool):
         return None
@@ -113,11 +135,41 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
+PROGRESS_MIN_BYTES = 64 * 2**20  # files this large show a progress bar (stderr on a terminal only)
+_CHUNK = 8 * 2**20
+
+
+@contextmanager
+def _progress(path: Path, size: int) -> Iterator[Callable[[int], None]]:
+    """A callback taking the bytes of the file read so far: a transient Rich bar on stderr for a large
+    file when stderr is a terminal, else a no-op."""
+    if size < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield lambda done: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    columns = (TextColumn("reading {task.description}"), BarColumn(), DownloadColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(path.name, total=size)
+        yield lambda done: bar.update(task, completed=done)
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The decompressed file in one pass (read in chunks, so that a long read shows progress)."""
+    size = path.stat().st_size
+    chunks = []
+    with open(path, "rb") as raw, _progress(path, size) as advance:
+        stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        while chunk := stream.read(_CHUNK):
+            chunks.append(chunk)
+            advance(raw.tell())
+    return b"".join(chunks)
+
+
 def _read_json(path: Path) -> Any:
-    opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            return json.load(fh)
+        return json.loads(_read_bytes(path))
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except IsADirectoryError:

@@ -7,6 +7,7 @@ shown as a warning row, never filtered out (conventions §2).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from collections.abc import Sequence
@@ -17,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 import looptrace
-from looptrace.probes.counters import Analysis, Counters, GroupStat, KernelStat
+from looptrace.probes.counters import NONE, Analysis, Counters, GroupStat, KernelStat
+from looptrace.probes.opstats import OpRow
 
 SCHEMA = "looptrace.profile/1"
 COMPARE_SCHEMA = "looptrace.compare/1"
@@ -71,7 +73,9 @@ COUNTER_LABELS = {
     "gpu_busy_us": "GPU busy, union (µs)",
     "graph_gap_us": "GPU idle inside graph replays (µs)",
     "gpu_idle_us": "GPU idle in the window (µs)",
+    "wall_us": "wall, GPU timeline (µs)",
 }
+OPS_SHOWN = 15  # op rows in the table (the JSON has them all, per layer)
 
 
 def tool_version() -> str:
@@ -138,7 +142,7 @@ def timeline_table(rows: Sequence[tuple[str, Counters]], title: str = "Wall time
     ):
         table.add_column(header, justify="right")
     for label, c in rows:
-        wall = c.host_us
+        wall = c.wall_us if c.wall_us is not None else c.host_us
         gaps = min(c.graph_gap_us or 0.0, c.gpu_idle_us or 0.0)
         parts = (c.gpu_busy_us or 0.0, gaps, (c.gpu_idle_us or 0.0) - gaps)
         share = [f" ({100 * us / wall:.0f}%)" if wall else "" for us in parts]
@@ -244,6 +248,105 @@ def sites_table(analysis: Analysis) -> Table:
     return table
 
 
+def category_table(analysis: Analysis) -> Table | None:
+    """Device time per op category (kernels, copies and memsets), share and per token."""
+    if not analysis.categories:
+        return None
+    c = analysis.counters
+    table = Table(title=f"{_time_header(c.mode)} time by op category", title_justify="left")
+    table.add_column("category")
+    for header in ("Instances", "share %", f"{_time_header(c.mode)} µs", "µs/tok"):
+        table.add_column(header, justify="right")
+    for r in analysis.categories:
+        table.add_row(
+            r.category, f"{r.kernels:,}", _fmt(r.share, 1), _fmt(r.gpu_us, 1), _fmt(r.per_token_us, 2)
+        )
+    return table
+
+
+def phase_table(analysis: Analysis) -> Table | None:
+    """Engine steps per phase: decode per output token, prefill per prompt token."""
+    if not analysis.phases:
+        return None
+    table = Table(title="Engine steps by phase", title_justify="left")
+    table.add_column("phase")
+    for header in ("steps", "tokens", "unit", "GPU ms", "GPU µs/token"):
+        table.add_column(header, justify="right")
+    for p in analysis.phases:
+        per = _fmt(p.per_token_us, 2) if p.per_token_us is not None else "–"
+        table.add_row(p.phase, f"{p.steps:,}", f"{p.tokens:,}", p.unit, _fmt(p.gpu_us / 1e3, 3), per)
+    return table
+
+
+def _sum_opt(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
+
+
+def ops_by_name(rows: Sequence[OpRow]) -> list[dict[str, Any]]:
+    """Op rows summed over layers (the table's view): time, calls, layers, and the roofline position of
+    the summed cost where every layer's row has one."""
+    groups: dict[tuple[str, str], list[OpRow]] = {}
+    for r in rows:
+        groups.setdefault((r.category, r.op), []).append(r)
+    out = []
+    for (category, op), rs in groups.items():
+        us = sum(r.gpu_us for r in rs)
+        nbytes, flops = _sum_opt([r.bytes for r in rs]), _sum_opt([r.flops for r in rs])
+        pcts = [r.pct_of_peak for r in rs]
+        pct = (
+            None
+            if any(p is None for p in pcts)
+            else sum((p or 0) * r.gpu_us for p, r in zip(pcts, rs, strict=True)) / (us or 1)
+        )
+        out.append({
+            "category": category, "op": op, "layers": len({r.layer for r in rs if r.layer is not None}),
+            "calls": sum(r.calls for r in rs), "kernels": sum(r.kernels for r in rs), "gpu_us": us,
+            "bytes": nbytes, "flops": flops,
+            "achieved_tbps": nbytes / us / 1e6 if nbytes is not None and us else None,
+            "achieved_tflops": flops / us / 1e6 if flops is not None and us else None,
+            "pct_of_peak": pct, "bound": rs[0].bound,
+        })  # fmt: skip
+    return sorted(out, key=lambda d: -d["gpu_us"])
+
+
+def ops_table(analysis: Analysis) -> Table | None:
+    """The ops with the most device time (summed over layers), with bytes, FLOPs and roofline share."""
+    if not analysis.ops:
+        return None
+    c = analysis.counters
+    title = f"Top ops by {_time_header(c.mode)} time" + (
+        f" (roofline: {analysis.device})" if analysis.device else ""
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("category")
+    table.add_column("op", max_width=48, overflow="ellipsis", no_wrap=True)
+    for header in (
+        "layers",
+        "calls",
+        "µs/tok",
+        "MB/call",
+        "GFLOP/call",
+        "TB/s",
+        "TFLOP/s",
+        "% peak",
+        "bound",
+    ):
+        table.add_column(header, justify="right")
+    for d in ops_by_name(analysis.ops)[:OPS_SHOWN]:
+        calls = d["calls"] or 1
+        table.add_row(
+            d["category"], d["op"], str(d["layers"] or "–"), f"{d['calls']:,}",
+            _fmt(d["gpu_us"] / c.tokens, 2), _opt(d["bytes"], 1e-6 / calls, 2),
+            _opt(d["flops"], 1e-9 / calls, 2), _opt(d["achieved_tbps"], 1, 2),
+            _opt(d["achieved_tflops"], 1, 1), _opt(d["pct_of_peak"], 1, 0), d["bound"] or "–",
+        )  # fmt: skip
+    return table
+
+
+def _opt(value: float | None, scale: float, decimals: int) -> str:
+    return "–" if value is None else _fmt(value * scale, decimals)
+
+
 def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
     c, b = analysis.counters, analysis.breakdown
     label = str(header.get("label") or header.get("recipe") or c.window.split(" ")[0])
@@ -252,16 +355,19 @@ def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
     for note in analysis.notes:
         notes.append(f"• {note}\n", style=WARN if note.startswith("WARNING") else "dim")
     timeline = timeline_table([(label, c)])
+    optional = (phase_table(analysis), category_table(analysis), ops_table(analysis))
     return [
         header_table(header),
         counters_table([(label, c)]),
         *([timeline] if timeline is not None else []),
+        *(t for t in optional if t is not None),
         detail_table(c),
         sites_table(analysis),
         group_table("Kernels by stage", ["stage"], b.by_stage, c),
         group_table("Kernels by op", ["op"], b.by_op, c),
         Group(Text("Kernels per token by op", style="italic"), formulas),
         group_table("Kernels by op and layer role", ["op", "role"], b.by_op_role, c),
+        *([group_table("Kernels by op and loop", ["op", "loop"], b.by_loop, c)] if b.has_loops else []),
         kernels_table("Top kernels by Instances", analysis.top_by_count, c),
         kernels_table("Top kernels by total time", analysis.top_by_time, c),
         notes,
@@ -291,6 +397,16 @@ def _group_dicts(columns: Sequence[str], stats: Sequence[GroupStat], c: Counters
     ]
 
 
+def _loop_dicts(columns: Sequence[str], stats: Sequence[GroupStat], c: Counters) -> list[dict[str, Any]]:
+    """`_group_dicts` with the loop as an int (null outside loops) and the layer null outside layers."""
+    rows = _group_dicts(columns, stats, c)
+    for row in rows:
+        row["loop"] = None if row["loop"] == NONE else int(row["loop"])
+        if "layer" in row and row["layer"] == NONE:
+            row["layer"] = None
+    return rows
+
+
 def _kernel_dicts(stats: Sequence[KernelStat]) -> list[dict[str, Any]]:
     return [{"name": s.name, "count": s.count, "total_us": s.total_us, "avg_us": s.avg_us} for s in stats]
 
@@ -316,6 +432,8 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             "by_stage": _group_dicts(["stage"], b.by_stage, c),
             "by_op_role": _group_dicts(["op", "role"], b.by_op_role, c),
             "formulas": b.formulas,
+            "by_loop": _loop_dicts(["op", "loop"], b.by_loop, c),
+            "by_op_layer_loop": _loop_dicts(["op", "layer", "loop"], b.by_op_layer_loop, c),
         },
         "top_kernels": {
             "by_count": _kernel_dicts(analysis.top_by_count),
@@ -332,8 +450,29 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             }
             for x in analysis.sites
         ],
+        "device": analysis.device,
+        "phases": [
+            {"phase": p.phase, "steps": p.steps, "tokens": p.tokens, "unit": p.unit, "gpu_us": p.gpu_us,
+             "per_token_us": p.per_token_us}
+            for p in analysis.phases
+        ],
+        "categories": [
+            {"category": r.category, "kernels": r.kernels, "gpu_us": r.gpu_us, "share": r.share,
+             "per_token_us": r.per_token_us}
+            for r in analysis.categories
+        ],
+        "ops": [dataclasses.asdict(r) for r in analysis.ops],
+        "graph_replays": _replay_dict(analysis),
         "notes": analysis.notes,
-    }
+    }  # fmt: skip
+
+
+def _replay_dict(analysis: Analysis) -> dict[str, Any] | None:
+    r = analysis.replays
+    if r is None:
+        return None
+    return {"kernels": r.kernels, "gpu_us": r.gpu_us, "attributed_us": r.attributed_us,
+            "attributed_share": r.attributed_share}  # fmt: skip
 
 
 def to_json(analysis: Analysis, header: dict[str, Any], indent: int | None = 2) -> str:
@@ -348,11 +487,20 @@ def to_csv(analysis: Analysis, header: dict[str, Any]) -> str:
     rows += [("meta", k, "value", d[k]) for k in ("mode", "window", "tokens", "tokens_source", "steps")]
     for metric in ("totals", "per_token", "per_step"):
         rows += [("counters", k, metric, v) for k, v in (d[metric] or {}).items()]
-    for section, cols in (("by_op", ["op"]), ("by_stage", ["stage"]), ("by_op_role", ["op", "role"])):
+    sections = (
+        ("by_op", ["op"]), ("by_stage", ["stage"]), ("by_op_role", ["op", "role"]),
+        ("by_loop", ["op", "loop"]), ("by_op_layer_loop", ["op", "layer", "loop"]),
+    )  # fmt: skip
+    for section, cols in sections:
         for item in d["breakdown"][section]:
-            key = "/".join(str(item[col]) for col in cols)
+            key = "/".join(NONE if item[col] is None else str(item[col]) for col in cols)
             rows += [(section, key, m, v) for m, v in item.items() if m not in cols]
     rows += [("formula", line.split(":", 1)[0], "text", line) for line in d["breakdown"]["formulas"]]
+    for item in d["categories"]:
+        rows += [("category", item["category"], m, v) for m, v in item.items() if m != "category"]
+    for item in d["ops"]:
+        key = "/".join(str(item[k]) for k in ("category", "op", "layer"))
+        rows += [("op", key, m, v) for m, v in item.items() if m not in ("category", "op", "layer")]
     for section in ("by_count", "by_time"):
         for item in d["top_kernels"][section]:
             rows += [(f"top_{section}", item["name"], m, v) for m, v in item.items() if m != "name"]

@@ -63,6 +63,7 @@ class WindowRun:
     wall_s: float
     graph: dict[str, dict[str, Any]] = field(default_factory=dict)  # per graph cache: counter deltas
     steps_by_stage: dict[str, int] = field(default_factory=dict)
+    context_tokens: float | None = None  # mean KV length of a decode row over the window (roofline rows)
 
 
 @dataclass
@@ -222,6 +223,13 @@ def _mark_tokens(n: int) -> None:
             pass
 
 
+def _mean_context(engine: LLMEngine, ids: list[str]) -> float:
+    """Mean tokens in context of the unfinished requests (what a decode row's attention reads)."""
+    reqs = [engine.requests[i] for i in ids if i in engine.requests]
+    lens = [r.num_tokens for r in reqs if not r.is_finished]
+    return sum(lens) / len(lens) if lens else 0.0
+
+
 def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
     """The decode window, then the prefill window; each finished one is added to `windows`."""
     say(f"decode window: {decode_steps}+ engine steps")
@@ -229,6 +237,7 @@ def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
         pass
     count = _Counting(engine)
     tokens = 0
+    context0 = _mean_context(engine, ids)
     with torch.profiler.record_function(names.WINDOW_DECODE):
         while True:
             out = engine.step()
@@ -239,6 +248,8 @@ def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
             if not engine.has_unfinished_requests():  # every request finished: nothing left to step
                 break
     windows["decode"] = count.finish("decode", tokens, "output token")
+    context1 = _mean_context(engine, ids) or context0  # 0: every request finished in the window
+    windows["decode"].context_tokens = (context0 + context1) / 2  # grows linearly over the window
     _sync(engine)
     for name, rows, thunk in engine.graph_bodies():  # op map for kernels inside graph replays
         with torch.profiler.record_function(f"{names.GRAPH_BODY_PREFIX}{name}/{rows}"):

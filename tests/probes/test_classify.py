@@ -266,3 +266,31 @@ def test_detect_mode() -> None:
         == "cpu"
     )
     assert cl.detect_mode([]) == "cpu"
+
+
+# --- runtime vocabularies: HIP (ROCm) counted like CUDA ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hip", "cuda"),
+    [("hipLaunchKernel", "cudaLaunchKernel"), ("hipExtModuleLaunchKernel", "cuLaunchKernel"),
+     ("hipModuleLaunchKernel", "cuLaunchKernel"), ("hipGraphLaunch", "cudaGraphLaunch"),
+     ("hipStreamSynchronize", "cudaStreamSynchronize"), ("hipDeviceSynchronize", "cudaDeviceSynchronize"),
+     ("hipEventSynchronize", "cudaEventSynchronize"), ("hipStreamWaitEvent", "cudaStreamWaitEvent"),
+     ("hipEventQuery", "cudaEventQuery"), ("hipMemcpy", "cudaMemcpy"), ("hipMemcpyAsync", "cudaMemcpyAsync"),
+     ("hipMemsetAsync", "cudaMemsetAsync")],
+)  # fmt: skip
+def test_hip_names_count_like_cuda(hip: str, cuda: str) -> None:
+    from looptrace.probes import runtime as rt
+
+    h, c = ev("cuda_runtime", hip), ev("cuda_runtime", cuda)
+    assert rt.api_kind(hip) == rt.api_kind(cuda) is not None
+    assert (rt.runtime_of(hip), rt.runtime_of(cuda)) == ("hip", "cuda")
+    assert (cl.is_eager_launch(h), cl.is_graph_launch(h), cl.sync_kind(h)) == (
+        cl.is_eager_launch(c), cl.is_graph_launch(c), cl.sync_kind(c)
+    )  # fmt: skip
+
+
+def test_hip_memcpy_with_stream_is_a_synchronous_copy() -> None:
+    assert cl.sync_kind(ev("cuda_runtime", "hipMemcpyWithStream")) == "sync_memcpy"
+    assert cl.sync_kind(ev("cuda_runtime", "hipGetDevicePropertiesR0600")) is None

@@ -24,6 +24,7 @@ from looptrace.probes.events import (
     parse_chrome_trace,
     trace_from_profiler,
 )
+from tests.probes.conftest import PID, TID
 
 # Window totals of conftest.build_decode_trace's decode window (2 steps, 1 token each):
 #   per step 40 recurrent kernels (4 layer-loop cells × (6 norm + 2 rope + 1 attention + 1 mlp)),
@@ -492,3 +493,75 @@ def test_timeline_is_absent_in_cpu_mode(kt) -> None:
     c = analyze(parse_chrome_trace(kt.to_dict()), tokens=1).counters
     assert c.mode == "cpu" and c.kernels == 1
     assert not {"gpu_busy_us", "graph_gap_us", "gpu_idle_us"} & c.totals().keys()
+
+
+# --- traces looptrace did not write ------------------------------------------------------------------------
+
+
+def test_device_work_queued_before_profiling_is_left_out(kt) -> None:
+    """Kernels with no launching call that ran before the first launched one were queued before the
+    profiler started: dropped (and said so); an unlinked kernel after that still counts."""
+    kt.kernel("stale", 0.0, 5.0, corr=None)
+    kt.now = 10.0
+    kt.launch("first", kt.tick(), 2.0)
+    kt.kernel("orphan_later", 50.0, 1.0, corr=None)
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    assert (a.counters.kernels, a.counters.gpu_busy_us) == (2, 3.0)
+    assert any(n.startswith("1 device events (0.01 ms) ran before the first launch") for n in a.notes)
+
+
+def test_wall_is_the_gpu_timeline_without_lt_windows(kt) -> None:
+    kt.cpu_op("aten::empty", kt.tick(), 1.0)
+    kt.launch("a", kt.tick(), 2.0)  # host 3, device 13-15
+    kt.launch("b", kt.tick(), 4.0)  # host 6, device 16-20
+    kt.cpu_op("aten::empty", kt.tick(100.0), 1.0)
+    c = analyze(parse_chrome_trace(kt.to_dict()), tokens=1).counters
+    assert (c.host_us, c.wall_us, c.gpu_busy_us, c.gpu_idle_us) == (10.0, 7.0, 6.0, 1.0)  # host 0-10
+
+
+def test_lt_window_wall_is_at_least_the_window(kt) -> None:
+    window = kt.annotation("lt.window/decode", 0.0, 8.0)
+    kt.kernel("late", 20.0, 4.0, kt.runtime("cudaLaunchKernel", 1.0))  # runs past the window's end
+    c = analyze(parse_chrome_trace(kt.to_dict()), tokens=1).counters
+    assert (c.host_us, c.wall_us, c.gpu_idle_us) == (window["dur"], 8.0, 4.0)  # window longer than span 4
+
+
+def test_categories_and_ops_from_cpu_op_ancestry(kt) -> None:
+    """No lt ranges: each kernel's category comes from the CPU ops open at its launch; a call's kernels
+    make one op row; the layer comes from the module event around it."""
+    layer = kt._add("python_function", "nn.Module: LlamaDecoderLayer_3", kt.tick(0.0), 100.0, PID, TID, {})
+    linear = kt.cpu_op("aten::linear", kt.tick(0.0), 20.0)
+    kt.cpu_op("aten::mm", kt.tick(0.0), 10.0)
+    kt.launch("sm90_xmma_gemm", kt.tick(), 6.0)
+    kt.launch("memset_like_prologue", kt.tick(), 2.0)
+    kt.now = linear["ts"] + linear["dur"]
+    kt.cpu_op("aten::silu", kt.tick(0.0), 5.0)
+    kt.launch("vectorized_elementwise_kernel", kt.tick(), 2.0)
+    kt.now = layer["ts"] + layer["dur"]
+    kt.launch("unattributed", kt.tick(), 2.0)
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=2)
+    assert [(r.category, r.kernels, r.gpu_us, r.share) for r in a.categories] == [
+        ("GEMM", 2, 8.0, 66.66666666666667), ("activation", 1, 2.0, 100 / 6), ("other", 1, 2.0, 100 / 6)
+    ]  # fmt: skip
+    gemm = a.ops[0]
+    assert (gemm.category, gemm.op, gemm.layer, gemm.calls, gemm.kernels) == ("GEMM", "aten::mm", 3, 1, 2)
+    assert [s.key[0] for s in a.breakdown.by_op] == ["GEMM", "activation", "other"]
+    assert a.categories[0].per_token_us == 4.0
+
+
+def test_replay_with_extra_kernels_at_several_places_is_aligned(kt) -> None:
+    """H200, exactloop's whole-token graph: a `memcpy_post` before each loop's gate gemv, so the replay
+    (990 kernels) differs from its eager body (986) at 4 places; a common prefix + suffix cannot span
+    that, an alignment does. Each extra kernel takes the op of the kernel after it."""
+    body = [("norm", ["pow", "mean"]), ("gate", ["gemv", "sigmoid"])] * 3
+    replay = ["pow", "mean", "memcpy_post", "gemv", "sigmoid"] * 3
+    with kt.range("lt.window/decode"), kt.range("lt.stage/recurrent"), kt.range("lt.loop/0"):
+        kt.graph_launch(kt.tick(), replay)
+    with kt.range("lt.graph/whole_token/1"):
+        for op, names in body:
+            with kt.range(f"lt.op/{op}"):
+                for name in names:
+                    kt.launch(name, kt.tick())
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    assert {s.key: s.kernels for s in a.breakdown.by_op} == {("norm",): 6, ("gate",): 9}
+    assert any("1 aligned" in n for n in a.notes)

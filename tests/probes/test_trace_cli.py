@@ -189,7 +189,7 @@ def test_token_markers_are_the_default_divisor(kt, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "target, needle",
-    [("/proc/x", "cannot create files in /proc"), ("DEVICE", ""), (".", "is a directory")],
+    [("/proc/x", "cannot create files in /proc"), ("DEVICE", ""), (".", "a directory")],
 )
 def test_unwritable_output_is_one_line_exit_2(decode_path, target, needle, tmp_path) -> None:
     if target == "DEVICE":  # like `-o /dev/full` as root, on a private node
@@ -272,3 +272,15 @@ def test_compare_ratios() -> None:
     assert data["labels"] == ["base", "exact"]
     assert data == json.loads(json.dumps(compare_to_dict(a, b, ("base", "exact"), {"model": "m"})))
     render_compare(a, b, ("base", "exact"), Console(record=True, width=160), header={"model": "m"})
+
+
+def test_unknown_device_is_one_line_exit_2(decode_path) -> None:
+    assert_one_line_exit_2(run(decode_path, "--device", "no-such-gpu"), "--device", "no-such-gpu")
+
+
+def test_old_vllm_step_marker_is_a_default(kt, tmp_path) -> None:
+    for _ in range(3):
+        with kt.range("execute_model"):
+            kt.launch("gemm", kt.tick(), 1.0)
+    data = json.loads(run(kt.write(tmp_path / "t.json"), "--format", "json").stdout)
+    assert (data["step_marker"], data["steps"], data["tokens"]) == ("execute_model", 3, 3)

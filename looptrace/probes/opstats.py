@@ -1,0 +1,188 @@
+"""Which CPU op launched each device event, its category and layer; per-category and per-op rows.
+
+A device event's *ancestry* is the stack of CPU ops (and `nn.Module` Python events, for the layer) open
+on the launching thread when its runtime call was made; for a graph-replay kernel it is the ancestry of
+the same launch in the capture trace (`capture`). `categories.categorize` picks the op that decides the
+category; that op instance is the kernel's *call*: a call's FLOPs and bytes (from its recorded shapes,
+`roofline.op_cost`) count once, against the total time of the kernels it launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter, defaultdict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from looptrace.probes import categories as cats
+from looptrace.probes.classify import CPU_OP_CAT
+from looptrace.probes.events import TraceError, TraceEvent, enclosing_chains
+
+PYTHON_CAT = "python_function"
+MODULE_PREFIX = "nn.Module: "
+_TEMPLATE_RE = re.compile(r"^(?:void )?([^<(]+)")
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """What one device event is: category, the op that launched it, layer, and its call instance."""
+
+    category: str
+    op: str
+    layer: int | str | None = None  # a module's layer index; looptrace's own traces: the lt.layer name
+    call: Hashable | None = None  # one instance of `op`; None when the kernel name decided
+    shapes: TraceEvent | None = None  # the CPU op whose recorded shapes give the call's cost
+
+
+@dataclass
+class CategoryRow:
+    category: str
+    kernels: int
+    gpu_us: float
+    share: float  # % of the device time of the window
+    per_token_us: float
+
+
+@dataclass
+class OpRow:
+    category: str
+    op: str
+    layer: int | str | None
+    calls: int
+    kernels: int
+    gpu_us: float
+    bytes: float | None = None
+    flops: float | None = None
+    achieved_tbps: float | None = None
+    achieved_tflops: float | None = None
+    pct_of_peak: float | None = None
+    bound: str | None = None
+
+
+def is_ancestry_range(e: TraceEvent) -> bool:
+    """Events that can be a kernel's ancestors: CPU ops, and module events (they carry the layer)."""
+    return e.cat == CPU_OP_CAT or (e.cat == PYTHON_CAT and e.name.startswith(MODULE_PREFIX))
+
+
+def ancestry_chains(
+    events: Iterable[TraceEvent], positions: Sequence[tuple[tuple | None, float]]
+) -> list[tuple[TraceEvent, ...]]:
+    """For each host position (thread, time), the CPU ops and module events open there, outer → inner."""
+    by_thread: dict[tuple, list[TraceEvent]] = defaultdict(list)
+    for e in events:
+        if is_ancestry_range(e):
+            by_thread[(e.pid, e.tid)].append(e)
+    queries: dict[tuple, list[int]] = defaultdict(list)
+    for i, (thread, _) in enumerate(positions):
+        if thread is not None and thread in by_thread:
+            queries[thread].append(i)
+    out: list[tuple[TraceEvent, ...]] = [()] * len(positions)
+    for thread, idx in queries.items():
+        ranges = sorted(by_thread[thread], key=lambda r: (r.ts, -r.dur))
+        for i, chain in zip(idx, enclosing_chains(ranges, [positions[i][1] for i in idx]), strict=True):
+            out[i] = chain
+    return out
+
+
+def short_kernel_name(name: str) -> str:
+    """`void at::native::reduce_kernel<512, 1, ...>(...)` → `at::native::reduce_kernel`."""
+    m = _TEMPLATE_RE.match(name)
+    return (m.group(1).strip() if m else name)[:80]
+
+
+def kernel_op(kernel: str, chain: Sequence[TraceEvent], call_scope: Hashable = None) -> KernelOp:
+    """Category, op, layer and call of one kernel from its ancestry. `call_scope` tells apart calls of
+    one captured op replayed several times (the replay's correlation id)."""
+    ops = [r for r in chain if r.cat == CPU_OP_CAT]
+    category, i = cats.categorize([r.name for r in ops], kernel)
+    layer = cats.layer_index([r.name for r in chain if r.cat == PYTHON_CAT])
+    if i is None:
+        return KernelOp(category, short_kernel_name(kernel), layer)
+    return KernelOp(category, ops[i].name, layer, (call_scope, id(ops[i])), ops[i])
+
+
+def category_rows(durations: Sequence[float], ops: Sequence[KernelOp], tokens: int) -> list[CategoryRow]:
+    """Device time per category, largest first; shares of the summed device time."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for dur, op in zip(durations, ops, strict=True):
+        acc[op.category][0] += 1
+        acc[op.category][1] += dur
+    total = sum(durations) or 1.0
+    rows = [CategoryRow(cat, int(n), us, 100.0 * us / total, us / tokens) for cat, (n, us) in acc.items()]
+    return sorted(rows, key=lambda r: (-r.gpu_us, r.category))
+
+
+def _roofline() -> ModuleType | None:
+    """Helper module for FLOPs/bytes and device peaks; optional (rows keep None without it)."""
+    try:
+        from looptrace.probes import roofline
+    except ImportError:
+        return None
+    return roofline
+
+
+def device_peak(device_properties: list[dict[str, Any]] | None, override: str | None = None) -> Any:
+    """The roofline's device (peaks) from the trace's `deviceProperties` or a name; None if unknown.
+    TraceError for a name the device table does not know."""
+    roofline = _roofline()
+    if roofline is None:
+        return None
+    try:
+        return roofline.device_for(device_properties, override)
+    except ValueError as exc:
+        raise TraceError(f"--device: {exc}") from None
+
+
+def op_rows(durations: Sequence[float], ops: Sequence[KernelOp], peak: Any = None) -> list[OpRow]:
+    """One row per (category, op, layer): calls, kernels, time, and the calls' summed cost and roofline
+    position (against `peak`, a `roofline.DevicePeak`) where `roofline` knows the op."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        groups[(op.category, op.op, op.layer)].append(i)
+    roofline = _roofline()
+    rows = []
+    for (category, name, layer), idx in groups.items():
+        calls = {ops[i].call: ops[i].shapes for i in idx if ops[i].call is not None}
+        row = OpRow(category, name, layer, len(calls) or len(idx), len(idx), sum(durations[i] for i in idx))
+        if roofline is not None and calls:
+            _add_cost(row, roofline, list(calls.values()), peak)
+        rows.append(row)
+    return sorted(rows, key=lambda r: (-r.gpu_us, r.category, r.op, str(r.layer)))
+
+
+def _add_cost(row: OpRow, roofline: ModuleType, shapes: list[TraceEvent | None], peak: Any) -> None:
+    """Sum the calls' costs; the row gets them only when every call has one (a partial sum would
+    understate the floor)."""
+    flops = nbytes = 0.0
+    dtypes: Counter[str] = Counter()
+    first = None
+    for e in shapes:
+        cost = _cost(roofline, e)
+        if cost is None:
+            return
+        first = first or cost
+        flops, nbytes = flops + (cost.flops or 0.0), nbytes + (cost.bytes or 0.0)
+        types = e.args.get("Input type") if e is not None else None
+        if isinstance(types, list) and types and types[0]:
+            dtypes[str(types[0])] += 1
+    row.flops, row.bytes = flops, nbytes
+    if first is None or row.gpu_us <= 0:
+        return
+    total = dataclasses.replace(first, flops=flops, bytes=nbytes)  # the calls' sum, as one cost
+    dtype = dtypes.most_common(1)[0][0] if dtypes else None
+    got = roofline.achieved(total, row.gpu_us, peak, dtype)
+    row.achieved_tbps, row.achieved_tflops = got.achieved_tbps, got.achieved_tflops
+    row.pct_of_peak, row.bound = got.pct_of_peak, got.bound
+
+
+def _cost(roofline: ModuleType, e: TraceEvent | None) -> Any:
+    if e is None:
+        return None
+    dims, types = e.args.get("Input Dims"), e.args.get("Input type")
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None
+    concrete = e.args.get("Concrete Inputs")
+    return roofline.op_cost(e.name, dims, types, concrete if isinstance(concrete, list) else None)

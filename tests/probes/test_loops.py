@@ -1,0 +1,502 @@
+"""Loop inference without lt ranges (`looptrace.probes.loops`).
+
+The must-show: traces of our own engine (Ouro and Huginn tiny on CPU, recorded by `profile_engine` as
+`looptrace profile --trace` does), every lt.* range stripped, op categories from the stripped trace's CPU
+ops (`categories`, as `trace analyze` does for foreign traces): the inferred loop and layer of every leaf
+op inside an lt.loop range equal the ranges', exactly. What structure cannot tell: the engine's per-step
+bookkeeping between two loop ranges (gathering the carried state, reading the exit gate back) lies in a
+gap that every loop boundary shares; those ops are counted exactly below.
+
+The same traces through `analyze` and `looptrace trace analyze` (the stripped file, CPU mode): the op ×
+layer × loop table equals profile's cell by cell up to that bookkeeping, in JSON too; the hints pass
+through.
+
+Then: no false loops on plain transformers (a real Hugging Face trace, synthetic steps and whole traces,
+alternating layer types, MoE experts), module layer indices (vLLM paths), and the CLI hints.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import typer
+from rich.console import Console
+from typer.testing import CliRunner
+
+from looptrace.cli.trace_cmd import trace_app
+from looptrace.engine.config import EngineConfig
+from looptrace.engine.llm_engine import LLMEngine
+from looptrace.probes import categories as cats
+from looptrace.probes import classify as cl
+from looptrace.probes import counters as C
+from looptrace.probes.counters import Context
+from looptrace.probes.events import TraceEvent, load_chrome_trace
+from looptrace.probes.loops import detect_loops, infer_loops
+from looptrace.probes.opstats import ancestry_chains, kernel_op
+from looptrace.probes.report import render_report, to_dict
+from looptrace.probes.session import ProfileConfig, profile_engine
+
+CLI = typer.Typer()
+CLI.add_typer(trace_app, name="trace")
+runner = CliRunner()
+QWEN_TRACE = Path("/work/shared/traces/h100_qwen1.5_0.5b/trace.json.gz")
+DECODE_TOKENS = 3
+
+# --- our engine, lt ranges stripped -------------------------------------------------------------------
+
+
+class Stripped:
+    """Leaf CPU ops of one recorded trace in launch order: the truth from its lt ranges, and what a trace
+    without them says (category from the CPU ops, kernel name)."""
+
+    def __init__(self, engine: LLMEngine, events: list[TraceEvent], path: Path) -> None:
+        self.engine, self.path = engine, path  # path: the trace as `profile --trace` writes it
+        bare = [e for e in events if not (e.cat == C.ANNOTATION_CAT and e.name.startswith(C.PREFIX))]
+        self.leaves = sorted(cl.leaf_cpu_ops(bare), key=lambda e: e.ts)
+        positions = [((e.pid, e.tid), e.ts) for e in self.leaves]
+        self.truth = _truth(events, positions)
+        chains = ancestry_chains(bare, positions)
+        self.contexts = [Context(op=kernel_op(e.name, ch).category) for e, ch in zip(self.leaves, chains)]
+        self.names = [e.name for e in self.leaves]
+        self.loop0 = sum(1 for e in events if e.cat == C.ANNOTATION_CAT and e.name == C.loop_name(0))
+
+
+def _truth(events: list[TraceEvent], positions: list[tuple]) -> list[Context]:
+    """Context of each op from the lt ranges of its thread (what `profile` attributes by)."""
+    ranges = sorted(
+        (e for e in events if e.cat == C.ANNOTATION_CAT and e.name.startswith(C.PREFIX)),
+        key=lambda r: (r.ts, -r.dur),
+    )
+    threads = {p[0] for p in positions}
+    assert len(threads) == 1, "the tiny engines run on one host thread"
+    chains = C.enclosing_chains([r for r in ranges if (r.pid, r.tid) in threads], [t for _, t in positions])
+    return [C.context_of(chain) for chain in chains]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """preset -> Stripped, for a short decode window and a prefill window (the profile path)."""
+    cache: dict[str, Stripped] = {}
+
+    def get(preset: str) -> Stripped:
+        if preset not in cache:
+            engine = LLMEngine.from_preset(preset, EngineConfig(), device="cpu")
+            steps = DECODE_TOKENS * (engine.max_loops + 2)  # prelude + one step per loop + coda, per token
+            cfg = ProfileConfig(concurrency=1, prompt_len=16, decode_steps=steps, warmup_tokens=1)
+            path = tmp_path_factory.mktemp(preset) / "trace.json"
+            result = profile_engine(engine, cfg, trace_path=path)
+            cache[preset] = Stripped(engine, result.trace.events, path)
+        return cache[preset]
+
+    return get
+
+
+# Per-step bookkeeping of our engine outside the loop ranges that structure puts in a loop: 2 ops per
+# loop and decode token. Ouro: each recurrent step's gate readback (copy_) and the next step's state
+# gather (index_select; after the last loop, the coda step's); Huginn: the next step's state and
+# injection gathers (the coda's state gather after the last loop, and one gather of the first loop).
+BETWEEN_LOOPS = {"ouro-tiny": {"aten::index_select", "aten::copy_"}, "huginn-tiny": {"aten::index_select"}}
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+def test_stripped_trace_loops_agree_with_profile(preset, recorded):
+    run = recorded(preset)
+    spec, loops = run.engine.spec, run.engine.max_loops
+    found = detect_loops([run.contexts], names=[run.names])
+    assert (found.loops, found.layers_per_loop) == (loops, spec.n_core), found.how
+    # One chain per forward of the recurrent block: each decode token, and the prefill step.
+    assert found.chains == run.loop0, found.how
+    assert found.how == (
+        f"repeated op pattern: {spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in 1 step)"
+    )
+    inferred = found.steps[0]
+    pairs = list(zip(run.truth, inferred, run.names))
+    in_loop = [(t, i) for t, i, _ in pairs if t.loop is not None]
+    same_loop = sum(t.loop == i.loop for t, i in in_loop)
+    same_layer = sum((t.layer, t.role) == (i.layer, i.role) for t, i in in_loop)
+    assert (same_loop, same_layer) == (len(in_loop), len(in_loop)), f"{len(in_loop)} ops in loop ranges"
+    assert len(in_loop) > 0.8 * len(pairs)
+
+    # Ops outside every loop range: no loop, except the between-loops bookkeeping (module docstring).
+    moved = Counter(n for t, i, n in pairs if t.loop is None and i.loop is not None)
+    decode_tokens = run.loop0 - 1  # the prefill step runs its loops back to back, with no bookkeeping
+    # Ouro's first recurrent step in the trace zeroes a buffer once (aten::zero_): that gap is one op
+    # longer, and its state gather falls between the loops (no loop, as the ranges say).
+    expected = 2 * loops * decode_tokens - (preset == "ouro-tiny")
+    assert set(moved) == BETWEEN_LOOPS[preset] and sum(moved.values()) == expected, moved
+    # Layers outside the loops: Huginn's prelude0..1 and coda0..1, as the ranges name them.
+    outside = [(t.layer, i.layer) for t, i, _ in pairs if t.loop is None and t.layer is not None]
+    assert all(t == i for t, i in outside) and bool(outside) == (spec.n_prelude + spec.n_coda > 0)
+    # The loop table: ops per loop index as profile counts them, plus the bookkeeping, 2 per decode token
+    # in every loop (Ouro: one fewer in loop 0, the one-off gap above).
+    ours = Counter(i.loop for _, i, _ in pairs if i.loop is not None)
+    profiles = Counter(t.loop for t, _, _ in pairs if t.loop is not None)
+    extra = {k: ours[k] - profiles[k] for k in range(loops)}
+    assert set(ours) == set(profiles) == set(range(loops))
+    assert extra == {k: 2 * decode_tokens - (preset == "ouro-tiny" and k == 0) for k in range(loops)}, extra
+
+
+def test_stripped_trace_stages(recorded):
+    """Huginn: prelude layers before each chain, coda layers and sampling after it, as profile's stages;
+    in the prefill step (one stage there) the ops of its loop ranges are the recurrent ones."""
+    run = recorded("huginn-tiny")
+    inferred = infer_loops([run.contexts], names=[run.names])[0]
+    pairs = list(zip(run.truth, inferred))
+    decode = Counter((t.stage, i.stage) for t, i in pairs if t.stage != "prefill")
+    wrong = {k: n for k, n in decode.items() if k[0] != k[1]}
+    # Per decode token: the state gather before loop 0 reads as prelude, the coda's as the last loop's.
+    tokens = run.loop0 - 1
+    assert wrong == {("recurrent", "prelude"): tokens, ("coda", "recurrent"): tokens}, decode
+    assert decode[("sample", "sample")] == tokens + 1  # and the prefill's first token
+    prefill = [(t, i) for t, i in pairs if t.stage == "prefill"]
+    assert sum(i.stage == "recurrent" for _, i in prefill) == sum(t.loop is not None for t, _ in prefill)
+
+
+@pytest.mark.parametrize(("preset", "misplaced"), [("ouro-tiny", 0), ("huginn-tiny", 8)])
+def test_categories_only(preset, misplaced, recorded):
+    """Without kernel names (categories alone) layers stay exact and loops nearly: in Huginn's prefill
+    step the adapter's concat (copy/cast) opening each of the 8 loops looks like the copy after the last
+    loop, so it goes to the previous loop's tail (the first one to none)."""
+    run = recorded(preset)
+    inferred = infer_loops([run.contexts])[0]
+    in_loop = [(t, i, n) for t, i, n in zip(run.truth, inferred, run.names) if t.loop is not None]
+    wrong = [(t.stage, n, t.loop, i.loop) for t, i, n in in_loop if t.loop != i.loop]
+    assert sum((t.layer, t.role) == (i.layer, i.role) for t, i, _ in in_loop) == len(in_loop)
+    assert len(wrong) == misplaced and {(s, n) for s, n, *_ in wrong} <= {("prefill", "aten::cat")}
+    assert sorted(i for *_, i in wrong if i is not None) == list(range(misplaced - 1))
+
+
+# --- the same traces through `analyze` and `trace analyze`: the op × layer × loop table ----------------
+
+# Ops inside lt.loop ranges of the recorded window (what `profile` attributes to a loop).
+IN_LOOPS = {"ouro-tiny": 4881, "huginn-tiny": 8880}
+
+
+def strip_ranges(src: Path, dst: Path) -> Path:
+    """The trace file with every lt.* user_annotation removed: what a trace of another engine lacks."""
+    data = json.loads(src.read_text())
+    data["traceEvents"] = [
+        e
+        for e in data["traceEvents"]
+        if not (e.get("cat") == C.ANNOTATION_CAT and str(e.get("name", "")).startswith(C.PREFIX))
+    ]
+    dst.write_text(json.dumps(data))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def analyzed(recorded, tmp_path_factory):
+    """preset -> (Stripped, analysis of the whole recorded trace, of the stripped file, stripped path)."""
+    cache: dict[str, tuple[Stripped, C.Analysis, C.Analysis, Path]] = {}
+
+    def get(preset: str) -> tuple[Stripped, C.Analysis, C.Analysis, Path]:
+        if preset not in cache:
+            run = recorded(preset)
+            stripped = strip_ranges(run.path, tmp_path_factory.mktemp(preset) / "stripped.json")
+            original = C.analyze(load_chrome_trace(run.path), window="all")
+            bare = C.analyze(load_chrome_trace(stripped), tokens=original.counters.tokens)
+            cache[preset] = (run, original, bare, stripped)
+        return cache[preset]
+
+    return get
+
+
+def per_loop(stats: list[C.GroupStat]) -> Counter:
+    """Kernels per loop ("0", ...; NONE) of a by_loop table, summed over ops."""
+    out: Counter = Counter()
+    for s in stats:
+        out[s.key[1]] += s.kernels
+    return out
+
+
+def cells(stats: list[C.GroupStat], layered: bool) -> Counter:
+    """Kernels per (layer, loop) of a by_op_layer_loop table, summed over ops; layered: rows with a layer
+    only, else the rows without one."""
+    out: Counter = Counter()
+    for s in stats:
+        if (s.key[1] != C.NONE) == layered:
+            out[s.key[1:]] += s.kernels
+    return out
+
+
+def bookkeeping(preset: str, tokens: int, loops: int) -> dict[str, int]:
+    """Kernels that structure gives to each loop and `profile` to none (BETWEEN_LOOPS), by loop."""
+    per_loop = {str(k): 2 * tokens - (preset == "ouro-tiny" and k == 0) for k in range(loops)}
+    return per_loop | {C.NONE: -sum(per_loop.values())}
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+def test_analyze_stripped_trace_loop_table(preset, analyzed):
+    """`analyze` on the stripped trace file (CPU mode: leaf cpu_ops) finds the loops and gives the op ×
+    layer × loop table of `profile` (analyze of the trace with its ranges), up to the bookkeeping."""
+    run, original, bare, _ = analyzed(preset)
+    spec, loops, tokens = run.engine.spec, run.engine.max_loops, run.loop0 - 1
+    how = f"{spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in 1 step)"
+    assert f"loops inferred from the kernel pattern: repeated op pattern: {how}" in bare.notes
+    assert bare.counters.kernels == original.counters.kernels and bare.breakdown.has_loops
+    profiled, inferred = per_loop(original.breakdown.by_loop), per_loop(bare.breakdown.by_loop)
+    assert sum(n for loop, n in profiled.items() if loop != C.NONE) == IN_LOOPS[preset]
+    assert {k: inferred[k] - profiled[k] for k in profiled} == bookkeeping(preset, tokens, loops)
+    # Every (layer, loop) cell with a layer: the same kernels as profile's (its ops are lt.op kinds,
+    # ours categories, so cells are compared summed over ops).
+    layered = cells(bare.breakdown.by_op_layer_loop, True)
+    assert layered == cells(original.breakdown.by_op_layer_loop, True) and len(layered) >= spec.n_core * loops
+    # Per category: the categories of the same ops under the ranges' (layer, loop); the only difference is
+    # the bookkeeping, all copy/cast (index_select, copy_) outside layers.
+    truth = Counter(
+        (c.op, t.layer or C.NONE, C.NONE if t.loop is None else str(t.loop))
+        for c, t in zip(run.contexts, run.truth, strict=True)
+    )
+    diff = Counter({s.key: s.kernels for s in bare.breakdown.by_op_layer_loop})
+    diff.subtract(truth)
+    expected = {(cats.COPY, C.NONE, loop): n for loop, n in bookkeeping(preset, tokens, loops).items()}
+    assert {k: n for k, n in diff.items() if n} == expected
+
+
+def test_trace_analyze_cli_loop_table(analyzed, tmp_path):
+    """The CLI on the stripped Ouro trace: JSON by_loop / by_op_layer_loop rows as `analyze` gives them,
+    loops as ints; the table report shows the op × loop table (profile's too); --loops passes through."""
+    run, original, bare, stripped = analyzed("ouro-tiny")
+    tokens = str(original.counters.tokens)
+    result = runner.invoke(CLI, ["trace", "analyze", str(stripped), "--format", "json", "--tokens", tokens])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)["breakdown"]
+    want = to_dict(bare, {})["breakdown"]
+    assert got["by_loop"] == want["by_loop"] and got["by_op_layer_loop"] == want["by_op_layer_loop"]
+    assert {r["loop"] for r in got["by_loop"]} == {0, 1, 2, 3, None}
+    row = next(r for r in got["by_op_layer_loop"] if r["layer"] == "core0" and r["loop"] == 0)
+    assert row["op"] == "elementwise" and row["kernels"] > 0
+    for analysis in (original, bare):
+        buf = io.StringIO()
+        render_report(analysis, {}, Console(file=buf, width=160, color_system=None))
+        assert "Kernels by op and loop" in buf.getvalue()
+    # A hint of another shape keeps no chain: no loops, no op × loop table.
+    result = runner.invoke(CLI, ["trace", "analyze", str(stripped), "--format", "json", "--loops", "3"])
+    assert result.exit_code == 0, result.output
+    assert {r["loop"] for r in json.loads(result.stdout)["breakdown"]["by_loop"]} == {None}
+
+
+def test_analyze_loop_hints(analyzed):
+    _, _, bare, stripped = analyzed("ouro-tiny")
+    trace = load_chrome_trace(stripped)
+    hinted = C.analyze(trace, tokens=bare.counters.tokens, loops=4, layers_per_loop=4)
+    assert hinted.breakdown.by_op_layer_loop == bare.breakdown.by_op_layer_loop
+    assert not C.analyze(trace, layers_per_loop=3).breakdown.has_loops
+    with pytest.raises(ValueError, match="loops must be >= 1"):
+        C.analyze(trace, loops=0)
+    for flag in ("--loops", "--layers-per-loop"):
+        result = runner.invoke(CLI, ["trace", "analyze", str(stripped), flag, "0"])
+        assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output, result.output
+
+
+# --- plain transformers: no loops --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not QWEN_TRACE.exists(), reason="shared traces not present")
+def test_hugging_face_trace_has_no_loops():
+    """Qwen1.5-0.5B on an H100 (eager HF): 24 layers with module indices, plus 10 layers of the step
+    queued before the trace began. No loops with or without the indices, names or not."""
+    trace = load_chrome_trace(QWEN_TRACE)
+    kernels = [e for e in trace.events if cl.is_kernel(e)]
+    calls = {e.correlation: e for e in trace.events if cl.is_api_call(e) and e.correlation is not None}
+    kernels = sorted((e for e in kernels if e.correlation in calls), key=lambda e: calls[e.correlation].ts)
+    positions = [
+        ((calls[e.correlation].pid, calls[e.correlation].tid), calls[e.correlation].ts) for e in kernels
+    ]
+    ops = [kernel_op(e.name, ch) for e, ch in zip(kernels, ancestry_chains(trace.events, positions))]
+    assert Counter(o.layer for o in ops if o.layer is not None) == {i: 42 for i in range(24)}
+    with_index = [
+        Context(op=o.category, layer=f"layer{o.layer}" if o.layer is not None else None) for o in ops
+    ]
+    bare = [Context(op=o.category) for o in ops]
+    for ctxs in (with_index, bare):
+        for names in (None, [[e.name for e in kernels]]):
+            found = detect_loops([ctxs], names=names)
+            assert (found.found, found.how) == (False, None)
+            assert all(a is b for a, b in zip(found.steps[0], ctxs))
+
+
+SHARED = QWEN_TRACE.parent.parent
+FOREIGN = [
+    SHARED / "h100_qwen1.5_0.5b/trace.json.gz",
+    SHARED / "sglang_prefilldecode/sglang_Qwen3-8B_prefilldecode.json.gz",
+    SHARED / "vllm_decode_full/graph_execution.json.gz",  # gpt-oss: MoE, alternating attention
+]
+
+
+@pytest.mark.parametrize("path", FOREIGN, ids=lambda p: p.parent.name)
+def test_foreign_traces_get_no_loop_stage(path):
+    """Through `analyze` (which calls `infer_loops` on traces without lt ranges): no kernel of these
+    plain models lands in a recurrent stage."""
+    if not path.exists():
+        pytest.skip("shared traces not present")
+    analysis = C.analyze(load_chrome_trace(path))
+    assert [s.key for s in analysis.breakdown.by_stage] == [(C.NONE,)]
+    # No op × loop table: one by_loop row per op, outside loops; every row of the op × layer × loop
+    # table outside loops too.
+    b = analysis.breakdown
+    assert not b.has_loops and [s.key for s in b.by_loop] == [(s.key[0], C.NONE) for s in b.by_op]
+    assert {s.key[2] for s in b.by_op_layer_loop} == {C.NONE}
+
+
+# --- synthetic steps ---------------------------------------------------------------------------------------
+
+LAYER = [cats.RMSNORM, cats.GEMM, cats.ROPE, cats.KV_WRITE, cats.ATTENTION, cats.GEMM, cats.RMSNORM]
+LAYER += [cats.GEMM, cats.ACTIVATION, cats.GEMM]
+
+
+def ops(*cats_: str, layer: str | None = None) -> list[Context]:
+    return [Context(op=c, layer=layer) for c in cats_]
+
+
+def layers(n: int, indexed: bool, body: list[str] = LAYER, first: int = 0) -> list[Context]:
+    return [c for i in range(first, first + n) for c in ops(*body, layer=f"layer{i}" if indexed else None)]
+
+
+def ouro_step(loops: int, n: int, indexed: bool) -> list[Context]:
+    """vLLM's Ouro: embed, loops × (n layers + the loop's norm), then head and sampling."""
+    step = ops(cats.COPY)
+    for _ in range(loops):
+        step += layers(n, indexed) + ops(cats.RMSNORM)
+    return step + ops(cats.GEMM, cats.SAMPLING)
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_vllm_ouro_step(indexed):
+    step = ouro_step(4, 3, indexed)
+    found = detect_loops([step, step])
+    source = "module layer indices" if indexed else "repeated op pattern"
+    assert found.how == f"{source}: 3 layers × 4 loops (2 chains of passes in 2 steps)"
+    got = found.steps[0]
+    per_loop = 3 * len(LAYER) + 1
+    assert [c.loop for c in got] == [None] + [r for r in range(4) for _ in range(per_loop)] + [None, None]
+    assert [c.stage for c in got] == ["prelude"] + ["recurrent"] * 4 * per_loop + ["coda", "sample"]
+    first = got[1 : 1 + per_loop]
+    assert [c.layer for c in first] == [f"core{i}" for i in range(3) for _ in LAYER] + [None]
+    assert {c.role for c in first[:-1]} == {"core"} and first[-1].role == C.NONE
+    assert [c.op for c in got] == [c.op for c in step]  # categories kept
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_huginn_like_step_prelude_adapter_coda(indexed):
+    """Prelude layers, an adapter (concat + GEMM) opening every loop, coda layers with norms around.
+    Indexed as Kineto numbers module instances: prelude 0-1, core 2-5, coda 6-7."""
+    adapter = ops(cats.COPY, cats.GEMM)
+    step = ops(cats.COPY) + layers(2, indexed) + ops(cats.ELEMENTWISE)
+    for _ in range(3):
+        step += adapter + layers(4, indexed, first=2)
+    step += ops(cats.RMSNORM) + layers(2, indexed, first=6) + ops(cats.RMSNORM, cats.GEMM, cats.SAMPLING)
+    found = detect_loops([step])
+    source = "module layer indices" if indexed else "repeated op pattern"
+    assert found.how == f"{source}: 4 layers × 3 loops (1 chain of passes in 1 step)"
+    got = found.steps[0]
+    n = len(LAYER)
+    start = 1 + 2 * n + 1
+    per_loop = 2 + 4 * n
+    loops = [r for r in range(3) for _ in range(per_loop)]
+    assert [c.loop for c in got] == [None] * start + loops + [None] * (len(step) - start - 3 * per_loop)
+    assert [c.layer for c in got[start : start + per_loop]] == [None] * 2 + [
+        f"core{i}" for i in range(4) for _ in LAYER
+    ]
+    assert [c.layer for c in got[1 : 1 + 2 * n]] == [f"prelude{i}" for i in range(2) for _ in LAYER]
+    assert {c.stage for c in got[:start]} == {"prelude"}
+    coda = got[start + 3 * per_loop :]
+    assert [c.layer for c in coda[1 : 1 + 2 * n]] == [f"coda{i}" for i in range(2) for _ in LAYER]
+    assert [c.stage for c in coda] == ["coda"] * (len(coda) - 1) + ["sample"]
+
+
+def plain_tokens(tokens: int, n: int, indexed: bool, sampling: str = cats.SAMPLING) -> list[Context]:
+    """A plain transformer's forwards one after another: embed, n layers, norm, head, sampling."""
+    out: list[Context] = []
+    for _ in range(tokens):
+        out += ops(cats.COPY) + layers(n, indexed) + ops(cats.RMSNORM, cats.GEMM, sampling)
+    return out
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_plain_transformer_unchanged(indexed, tokens):
+    step = plain_tokens(tokens, 6, indexed)
+    found = detect_loops([step])
+    assert not found.found and found.steps[0] == step and all(a is b for a, b in zip(found.steps[0], step))
+
+
+def test_plain_whole_trace_without_sampling_op_looks_looped():
+    """The limit of structure alone: successive forwards with nothing that samples between them are
+    indistinguishable from loops (pass one step per sequence, as step annotations give)."""
+    step = plain_tokens(5, 6, False, sampling=cats.REDUCE)
+    assert detect_loops([step]).loops == 5
+
+
+def test_alternating_layer_types_are_not_loops():
+    """Sliding/full attention or dense/MoE layers alternating: two-layer repeats, but the edge layers of
+    each 'block' are not copies of the layer period."""
+    moe_layer = LAYER[:7] + [cats.MOE_ROUTING, cats.MOE, cats.MOE]
+    body = [c for _ in range(6) for c in LAYER + moe_layer]
+    step = ops(cats.COPY) + ops(*body) + ops(cats.RMSNORM, cats.GEMM, cats.SAMPLING)
+    assert not detect_loops([step]).found
+
+
+def test_moe_experts_inside_layers_are_not_loops():
+    """Eager MoE: each layer runs its experts one after another (repeated GEMMs, no attention)."""
+    experts = [cats.GEMM, cats.ACTIVATION, cats.GEMM] * 8
+    step = (
+        ops(cats.COPY) + layers(12, False, LAYER[:7] + experts) + ops(cats.RMSNORM, cats.GEMM, cats.SAMPLING)
+    )
+    assert not detect_loops([step]).found
+
+
+# --- hints -----------------------------------------------------------------------------------------------
+
+
+def back_to_back(loops: int, n: int) -> list[Context]:
+    """Loops with no per-loop op: n × loops identical layers, like a deeper plain model."""
+    return ops(cats.COPY) + layers(n * loops, False) + ops(cats.RMSNORM, cats.GEMM, cats.SAMPLING)
+
+
+ONE = "(1 chain of passes in 1 step)"
+
+
+@pytest.mark.parametrize(
+    ("hint", "expected"),
+    [
+        ({}, None),
+        ({"layers_per_loop": 3}, f"hint --layers-per-loop 3: 3 layers × 4 loops {ONE}"),
+        ({"loops": 4}, f"hint --loops 4: 3 layers × 4 loops {ONE}"),
+        ({"layers_per_loop": 5}, None),  # 12 layers do not split into loops of 5
+        (
+            {"loops": 3, "layers_per_loop": 4},
+            f"hint --layers-per-loop 4, --loops 3: 4 layers × 3 loops {ONE}",
+        ),
+    ],
+)
+def test_hints_split_back_to_back_loops(hint, expected):
+    step = back_to_back(4, 3)
+    found = detect_loops([step], **hint)
+    assert found.how == expected
+    if expected:
+        per = hint.get("layers_per_loop", 3)
+        got = found.steps[0]
+        assert [c.loop for c in got[1 : 1 + per * len(LAYER)]] == [0] * per * len(LAYER)
+        assert got[-1].stage == "sample" and got[1].layer == "core0"
+
+
+def test_hint_filters_detected_chains():
+    step = ouro_step(4, 3, False)
+    assert detect_loops([step], layers_per_loop=3).loops == 4
+    assert not detect_loops([step], layers_per_loop=2).found
+    assert not detect_loops([step], loops=3).found
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="layers_per_loop must be >= 1"):
+        detect_loops([[]], layers_per_loop=0)
+    with pytest.raises(ValueError, match="one sequence per step"):
+        detect_loops([[]], names=[])
+    with pytest.raises(ValueError, match="one to one"):
+        detect_loops([ops(cats.GEMM)], names=[["a", "b"]])
+    assert detect_loops([]).steps == [] and detect_loops([[]]).steps == [[]]
