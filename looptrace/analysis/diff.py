@@ -22,7 +22,9 @@ does delta debugging (`bisect.ddmin`) look for the settings that break their cla
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,6 +38,7 @@ from looptrace.engine.config import (
     ConfigError,
     EngineConfig,
     config_differences,
+    config_to_dict,
     rung_check,
     toggle_rung,
     validate_config,
@@ -89,6 +92,7 @@ class ArmRun:
     digests: dict[str, list[str]]
     elapsed_s: float
     steps: int
+    perturb: tuple[str, int] | None = None  # debug.perturb: (place, times it fired)
 
 
 def run_arm(
@@ -123,7 +127,9 @@ def run_arm(
     finally:
         engine.detach(rec)
     tokens = {it.id: list(engine.requests[it.id].outputs) for it in items}
-    return ArmRun(tokens, rec.tops, rec.digests, time.perf_counter() - t0, engine.stats.steps)
+    pert = getattr(engine, "perturbation", None)
+    perturb = (str(pert.place), pert.hits) if pert is not None else None
+    return ArmRun(tokens, rec.tops, rec.digests, time.perf_counter() - t0, engine.stats.steps, perturb)
 
 
 def release(engine) -> None:
@@ -131,6 +137,27 @@ def release(engine) -> None:
     pert = getattr(engine, "perturbation", None)
     if pert is not None:
         pert.remove()
+
+
+def free_memory() -> None:
+    """Collect the engines just dropped and give their CUDA blocks back, so that one engine is alive at a
+    time and the next one's KV pool is sized on what is really free. The collector is needed: a CUDA
+    engine's graph caches hold bound methods of its runner (a reference cycle refcounting never frees)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def with_engine(factory: EngineFactory, cfg: EngineConfig, use: Callable[[Any], Any]) -> Any:
+    """Build an engine, `use(engine)`, then release and free it before returning: nothing else may keep a
+    reference (the result of `use` must not hold the engine)."""
+    engine = factory(cfg)
+    try:
+        return use(engine)
+    finally:
+        release(engine)
+        del engine
+        free_memory()
 
 
 # Comparison ----------------------------------------------------------------------------------------------
@@ -367,6 +394,24 @@ class Lab:
         except ConfigError:
             return None
 
+    def baseline(self, subset: frozenset[str], full: frozenset[str]) -> frozenset[str]:
+        """What the settings `subset` are measured against when `full` (their closure) runs: the other
+        settings of `full` (those they need, and any background) when these make a valid configuration on
+        their own, else A. A setting that needs another is marked by its own effect, not the other's."""
+        rest = full - subset
+        return rest if rest and self.closure(rest) == rest else frozenset()
+
+    def own_evidence(
+        self, subset: frozenset[str], mode: str, background: frozenset[str] = frozenset()
+    ) -> tuple[Evidence, frozenset[str], frozenset[str]] | None:
+        """Evidence of `subset` (on top of `background`): its closure against its baseline; with the
+        subsets run and compared. None when no valid configuration contains it."""
+        full = self.closure(background | subset)
+        if full is None:
+            return None
+        base = self.baseline(subset, full)
+        return self.evidence(full, mode, base), full, base
+
     def label(self, subset: frozenset[str]) -> str:
         if not subset:
             return "A"
@@ -377,7 +422,6 @@ class Lab:
     def run(self, subset: frozenset[str], mode: str) -> ArmRun:
         key = (subset, mode)
         if key not in self.cache:
-            engine = self.factory(self.config(subset))
             what = f"{self.label(subset)} {mode}"
 
             def tick(done: int, total: int) -> None:
@@ -385,14 +429,25 @@ class Lab:
                     self.progress(what, done, total)
 
             tick(0, len(self.items))
-            try:
-                self.cache[key] = run_arm(
-                    engine, self.items, 1 if mode == SOLO else self.window, self.params, tick
-                )
-            finally:
-                release(engine)
+            window = 1 if mode == SOLO else self.window
+            self.cache[key] = with_engine(
+                self.factory,
+                self.config(subset),
+                lambda engine: run_arm(engine, self.items, window, self.params, tick),
+            )
             self.runs += 1
         return self.cache[key]
+
+    def perturb_hits(self) -> dict[str, dict[str, int]]:
+        """Per debug.perturb place: the runs that had it installed and how often it fired in all."""
+        out: dict[str, dict[str, int]] = {}
+        for run in self.cache.values():
+            if run.perturb is not None:
+                place, hits = run.perturb
+                entry = out.setdefault(place, {"runs": 0, "hits": 0})
+                entry["runs"] += 1
+                entry["hits"] += hits
+        return out
 
     def compare(
         self, subset: frozenset[str], mode: str, base: frozenset[str] = frozenset()
@@ -407,6 +462,7 @@ class Lab:
 
 # Grading -------------------------------------------------------------------------------------------------
 HOLDS, VIOLATED, REPORTED, UNCHECKED = "holds", "violated", "reported", "unchecked"
+UNTESTED = "untested"  # the setting has no effect on this device: identical runs prove nothing
 
 
 @dataclass
@@ -453,14 +509,12 @@ def _judge(rung: str, batched: Evidence | None, solo: Evidence | None, strict: b
 def _isolate(
     lab: Lab, group: frozenset[str], mode: str, strict: bool, background: frozenset[str]
 ) -> list[str]:
-    """Settings of `group` whose runs (on top of `background`) differ from `background` in `mode`."""
+    """Settings of `group` whose runs (on top of `background`) differ from their baseline in `mode`."""
     from looptrace.analysis.bisect import ddmin
 
     def fails(subset: frozenset[str]) -> bool | None:
-        full = lab.closure(background | subset)
-        if full is None:
-            return None
-        return not _ok(lab.evidence(full, mode), strict)  # against A (the background is identical to A)
+        own = lab.own_evidence(subset, mode, background)
+        return None if own is None else not _ok(own[0], strict)
 
     bad: list[str] = []
     rest = set(group)
@@ -473,6 +527,21 @@ def _isolate(
     return bad
 
 
+def _own_grade(
+    lab: Lab,
+    paths: frozenset[str],
+    modes: tuple[str, ...],
+    what: str,
+    background: frozenset[str] = frozenset(),
+) -> tuple[Evidence | None, Evidence | None, str]:
+    """(batched, solo, source) for `paths` measured on their own (see Lab.baseline)."""
+    full = lab.closure(background | paths) or (background | paths)
+    base = lab.baseline(paths, full)
+    ev = {mode: lab.evidence(full, mode, base) if mode in modes else None for mode in (BATCHED, SOLO)}
+    source = what + ("" if not base else f" on {lab.label(base)}")
+    return ev[BATCHED], ev[SOLO], source
+
+
 def grade(lab: Lab, *, strict: bool = False) -> tuple[list[Grade], dict[str, Evidence]]:
     """Grade every differing setting; returns the grades and the combined A-vs-B evidence per mode."""
     toggles = list(lab.toggles.values())
@@ -480,6 +549,7 @@ def grade(lab: Lab, *, strict: bool = False) -> tuple[list[Grade], dict[str, Evi
     by_path: dict[str, Grade] = {}
     g0 = frozenset(t.path for t in toggles if t.graded == "R0")
     g1 = frozenset(t.path for t in toggles if t.graded == "R1")
+    both = (BATCHED, SOLO)
 
     def assign(paths: Iterable[str], batched: Evidence | None, solo: Evidence | None, source: str) -> None:
         for p in paths:
@@ -492,17 +562,13 @@ def grade(lab: Lab, *, strict: bool = False) -> tuple[list[Grade], dict[str, Evi
             assign(g0, combined[BATCHED], combined[SOLO], "A vs B")
         else:
             bad: list[str] = []
-            for mode in (BATCHED, SOLO):
+            for mode in both:
                 bad += [p for p in _isolate(lab, g0 - set(bad), mode, strict, frozenset()) if p not in bad]
             clean0 = g0 - set(bad)
             for p in bad:
-                sub = lab.closure(frozenset({p})) or frozenset({p})
-                assign([p], lab.evidence(sub, BATCHED), lab.evidence(sub, SOLO), f"alone ({lab.label(sub)})")
+                assign([p], *_own_grade(lab, frozenset({p}), both, "alone"))
             if clean0:
-                sub = lab.closure(clean0) or clean0
-                assign(
-                    clean0, lab.evidence(sub, BATCHED), lab.evidence(sub, SOLO), f"R0 group ({len(clean0)})"
-                )
+                assign(clean0, *_own_grade(lab, clean0, both, f"R0 group ({len(clean0)})"))
     # R1 group: identical solo (with the clean R0 settings applied as well).
     if g1:
         group = clean0 | g1
@@ -511,12 +577,11 @@ def grade(lab: Lab, *, strict: bool = False) -> tuple[list[Grade], dict[str, Evi
         else:
             bad = _isolate(lab, g1, SOLO, strict, clean0)
             for p in bad:
-                sub = lab.closure(frozenset({p})) or frozenset({p})
-                assign([p], None, lab.evidence(sub, SOLO), f"alone ({lab.label(sub)})")
+                assign([p], *_own_grade(lab, frozenset({p}), (SOLO,), "alone"))
             ok = g1 - set(bad)
             if ok:
-                sub = lab.closure(clean0 | ok) or (clean0 | ok)
-                assign(ok, None, lab.evidence(sub, SOLO), f"R0+R1 group ({len(clean0 | ok)})")
+                what = f"R0+R1 group ({len(clean0 | ok)})"
+                assign(ok, *_own_grade(lab, clean0 | ok, (SOLO,), what))
     for t in toggles:
         if t.path not in by_path:
             by_path[t.path] = Grade(t, combined[BATCHED], combined[SOLO], "A vs B")
@@ -525,6 +590,8 @@ def grade(lab: Lab, *, strict: bool = False) -> tuple[list[Grade], dict[str, Evi
         g.verdict, g.reason = _judge(g.toggle.graded, g.batched, g.solo, strict)
         if g.toggle.device_check and g.toggle.graded != g.toggle.declared:
             g.reason += f"; declared {g.toggle.declared} only where a device check passes (graded R3 here)"
+        elif g.toggle.device_check:
+            g.reason += f"; the engine's startup check on this device gave {g.toggle.graded}"
     return grades, combined
 
 
@@ -546,6 +613,7 @@ class AccuracyResult:
     se_points: float  # paired standard error
     sequences_differ: int
     batch: int | None = None  # scheduler.max_num_seqs of the accuracy runs
+    by_setting: list[SettingAccuracy] = field(default_factory=list)  # when several R3 settings fail together
 
     @property
     def a_acc(self) -> float:
@@ -594,7 +662,23 @@ class AccuracyResult:
             "rule": ONE_POINT_RULE,
             "holds": self.holds,
             "note": self.note,
+            "by_setting": [x.to_dict() for x in self.by_setting],
         }
+
+
+@dataclass
+class SettingAccuracy:
+    """One R3 setting's own accuracy check: A + what it needs (`baseline`) vs that + the setting."""
+
+    path: str
+    settings: list[str]  # B's side: the setting and the settings it needs
+    baseline: list[str]  # A's side (empty: A itself)
+    result: AccuracyResult
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.result.to_dict()
+        del out["by_setting"], out["rule"]
+        return {"setting": self.path, "settings": self.settings, "baseline": self.baseline, **out}
 
 
 def accuracy_check(
@@ -606,11 +690,13 @@ def accuracy_check(
     *,
     path: str,
     weights: str,
+    runs: dict[str, Any] | None = None,
 ) -> AccuracyResult:
     """Exact-match accuracy of both arms on `items` (greedy, stop at EOS), paired difference B - A.
 
     Like the paper's full-split checks, the questions run batched: when the arms share their batch size
-    (scheduler.max_num_seqs, R1), both run with at least EVAL_BATCH rows."""
+    (scheduler.max_num_seqs, R1), both run with at least EVAL_BATCH rows. `runs` caches the runs by
+    configuration across calls (A is run once for every setting checked on its own)."""
     from looptrace.train.evaluate import exact_match, paired_difference
 
     cfg_a, cfg_b = copy.deepcopy(cfg_a), copy.deepcopy(cfg_b)
@@ -618,13 +704,13 @@ def accuracy_check(
     if batch == cfg_b.scheduler.max_num_seqs:
         batch = max(batch, EVAL_BATCH)
         cfg_a.scheduler.max_num_seqs = cfg_b.scheduler.max_num_seqs = batch
+    runs = {} if runs is None else runs
     accs, texts = [], []
     for cfg in (cfg_a, cfg_b):
-        engine = factory(cfg)
-        try:
-            acc, out = exact_match(engine, tokenizer, items)
-        finally:
-            release(engine)
+        key = json.dumps(config_to_dict(cfg), sort_keys=True, default=str)
+        if key not in runs:
+            runs[key] = with_engine(factory, cfg, lambda engine: exact_match(engine, tokenizer, items))
+        acc, out = runs[key]
         accs.append(acc)
         texts.append(out)
     mean, se = paired_difference(accs[0], accs[1])
@@ -642,16 +728,75 @@ def accuracy_check(
     )
 
 
+def accuracy_by_setting(
+    factory: EngineFactory,
+    cfg_a: EngineConfig,
+    toggles: list[Toggle],
+    items,
+    tokenizer,
+    *,
+    path: str,
+    weights: str,
+    runs: dict[str, Any],
+) -> list[SettingAccuracy]:
+    """Each R3 setting's own accuracy check, on top of the settings it needs (see Lab.baseline): which
+    of several R3 settings that miss the rule together misses it by itself."""
+    lab = Lab(cfg_a, toggles, factory, [], 1)  # for its configurations only
+    out = []
+    for t in toggles:
+        if t.graded != "R3":
+            continue
+        full = lab.closure(frozenset({t.path}))
+        if full is None:
+            continue
+        base = lab.baseline(frozenset({t.path}), full)
+        res = accuracy_check(
+            factory,
+            lab.config(base),
+            lab.config(full),
+            items,
+            tokenizer,
+            path=path,
+            weights=weights,
+            runs=runs,
+        )
+        out.append(SettingAccuracy(t.path, sorted(full), sorted(base), res))
+    return out
+
+
 def apply_accuracy(grades: list[Grade], acc: AccuracyResult | None) -> None:
-    """R3 settings are graded by the one-point rule (all together: the accuracy run is A vs B)."""
+    """R3 settings are graded by the one-point rule: all together (the accuracy run A vs B), or each by
+    its own check when the group missed the rule (`accuracy_by_setting`)."""
+    own = {x.path: x for x in acc.by_setting} if acc is not None else {}
     for g in grades:
         if g.toggle.graded != "R3":
             continue
         if acc is None:
             g.verdict = UNCHECKED
             continue
-        g.verdict = HOLDS if acc.holds else VIOLATED
-        g.reason = f"accuracy A vs B: {acc.note}"
+        x = own.get(g.toggle.path)
+        res, where = (acc, "A vs B") if x is None else (x.result, "on its own")
+        if x is not None and x.baseline:
+            where += f" (on A+{','.join(x.baseline)})"
+        g.verdict = HOLDS if res.holds else VIOLATED
+        g.reason = f"accuracy {where}: {res.note}"
+
+
+def inactive_reason(path: str, inactive: dict[str, str]) -> str | None:
+    """Why `path` has no effect on this device (`engine.inactive_settings` names a setting or a section)."""
+    for setting, why in inactive.items():
+        if path == setting or path.startswith(setting + "."):
+            return why
+    return None
+
+
+def mark_untested(grades: list[Grade], inactive: dict[str, str]) -> None:
+    """A differing setting the engine reports inactive on this device is untested, whatever its runs gave."""
+    for g in grades:
+        why = inactive_reason(g.toggle.path, inactive)
+        if why is not None:
+            g.verdict = UNTESTED
+            g.reason = f"no effect here ({why}): its {g.toggle.declared} claim is untested"
 
 
 @dataclass

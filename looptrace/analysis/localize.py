@@ -143,15 +143,12 @@ def localize(
     prompt: list[int],
     max_tokens: int,
 ) -> Localization:
-    from looptrace.analysis.diff import release
+    from looptrace.analysis.diff import with_engine
 
-    runs = []
-    for cfg in (cfg_a, cfg_b):
-        engine = factory(cfg)
-        try:
-            runs.append(capture(engine, prompt, max_tokens, request_id))
-        finally:
-            release(engine)
+    runs = [
+        with_engine(factory, cfg, lambda engine: capture(engine, prompt, max_tokens, request_id))
+        for cfg in (cfg_a, cfg_b)
+    ]
     (rec_a, tok_a), (rec_b, tok_b) = runs
     by_key = {r.key: r for r in rec_b}
     result = Localization(request_id, max_tokens, 0, tok_a, tok_b)

@@ -37,7 +37,6 @@ from looptrace.cli.common import (
     ThreadsOpt,
     UsageError,
     build_engine,
-    check_output_path,
     check_seed,
     device_name,
     dumps,
@@ -45,6 +44,7 @@ from looptrace.cli.common import (
     fail,
     friendly_errors,
     interrupt_exit,
+    note,
     resolve_device,
     resolve_dtype,
     versions,
@@ -177,6 +177,9 @@ def bench(
     """Paired benchmark of two recipes: arms interleaved in one process, first run dropped, mean and
     spread of the rest, B/A per cell; table/JSON/CSV and a speedup plot."""
     if from_json:
+        given = [flag for flag, value in (("--cell", cell), ("--cells", cells)) if value]
+        if given:  # --from runs nothing: a cell given with it would be silently ignored
+            raise fail(f"--from renders saved reports and runs nothing: leave out {' and '.join(given)}")
         _render_saved(from_json, fmt, output, plot)
         return
     with interrupt_exit():
@@ -201,8 +204,8 @@ def bench(
                 plot,
                 prefill_batch,
             )
-        for note in plan.notes:
-            err_console.print(f"[yellow]note:[/] {note}")
+        for text in plan.notes:
+            note(text)
         done, interrupted = measure(plan, progress)
         if interrupted and not done:
             err_console.print("[yellow]interrupted:[/] no cell completed; nothing written")
@@ -221,22 +224,48 @@ def bench(
             raise typer.Exit(EXIT_INTERRUPTED)
 
 
+# A saved report missing a key or holding a value of the wrong type fails while it is read or drawn.
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
 def _render_saved(paths: list[Path], fmt, output, plot) -> None:
     """`--from FILE...`: committed JSON of earlier runs, merged and rendered again (nothing is measured)."""
     fmt = infer_format(fmt, output)
     with friendly_errors():
-        check_output_path(output)
+        from looptrace.cli.output import check_outputs
+
+        check_outputs((output, "--output"), (plot, "--plot"), inputs=[(p, "--from") for p in paths])
         if plot is not None:
             _check_plot(plot)
         from looptrace.drive import paired
 
+        reports = [_load_saved(p) for p in paths]
         try:
-            data = paired.merge_reports([_load_saved(p) for p in paths], [str(p) for p in paths])
+            data = paired.merge_reports(reports, [str(p) for p in paths])
+            text = render(data, fmt)
         except paired.BenchInputError as exc:
             raise UsageError(f"--from {exc}") from None
+        except _MALFORMED as exc:
+            raise UsageError(f"--from {', '.join(map(str, paths))}: {_malformed(exc)}") from None
         if plot is not None:
             write_plot(data, plot)
-        write_output(render(data, fmt), output, Console(width=160))
+        write_output(text, output, Console(width=160))
+
+
+def _malformed(exc: Exception) -> str:
+    what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+    return f"not a complete `looptrace bench --format json` report ({what})"
+
+
+def _check_saved(data: dict[str, Any], path: Path) -> None:
+    """Every part the table and the CSV read is there (so the error names the file that lacks it)."""
+    try:
+        for arm in data["header"]["arms"].values():
+            _arm_text(arm)
+        _table(data)
+        _csv(data)
+    except _MALFORMED as exc:
+        raise UsageError(f"--from {path}: {_malformed(exc)}") from None
 
 
 def _load_saved(path: Path) -> dict[str, Any]:
@@ -250,6 +279,7 @@ def _load_saved(path: Path) -> dict[str, Any]:
         raise UsageError(f"--from {path}: not a JSON file ({type(exc).__name__})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("cells"), list):
         raise UsageError(f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})")
+    _check_saved(data, path)
     return data
 
 
@@ -281,7 +311,8 @@ def prepare(
     check_seed(seed)
     if threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
-    check_outputs((output, "--output"), (plot, "--plot"))
+    recipe_files = [(Path(r), flag) for r, flag in ((a, "--a"), (b, "--b")) if Path(r).is_file()]
+    check_outputs((output, "--output"), (plot, "--plot"), inputs=recipe_files)
     if plot is not None:
         _check_plot(plot)
     try:
@@ -335,6 +366,8 @@ def prepare(
         raise UsageError(
             f"--prefill-batch {prefill_batch!r}: expected one of {', '.join(paired.PREFILL_BATCHES)}"
         )
+    for c in resolved:
+        _check_cell_memory(c, recipes, shared, arm_sets, prefill_batch, dev, dt)
     return Plan(
         resolved,
         runs,
@@ -350,6 +383,29 @@ def prepare(
         notes,
         prefill_batch,
     )
+
+
+def _check_cell_memory(cell, recipes, shared, arm_sets, prefill_batch, dev, dt) -> None:
+    """Before any engine: C within the settings' range, and each arm's engine plus the burst's prompts
+    within the memory the device has (a one-line error naming the cell, not a MemoryError mid-run)."""
+    from looptrace.cli.common import check_engine_memory
+    from looptrace.drive.paired import ARMS, arm_overrides
+    from looptrace.engine.budget import check_memory, workload_needs
+    from looptrace.engine.config import COUNT_MAX
+    from looptrace.engine.model_config import PRESETS
+    from looptrace.recipes import load_recipe
+
+    if cell.concurrency * max(cell.prompt_len, 1) > COUNT_MAX:
+        raise UsageError(
+            f"--cell {cell.label}: C x PROMPT = {cell.concurrency * cell.prompt_len} tokens in one burst; "
+            f"expected at most {COUNT_MAX}"
+        )
+    where = f"--cell {cell.label}"
+    check_memory(workload_needs(cell.concurrency, cell.prompt_len, "C"), dev, context=where)
+    for arm in ARMS:
+        sets = arm_overrides(cell, shared, arm_sets[arm], (), prefill_batch)
+        config = load_recipe(recipes[arm], sets).config
+        check_engine_memory(PRESETS[cell.model], config, dev, dt, context=f"{where}, arm {arm.upper()}")
 
 
 def _check_plot(plot: Path) -> None:

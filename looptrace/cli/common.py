@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 import looptrace
 
@@ -36,42 +37,56 @@ class UsageError(ValueError):
     """Bad input detected by the CLI itself."""
 
 
+def one_line(text: str) -> str:
+    """`text` on one line: line breaks and other unprintable characters (a user's path or value may hold
+    any) written as escapes, so an error stays one line and cannot drive the terminal."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
-    """Print one line to stderr and return the Exit to raise (`raise fail(...) from None`)."""
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    """Print `error: message` on one line to stderr and return the Exit to raise (`raise fail(...) from
+    None`). The message is plain text, never Rich markup: it quotes user paths and values such as
+    'my[/]recipe.yaml' (the one place every error goes through, so none needs escaping)."""
+    err_console.print(Text("error: ", style="bold red") + Text(one_line(message)), soft_wrap=True)
     return typer.Exit(code=code)
+
+
+def note(message: str, label: str = "note") -> None:
+    """A `note:` (or `interrupted:`, ...) line on stderr; the message is plain text, as in `fail`."""
+    err_console.print(Text(f"{label}: ", style="yellow") + Text(one_line(message)), soft_wrap=True)
+
+
+# Input errors by (module, class): matched only once their module is loaded (an exception of a module
+# never imported cannot have been raised), so commands that need no engine never import torch for this.
+_BAD_INPUT = (
+    ("looptrace.drive.workloads", "WorkloadError"),
+    ("looptrace.engine.llm_engine", "EngineInputError"),
+    ("looptrace.engine.model_config", "UnknownModelError"),
+    ("looptrace.engine.checkpoint", "CheckpointError"),
+    ("looptrace.engine.tokenizer", "TokenizerError"),
+    ("looptrace.engine.budget", "BudgetError"),
+    ("looptrace.engine.config", "ConfigError"),
+    ("looptrace.probes.session", "ProfileInputError"),
+    ("looptrace.recipes", "RecipeError"),
+)
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    found = [getattr(sys.modules[mod], name, None) for mod, name in _BAD_INPUT if mod in sys.modules]
+    return (UsageError, FileNotFoundError, *(t for t in found if isinstance(t, type)))
 
 
 @contextmanager
 def friendly_errors() -> Iterator[None]:
     """Turn our input errors into one line + exit code 2; an unavailable device into exit code 3."""
-    from looptrace.drive.workloads import WorkloadError
-    from looptrace.engine.llm_engine import EngineInputError
-    from looptrace.engine.model_config import UnknownModelError
-    from looptrace.probes.session import ProfileInputError
-    from looptrace.recipes import RecipeError
-
-    bad_input: tuple[type[Exception], ...] = (
-        UsageError,
-        EngineInputError,
-        UnknownModelError,
-        WorkloadError,
-        RecipeError,
-        ProfileInputError,
-        FileNotFoundError,
-    )
-    try:
-        from looptrace.engine.checkpoint import CheckpointError
-
-        bad_input += (CheckpointError,)
-    except ImportError:  # pragma: no cover
-        pass
     try:
         yield
-    except bad_input as exc:
-        raise fail(str(exc)) from None
     except NoDeviceError as exc:
         raise fail(str(exc), EXIT_NO_ENV) from None
+    except Exception as exc:
+        if isinstance(exc, _bad_input_types()):
+            raise fail(str(exc)) from None
+        raise
 
 
 class NoDeviceError(RuntimeError):
@@ -84,7 +99,7 @@ def interrupt_exit(what: str = "interrupted") -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print(f"[yellow]{what}[/]", soft_wrap=True)
+        err_console.print(Text(one_line(what), style="yellow"), soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
@@ -263,18 +278,25 @@ def build_engine(
         torch.set_num_threads(threads)
     overrides = list(sets or [])
     rec = load_recipe(recipe, overrides)
+    # A contradicting --model (and a broken tokenizer.json, read later by serve and run) fails before
+    # the weights load.
+    spec = checkpoint_spec(model, weights) if weights is not None else None
+    spec = spec or resolve_preset(model or DEFAULT_MODEL, dev.type)
     if rec.config.scheduler.max_model_len is None and max_model_len is not None:
-        # Size the decode tables to the workload instead of the model's 4k-64k positions.
+        # Size the decode tables to the workload instead of the model's 4k-64k positions (a workload
+        # longer than the model is reported by the caller's fit check, against the real context).
         block = rec.config.kv.block_size
-        rec.config.scheduler.max_model_len = math.ceil(max_model_len / block) * block
+        need = min(max_model_len, spec.max_position)
+        rec.config.scheduler.max_model_len = math.ceil(need / block) * block
+    check_engine_memory(spec, rec.config, dev, dt)
     if weights is not None:
         from looptrace.engine.checkpoint import load_checkpoint
+        from looptrace.engine.tokenizer import load_tokenizer
 
-        checkpoint_spec(model, weights)  # a contradicting --model fails before the weights load
+        load_tokenizer(weights)
         spec, net = load_checkpoint(weights, dev, dt)
         engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
     else:
-        spec = resolve_preset(model or DEFAULT_MODEL, dev.type)
         shipped = None if random_weights else _shipped_weights(spec.name)
         if shipped is not None:  # issue #9: a tiny preset defaults to its trained checkpoint (any device)
             from looptrace.engine.checkpoint import load_checkpoint
@@ -284,6 +306,16 @@ def build_engine(
             return EngineSetup(engine, rec, model, shipped, shipped_weights=True)
         engine = LLMEngine.from_spec(spec, rec.config, device=dev, dtype=dt, seed=seed)
     return EngineSetup(engine, rec, model, weights)
+
+
+def check_engine_memory(spec, config, device, dtype, *, context: str = "") -> None:
+    """BudgetError (one line, exit 2) when the engine these settings build cannot fit in memory."""
+    import torch
+
+    from looptrace.engine.budget import check_memory, engine_needs
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    check_memory(engine_needs(spec, config, elt, device), device, context=context)
 
 
 def _shipped_weights(preset: str) -> Path | None:
@@ -367,11 +399,23 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
     return header
 
 
-def check_output_path(output: Path | None, option: str = "--output") -> None:
-    """Fail before any work when --output cannot be written (rules: looptrace/cli/output.py)."""
+def check_output_path(output: Path | None, option: str = "--output", inputs=()) -> None:
+    """Fail before any work when --output cannot be written or is one of `inputs` (rules and the form of
+    `inputs`: looptrace/cli/output.py)."""
     from looptrace.cli.output import check_output
 
-    check_output(output, option)
+    check_output(output, option, inputs)
+
+
+def command_inputs(prompts: Path | None, recipe: str, weights: Path | None) -> list:
+    """Files the command reads, which --output must not replace: the prompts, a recipe given as a file
+    and the checkpoint's files."""
+    inputs: list = [(prompts, "--prompts")]
+    if Path(recipe).is_file():
+        inputs.append((Path(recipe), "--recipe"))
+    if weights is not None and weights.is_dir():
+        inputs += [(f, "--weights") for f in sorted(weights.iterdir()) if f.is_file()]
+    return inputs
 
 
 def write_output(text: str, output: Path | None, console: Console) -> None:

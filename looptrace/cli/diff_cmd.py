@@ -8,6 +8,9 @@ import csv
 import io
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,9 +36,11 @@ from looptrace.cli.common import (
     WeightsOpt,
     check_output_path,
     check_seed,
+    command_inputs,
     device_name,
     dumps,
     err_console,
+    fail,
     friendly_errors,
     interrupt_exit,
     resolve_device,
@@ -60,8 +65,10 @@ EPILOG = """\
 
 [bold]GRADING[/]  R0 must give identical tokens batched and at batch 1; R1 identical at batch 1; R2 is
 reported; R3 is graded by the one-point rule on --accuracy (exact match; the built-in evaluation set of the
-preset when one is shipped). Settings whose rung needs a device check (kernels.fused_projections) are graded
-R3 off CUDA. A violated claim prints red and exits 1. --strict also requires bitwise-identical logits.
+preset when one is shipped). A setting whose rung needs a device check (kernels.fused_projections) takes
+the engine's startup check on this device (R0 where fused and separate GEMMs are bitwise equal for the
+model's shapes, else R3). A setting with no effect on the device (CUDA graphs on a CPU) is UNTESTED.
+A violated claim prints red and exits 1. --strict also requires bitwise-identical logits.
 
 [bold]WORKLOAD[/]  --num-requests random prompts (or --prompts FILE.jsonl, in file order), submitted in the
 same order to both arms with at most -c outstanding; greedy decoding.
@@ -118,8 +125,10 @@ def diff(
     exactness rung (R0-R3)."""
     with interrupt_exit():
         fmt = infer_format(fmt, output)
-        with friendly_errors():
-            check_output_path(output)
+        with friendly_errors(), _memory_errors():
+            inputs = command_inputs(prompts, recipe_a, weights) + [(accuracy, "--accuracy")]
+            inputs += [(Path(r), "recipe B") for r in (recipe_b,) if r and Path(r).is_file()]
+            check_output_path(output, inputs=inputs)
             setup = _prepare(
                 recipe_a,
                 recipe_b,
@@ -139,13 +148,29 @@ def diff(
                 seed,
                 threads,
             )
-        with friendly_errors():  # a workload the model cannot hold is found while running
+        with friendly_errors(), _memory_errors():  # a workload the device cannot hold shows while running
             data, ok = _execute(setup, bisect=bisect, localize=localize, strict=strict, progress=progress)
         text = render(data, fmt)
         with friendly_errors():
             write_output(text, output, Console(width=140))
         if not ok:
             raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+@contextmanager
+def _memory_errors() -> Iterator[None]:
+    """Out of device (or host) memory anywhere in the runs: one line naming what to change, exit 2."""
+    import torch
+
+    try:
+        yield
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        what = text.split(" GPU ")[0].rstrip(".")[:200]  # "CUDA out of memory. Tried to allocate 2.00 GiB"
+        raise fail(
+            f"out of memory ({what}): lower -c, --prompt-len or --max-tokens, or the KV pool's share "
+            "(--a-set/--b-set kv.gpu_memory_utilization=0.5)"
+        ) from None
 
 
 # Preparation ---------------------------------------------------------------------------------------------
@@ -206,7 +231,7 @@ def _prepare(
         if cfg.scheduler.max_model_len is None:
             block = cfg.kv.block_size
             cfg.scheduler.max_model_len = math.ceil(longest / block) * block
-    factory = _factory(net, dev, dt, seed)
+    factory = _factory(net, dev, dt, seed, PoolNeed(min(concurrency, len(items)), longest))
     checked: dict[str, str] = {}
     inactive: dict[str, str] = {}
     for arm, cfg, rec in (("A", cfg_a, rec_a), ("B", cfg_b, rec_b)):
@@ -214,9 +239,6 @@ def _prepare(
         checked.update(arm_checked)
         inactive.update(arm_inactive)
     toggles = differing_toggles(rec_a.config, rec_b.config, dev.type, checked)
-    for setting, why in inactive.items():  # a differing setting that cannot act here proves nothing
-        if any(t.path == setting or t.path.startswith(setting + ".") for t in toggles):
-            err_console.print(f"note: {setting} has no effect on this device ({why}): its rung is untested")
     for it in items:
         if len(it.prompt) + it.max_tokens - 1 > spec.max_position:
             raise UsageError(
@@ -234,6 +256,7 @@ def _prepare(
         factory=factory,
         net=net,
         items=items,
+        inactive=inactive,  # settings without effect on this device: graded "untested"
         window=concurrency,
         accuracy=acc,
         weights=weights,
@@ -293,38 +316,77 @@ def _load_model(model, weights, dev, dt, seed):
     return spec, net
 
 
-DIFF_POOL_TOKENS = 8192  # KV positions per engine on CUDA: the diff workloads and the eval set fit many times
+DIFF_POOL_TOKENS = 8192  # KV positions per engine on CUDA at most: the diff workloads and the eval set fit
+GIB = 1 << 30
 
 
-def _factory(net, dev, dt, seed):
-    """Each arm gets a fresh engine on its own copy of the same weights (an engine may hook its model)."""
+@dataclass(frozen=True)
+class PoolNeed:
+    """KV positions a run needs at once: `window` requests of `longest` tokens (the batches must be the
+    same in both arms, so every request of a window must fit)."""
+
+    window: int
+    longest: int
+
+
+def _factory(net, dev, dt, seed, need: PoolNeed | None = None):
+    """Each run gets a fresh engine on its own copy of the same weights (an engine may hook its model).
+    `analysis.diff.with_engine` frees each one before the next is built."""
+    from looptrace.analysis.diff import free_memory
     from looptrace.engine.llm_engine import LLMEngine
 
     def make(cfg):
         cfg = copy.deepcopy(cfg)
+        free_memory()  # whatever an earlier run left: the pool is sized on what is alive now
+        model = copy.deepcopy(net)
         if dev.type == "cuda" and cfg.kv.num_blocks is None:
-            # diff keeps several engines alive: each sized to DIFF_POOL_TOKENS, not to the free memory
-            # (the first would take it all and leave the next a one-page pool).
-            from looptrace.engine.kv_cache import LAYOUTS
-
-            layout = LAYOUTS[cfg.kv.layout](net.spec, cfg.exit.max_loops or net.spec.default_loops)
-            cfg.kv.num_blocks = -(-DIFF_POOL_TOKENS // cfg.kv.block_size) * layout.blocks_per_page
-        return LLMEngine(copy.deepcopy(net), cfg, device=dev, dtype=dt, seed=seed)
+            cfg.kv.num_blocks = _cuda_pool_blocks(net.spec, cfg, dev, dt, need)
+        return LLMEngine(model, cfg, device=dev, dtype=dt, seed=seed)
 
     return make
+
+
+def _cuda_pool_blocks(spec, cfg, dev, dt, need: PoolNeed | None) -> int:
+    """The engine's own rule (free memory less (1 - kv.gpu_memory_utilization) x total and 1 GiB) measured
+    with only this engine's weights alive, capped at DIFF_POOL_TOKENS positions; a workload that does not
+    fit is a one-line error naming the settings to change."""
+    import torch
+
+    from looptrace.engine.kv_cache import LAYOUTS
+
+    kv = cfg.kv
+    per_page = LAYOUTS[kv.layout](spec, cfg.exit.max_loops or spec.default_loops).blocks_per_page
+    elt = torch.empty((), dtype=dt).element_size()
+    block_bytes = 2 * spec.num_layers * kv.block_size * spec.num_kv_heads * spec.head_dim * elt
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = free - (1 - kv.gpu_memory_utilization) * total - GIB
+    fits = max(0, int(budget // block_bytes)) // per_page * per_page
+    cap = -(-DIFF_POOL_TOKENS // kv.block_size) * per_page
+    if need is not None:
+        pages = need.window * -(-need.longest // kv.block_size)
+        needed = pages * per_page + kv.watermark_blocks
+        if fits < needed:
+            raise UsageError(
+                f"the KV pool ({kv.layout} layout) needs {needed * block_bytes / GIB:.2f} GiB for "
+                f"{need.window} request(s) of {need.longest} tokens, but kv.gpu_memory_utilization="
+                f"{kv.gpu_memory_utilization:g} leaves {max(0.0, budget) / GIB:.2f} GiB "
+                f"({free / GIB:.1f} of {total / GIB:.1f} GiB free): raise kv.gpu_memory_utilization "
+                "(--a-set/--b-set) or lower -c, --prompt-len or --max-tokens"
+            )
+    return max(per_page, min(cap, fits))
 
 
 def _preflight(factory, cfg, arm: str, rec) -> tuple[dict[str, str], dict[str, str]]:
     """Build the arm once so that a setting the engine does not implement yet fails before any run;
     returns the rungs the engine's startup checks decided on this device (`engine.checked_rungs`) and
     the settings that have no effect on it (`engine.inactive_settings`)."""
-    from looptrace.analysis.diff import release
+    from looptrace.analysis.diff import with_engine
+
+    def facts(engine) -> tuple[dict[str, str], dict[str, str]]:
+        return dict(getattr(engine, "checked_rungs", {})), dict(getattr(engine, "inactive_settings", {}))
 
     try:
-        engine = factory(cfg)
-        found = dict(getattr(engine, "checked_rungs", {})), dict(getattr(engine, "inactive_settings", {}))
-        release(engine)
-        return found
+        return with_engine(factory, cfg, facts)
     except (KeyError, NotImplementedError) as exc:
         what = exc.args[0] if exc.args else type(exc).__name__
         raise UsageError(
@@ -432,6 +494,8 @@ def _execute(s: dict[str, Any], *, bisect: bool, localize: str | None, strict: b
             on_progress("accuracy", 0, 2)
             acc = _accuracy(s)
         d.apply_accuracy(result.grades, acc)
+        extras["perturb"] = _perturb_report(lab.perturb_hits())
+        d.mark_untested(result.grades, {**s["inactive"], **_never_fired(extras["perturb"])})
         result.accuracy = acc
     finally:
         if bar is not None:
@@ -439,6 +503,19 @@ def _execute(s: dict[str, Any], *, bisect: bool, localize: str | None, strict: b
     result.runs, result.elapsed_s = lab.runs, time.perf_counter() - t0
     data = report_data(s, result, extras)
     return data, not result.violations
+
+
+def _perturb_report(hits: dict[str, dict[str, int]]) -> list[dict[str, Any]] | None:
+    """Each debug.perturb place of the runs: how many runs had it and how often it fired."""
+    return [{"place": place, **h} for place, h in sorted(hits.items())] or None
+
+
+def _never_fired(report: list[dict[str, Any]] | None) -> dict[str, str]:
+    """debug.perturb is untested when no place of it ever fired: the runs were A's arithmetic."""
+    if not report or any(p["hits"] for p in report):
+        return {}
+    places = ", ".join(p["place"] for p in report)
+    return {"debug.perturb": f"{places} never fired: no op output matched it"}
 
 
 def _progress_bar() -> Progress:
@@ -457,21 +534,28 @@ def _localize(s, result, request: str, on_progress) -> dict[str, Any]:
     from looptrace.analysis.localize import localize
 
     item = _find_item(s["items"], request)
-    fds = [r.first_divergence for r in (*result.requests, *result.solo_requests) if r.id == item.id]
+    rows = [r for r in (*result.requests, *result.solo_requests) if r.id == item.id]
+    if all(r.identical and r.logits_identical is not False for r in rows):
+        # Nothing differs to localize: say so instead of replaying (a replay would blame batch-mates).
+        return {"request": item.id, "found": False, "diverged": False, "max_tokens": item.max_tokens}
+    fds = [r.first_divergence for r in rows]
     fds = [f for f in fds if f is not None]
     max_tokens = min(item.max_tokens, min(fds) + 1) if fds else item.max_tokens
     on_progress(f"localize {item.id}", 0, 1)
     loc = localize(s["factory"], s["cfg_a"], s["cfg_b"], item.id, item.prompt, max_tokens)
     on_progress(f"localize {item.id}", 1, 1)
-    return loc.to_dict()
+    return {**loc.to_dict(), "diverged": True}
 
 
 def _accuracy(s):
-    from looptrace.analysis.diff import accuracy_check
+    from looptrace.analysis.diff import accuracy_by_setting, accuracy_check
     from looptrace.engine.tokenizer import load_tokenizer
 
     plan = s["accuracy"]
-    if plan["weights"] is not None:
+    if plan["weights"] is not None and plan["weights"] == s["weights"]:
+        net = s["net"]  # the diff's own checkpoint: no second copy on the device
+        label = str(plan["weights"])
+    elif plan["weights"] is not None:
         from looptrace.engine.checkpoint import load_checkpoint
 
         _, net = load_checkpoint(plan["weights"], s["device"], s["dtype"])
@@ -482,11 +566,17 @@ def _accuracy(s):
     factory = _factory(net, s["device"], s["dtype"], s["seed"])
     tok = load_tokenizer(plan["weights"])
     cfg_a, cfg_b = s["rec_a"].config, s["rec_b"].config
-    return accuracy_check(factory, cfg_a, cfg_b, plan["items"], tok, path=plan["path"], weights=label)
+    runs: dict[str, Any] = {}
+    where = dict(path=plan["path"], weights=label, runs=runs)
+    acc = accuracy_check(factory, cfg_a, cfg_b, plan["items"], tok, **where)
+    if not acc.holds and sum(t.graded == "R3" for t in s["toggles"]) > 1:  # which one misses the rule?
+        acc.by_setting = accuracy_by_setting(factory, cfg_a, s["toggles"], plan["items"], tok, **where)
+    return acc
 
 
 # Report --------------------------------------------------------------------------------------------------
 def report_data(s: dict[str, Any], result, extras: dict[str, Any]) -> dict[str, Any]:
+    from looptrace.analysis import diff as d
     from looptrace.analysis.diff import max_rung
     from looptrace.engine.config import config_to_dict
 
@@ -518,6 +608,7 @@ def report_data(s: dict[str, Any], result, extras: dict[str, Any]) -> dict[str, 
         "strict": s.get("strict", False),
     }
     viol = [g.toggle.path for g in result.violations]
+    untested = [g.toggle.path for g in result.grades if g.verdict == d.UNTESTED]
     return {
         "schema": SCHEMA,
         "header": header,
@@ -535,11 +626,17 @@ def report_data(s: dict[str, Any], result, extras: dict[str, Any]) -> dict[str, 
         "solo_requests": [r.to_dict() for r in result.solo_requests],
         "accuracy": result.accuracy.to_dict() if result.accuracy else None,
         **extras,
-        "verdict": {"ok": not viol, "violations": viol},
+        "verdict": {"ok": not viol, "violations": viol, "untested": untested},
     }
 
 
-STYLE = {"holds": "green", "violated": "bold red", "reported": "cyan", "unchecked": "yellow"}
+STYLE = {
+    "holds": "green",
+    "violated": "bold red",
+    "reported": "cyan",
+    "unchecked": "yellow",
+    "untested": "yellow",
+}
 
 
 def render(data: dict[str, Any], fmt: OutputFormat) -> str:
@@ -632,10 +729,21 @@ def renderables(data: dict[str, Any]) -> list:
         if b["criterion"] == "none":
             out.append("[bold]bisect[/]: A and B are identical (tokens and logits): nothing to bisect")
         else:
-            causes = "; ".join("{" + ", ".join(c) + "}" for c in b["causes"]) or "none found"
+            bases = b.get("baselines") or [[] for _ in b["causes"]]
+            causes = "; ".join(
+                "{" + ", ".join(c) + "}" + (f" (on A+{','.join(base)})" if base else "")
+                for c, base in zip(b["causes"], bases)
+            )
+            causes = causes or "none found"
             out.append(
                 f"[bold]bisect[/] ({b['criterion']} diverge, {len(b['tested'])} subsets run): "
                 f"[bold red]{causes}[/]"
+            )
+    for p in data.get("perturb") or []:
+        if not p["hits"]:
+            out.append(
+                f"[yellow]debug.perturb {p['place']} never fired[/] (0 outputs bumped in {p['runs']} "
+                "run(s)): no op output matched that stage, loop and layer"
             )
     if data.get("localize") is not None:
         out.append(_localize_text(data["localize"]))
@@ -647,14 +755,32 @@ def renderables(data: dict[str, Any]) -> list:
             f"A {a['a_accuracy']:.2f}% B {a['b_accuracy']:.2f}%  [{style}]{a['note']}[/]  "
             f"({a['sequences_differ']} answers differ)"
         )
+        for x in a.get("by_setting") or []:
+            style = "green" if x["holds"] else "bold red"
+            on = f" on A+{','.join(x['baseline'])}" if x["baseline"] else ""
+            out.append(
+                f"  {x['setting']} on its own{on}: A {x['a_accuracy']:.2f}% B {x['b_accuracy']:.2f}%  "
+                f"[{style}]{x['note']}[/]"
+            )
     v = data["verdict"]
     if v["ok"]:
-        open_ = [g["path"] for g in data["toggles"] if g["verdict"] == "unchecked"]
-        note = f" ({len(open_)} R3 setting(s) unchecked: no --accuracy set)" if open_ else ""
-        out.append(f"[bold green]every claim holds[/]{note}")
+        out.append(_holds_text(data["toggles"]))
     else:
         out.append(f"[bold red]{len(v['violations'])} claim(s) violated: {', '.join(v['violations'])}[/]")
     return out
+
+
+def _holds_text(toggles: list[dict]) -> str:
+    """No claim violated: say which claims were not put to the test at all."""
+    count = {kind: sum(g["verdict"] == kind for g in toggles) for kind in ("untested", "unchecked")}
+    notes = []
+    if count["untested"]:
+        notes.append(f"{count['untested']} setting(s) untested: no effect here")
+    if count["unchecked"]:
+        notes.append(f"{count['unchecked']} R3 setting(s) unchecked: no --accuracy set")
+    if not notes:
+        return "[bold green]every claim holds[/]"
+    return f"[bold green]every tested claim holds[/] ({'; '.join(notes)})"
 
 
 def _requests_table(rows: list[dict], title: str) -> Table:
@@ -694,6 +820,11 @@ def _requests_table(rows: list[dict], title: str) -> Table:
 
 
 def _localize_text(loc: dict[str, Any]) -> str:
+    if not loc.get("diverged", True):
+        return (
+            f"[bold]localize {loc['request']}[/]: no divergence to localize (A and B give {loc['request']} "
+            "identical tokens and bitwise-identical logits, batched and at batch 1)"
+        )
     if not loc["found"]:
         return (
             f"[bold]localize {loc['request']}[/]: alone, no op output differs ({loc['ops_compared']} ops "

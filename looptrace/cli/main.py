@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 import looptrace
+from looptrace.cli.common import fail
 from looptrace.cli.profile_cmd import EPILOG as PROFILE_EPILOG
 from looptrace.cli.profile_cmd import profile
 from looptrace.cli.run_cmd import EPILOG as RUN_EPILOG
 from looptrace.cli.run_cmd import run
 
+try:  # Typer >= 0.20 vendors Click as typer._click; older releases use Click itself
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException
+
+
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """A usage error (unknown option, bad value, missing argument) is one `error:` line, exit 2, as
+    every other bad input: not Typer's usage line, hint and boxed message."""
+    try:
+        yield
+    except ClickException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the help text is the answer (already printed)
+            raise
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        message = " ".join(exc.format_message().split()).replace("Value error, ", "")  # Click's "\n\t"
+        raise fail(message + hint, exc.exit_code) from None
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """The top-level group: usage errors of any subcommand pass through its context and invoke."""
+
+    def make_context(self, *args: Any, **kwargs: Any):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=OneLineErrorsGroup,
     name="looptrace",
     help="Profile, diff and serve looped language models (Ouro, Huginn-0125, recurrent OLMo retrofits).",
     rich_markup_mode="rich",
@@ -44,7 +82,10 @@ app.command(epilog=RUN_EPILOG)(run)
 def _register_optional() -> None:
     """Commands whose modules may pull heavier imports are attached here."""
     from looptrace.cli.trace_cmd import trace_app
+    from looptrace.cli.trace_compare_cmd import EPILOG as TRACE_COMPARE_EPILOG
+    from looptrace.cli.trace_compare_cmd import compare as trace_compare
 
+    trace_app.command("compare", epilog=TRACE_COMPARE_EPILOG)(trace_compare)
     app.add_typer(trace_app, name="trace")
     # serve/top: module imports are light; fastapi, uvicorn and textual load inside the commands.
     from looptrace.cli.serve_cmd import EPILOG as SERVE_EPILOG

@@ -7,7 +7,10 @@ Rules (the same for `run`, `profile`, `profile --trace` and `trace analyze`):
 - written whole: into a hidden temp file in the target's directory, then `os.replace` onto the target, so
   a reader never sees half a file and a failure or Ctrl-C leaves the old file (or none) and no temp file;
 - a symlink is written *through* to its target, like shell redirection: the link itself stays;
-- a replaced file keeps its permission bits (and owner, when running as root); a new one gets the umask.
+- a replaced file keeps its permission bits (and owner, when running as root); a new one gets the umask;
+- never one of the command's inputs: `check_output(path, inputs=[...])` refuses an output that is the same
+  file as an input through any path, symlink or hard link (`trace analyze t.json -o t.json` would have
+  replaced the trace with its analysis).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Union
 
 from looptrace.cli.common import OutputFormat, UsageError
 
@@ -34,6 +38,29 @@ class OutputError(UsageError):
     """An output path that cannot be written (exit code 2)."""
 
 
+# An input of the command: a path, or (path, what it is, e.g. "--from"); None entries are skipped.
+Input = Union[Path, str, tuple[Union[Path, str, None], str], None]
+
+
+def same_file(a: Path | str, b: Path | str) -> bool:
+    """`a` and `b` name one file (any path, symlink or hard link); for a missing file, the same target."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_not_input(path: Path, option: str, inputs: Iterable[Input]) -> None:
+    """OutputError when `path` is one of `inputs`: writing it would destroy what the command reads."""
+    for item in inputs:
+        src, what = item if isinstance(item, tuple) else (item, "input")
+        if src is not None and same_file(path, src):
+            raise OutputError(
+                f"{option} {path}: is the {what} file {src}; writing it would replace the input "
+                "(choose another output path)"
+            )
+
+
 def resolve_target(path: Path) -> Path:
     """The file that will actually be written: symlinks followed (a dangling one to the file it names)."""
     return Path(os.path.realpath(path))
@@ -43,8 +70,26 @@ def _shown(path: Path, target: Path) -> str:
     return str(path) if target == Path(os.path.abspath(path)) else f"{path} (-> {target})"
 
 
+def _check_given_parent(path: Path | str, option: str) -> None:
+    """The path as given must name a file in a directory: realpath would turn `file/`, `file/.` and
+    `file/../x` into `file` or a sibling, which the shell (and open) refuse with ENOTDIR."""
+    text = os.fspath(path)
+    if text.endswith(("/", "/.", "/..")) or text in (".", ".."):
+        raise OutputError(f"{option} {path}: is a directory; expected a file path")
+    parent = os.path.dirname(text) or "."
+    try:
+        is_dir = stat.S_ISDIR(os.stat(parent).st_mode)
+    except FileNotFoundError:
+        return  # the resolved checks below name the missing directory
+    except OSError as exc:
+        raise OutputError(f"{option} {path}: {parent} is not a directory ({exc.strerror})") from None
+    if not is_dir:
+        raise OutputError(f"{option} {path}: {parent} is not a directory")
+
+
 def _check_target(path: Path, option: str) -> Path:
     """Refuse what can never be replaced by a regular file; return the resolved target."""
+    _check_given_parent(path, option)
     target = resolve_target(path)
     where = f"{option} {_shown(path, target)}"
     try:
@@ -82,20 +127,23 @@ def _mkstemp(target: Path, where: str) -> Path:
     return Path(tmp)
 
 
-def check_output(path: Path | None, option: str = "--output") -> Path | None:
-    """Fail (OutputError, exit 2) before any work when `path` could not be written; None passes."""
+def check_output(path: Path | None, option: str = "--output", inputs: Iterable[Input] = ()) -> Path | None:
+    """Fail (OutputError, exit 2) before any work when `path` could not be written or is one of the
+    command's `inputs`; None passes."""
     if path is None:
         return None
     target = _check_target(path, option)
+    check_not_input(path, option, inputs)
     _mkstemp(target, f"{option} {_shown(path, target)}").unlink()
     return target
 
 
-def check_outputs(*items: tuple[Path | None, str]) -> None:
+def check_outputs(*items: tuple[Path | None, str], inputs: Iterable[Input] = ()) -> None:
     """`check_output` for each (path, option), and no two options naming the same file."""
+    inputs = list(inputs)
     seen: dict[Path, str] = {}
     for path, option in items:
-        target = check_output(path, option)
+        target = check_output(path, option, inputs)
         if target is None:
             continue
         if target in seen:

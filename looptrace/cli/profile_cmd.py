@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from looptrace.cli.common import (
@@ -19,7 +20,6 @@ from looptrace.cli.common import (
     ModelOpt,
     OutputFormat,
     OutputOpt,
-    RecipeOpt,
     SeedOpt,
     SetOpt,
     ThreadsOpt,
@@ -27,10 +27,12 @@ from looptrace.cli.common import (
     WeightsOpt,
     build_engine,
     check_seed,
+    command_inputs,
     dumps,
     err_console,
     friendly_errors,
     interrupt_exit,
+    note,
     run_header,
     spinner,
     write_output,
@@ -65,7 +67,15 @@ LEVELS = ("step", "loop", "layer", "op")
 
 def profile(
     model: ModelOpt = None,
-    recipe: RecipeOpt = "base",
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            "-r",
+            help="Recipe name in recipes/ or a YAML path (default: base).",
+            show_default=False,
+        ),
+    ] = None,
     sets: SetOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Requests decoding together.")] = 1,
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request (random ids).")] = 64,
@@ -93,6 +103,15 @@ def profile(
     threads: ThreadsOpt = 1,
     fmt: FormatOpt = None,
     output: OutputOpt = None,
+    roofline_device: Annotated[
+        str | None,
+        typer.Option(
+            "--roofline-device",
+            help="Device peaks for the roofline columns (h200, h100-sxm, mi300x, ...); default: the GPU's "
+            "name from the trace, none on CPU.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Count kernels, launches, graph replays and fallbacks, copies, syncs and time per generated token,
     attributed to model op x layer x loop x stage (the ExactLoop paper's Table A4, automated)."""
@@ -105,7 +124,12 @@ def profile(
                 raise UsageError(f"--level '{level}': expected one of {', '.join(LEVELS)}")
             if concurrency < 1 or prompt_len < 1 or (decode_steps is not None and decode_steps < 1):
                 raise UsageError("--concurrency, --prompt-len and --decode-steps must be >= 1")
-            check_outputs((output, "--output"), (trace, "--trace"))
+            _check_prompts_memory(concurrency, prompt_len)
+            if compare is not None and recipe is not None:  # --compare names both recipes
+                raise UsageError(f"--recipe {recipe} and --compare A B: give one (--compare sets both sides)")
+            recipe = recipe or "base"
+            inputs = command_inputs(None, recipe, weights) + [(Path(r), "--compare") for r in compare or ()]
+            check_outputs((output, "--output"), (trace, "--trace"), inputs=inputs)
             check_seed(seed)
             if compare is None and (a_set or b_set):
                 raise UsageError("--a-set/--b-set only apply with --compare A B")
@@ -121,22 +145,34 @@ def profile(
                 runs = [(name, base + list(extra or [])) for name, extra in zip(compare, (a_set, b_set))]
                 for name, overrides in runs:  # both sides valid before any profiling
                     load_recipe(name, overrides)
-            sides, interrupted = _profile_sides(runs, cfg, common, trace)
+            if roofline_device is not None:
+                from looptrace.probes.roofline import device_for
+
+                try:
+                    device_for(None, roofline_device)
+                except ValueError as exc:
+                    raise UsageError(f"--roofline-device: {exc}") from None
+            sides, interrupted = _profile_sides(runs, cfg, common, trace, roofline_device)
         data, text = _report(sides, fmt, compare is not None)
         if interrupted:
             data["interrupted"] = True
             done = ", ".join(f"{s['header']['label']}: {'+'.join(s['windows'])}" for s in sides)
-            err_console.print(
-                f"[yellow]interrupted:[/] reporting the windows that finished ({done})", soft_wrap=True
-            )
+            note(f"reporting the windows that finished ({done})", "interrupted")
         with friendly_errors():
             write_output(text if fmt != OutputFormat.json else dumps(data), output, Console(width=140))
         if interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)
 
 
+def _check_prompts_memory(concurrency: int, prompt_len: int) -> None:
+    """The windows' random prompts within host memory, before any engine (issue #23: huge -c hung)."""
+    from looptrace.engine.budget import check_memory, workload_needs
+
+    check_memory(workload_needs(concurrency, prompt_len, "--concurrency / --prompt-len"), "cpu")
+
+
 def _profile_sides(
-    runs: list[tuple[str, list[str]]], cfg, common: dict, trace: Path | None
+    runs: list[tuple[str, list[str]]], cfg, common: dict, trace: Path | None, peak: str | None = None
 ) -> tuple[list[dict[str, Any]], bool]:
     """Profile each (recipe, overrides); the first side writes --trace. A Ctrl-C keeps the sides (and
     windows) that finished and skips the rest; with nothing finished it propagates."""
@@ -145,10 +181,10 @@ def _profile_sides(
         try:
             if i == 0 and trace is not None:
                 with atomic_path(trace, "--trace") as tmp:
-                    side = _profile_one(name, overrides, cfg, common, tmp)
+                    side = _profile_one(name, overrides, cfg, common, tmp, peak)
                 side["header"]["trace"] = str(trace)
             else:
-                side = _profile_one(name, overrides, cfg, common, None)
+                side = _profile_one(name, overrides, cfg, common, None, peak)
         except KeyboardInterrupt:
             if not sides:
                 raise
@@ -174,8 +210,11 @@ def _report(sides: list[dict[str, Any]], fmt: OutputFormat, compare: bool) -> tu
     return {"schema": "looptrace.profile/1", **_jsonable(sides[0])}, render_single(sides[0], fmt)
 
 
-def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | None) -> dict[str, Any]:
+def _profile_one(
+    recipe: str, sets: list[str], cfg, common: dict, trace: Path | None, peak: str | None = None
+) -> dict[str, Any]:
     from looptrace.probes.report import to_dict
+    from looptrace.probes.roofline_report import profile_roofline
     from looptrace.probes.session import plan, profile_engine
 
     max_len = cfg.prompt_len + 64 + (cfg.decode_steps or 0)
@@ -186,6 +225,7 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
     with spinner(err_console.is_terminal, f"profiling {setup.engine.spec.name} ({label})") as status:
         say = (lambda msg: status.update(f"{label}: {msg}")) if status is not None else None
         result = profile_engine(setup.engine, cfg, trace_path=trace, progress=say)
+    roofline = profile_roofline(setup.engine, result, peak)  # needs the engine's modules: before release
     _release(setup)
     header["label"] = label
     header["concurrency"] = cfg.concurrency
@@ -199,6 +239,8 @@ def _profile_one(recipe: str, sets: list[str], cfg, common: dict, trace: Path | 
             "analysis": analysis,
             "report": to_dict(analysis, {}),
         }
+    if roofline is not None:
+        windows["decode"]["report"]["roofline"] = roofline
     return {
         "header": header,
         "windows": windows,
@@ -289,11 +331,13 @@ def render_single(side: dict[str, Any], fmt: OutputFormat) -> str:
     for item in report_renderables(decode, _display_header(side)):
         console.print(item)
     console.print(_engine_table(side))
+    _print_roofline(console, side)
     if "prefill" in side["windows"]:  # absent after a Ctrl-C in the prefill window
         prefill = side["windows"]["prefill"]["analysis"]
         console.print(
             counters_table(
-                [(side["header"]["label"], prefill.counters)], title="Prefill window, per prompt token"
+                [(escape(side["header"]["label"]), prefill.counters)],
+                title="Prefill window, per prompt token",
             )
         )
         console.print(group_table("Prefill kernels by op", ["op"], prefill.breakdown.by_op, prefill.counters))
@@ -323,7 +367,7 @@ def _display_header(side: dict[str, Any], recipe: str | None = None) -> dict[str
     }
     if "trace" in h:
         keep["trace"] = h["trace"]
-    return keep
+    return {k: escape(str(v)) for k, v in keep.items()}  # paths and recipe names, not markup
 
 
 def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
@@ -338,7 +382,7 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
 
     if fmt == OutputFormat.json:
         return ""
-    labels = tuple(s["header"]["label"] for s in sides)
+    labels = tuple(escape(s["header"]["label"]) for s in sides)
     if labels[0] == labels[1]:
         labels = (f"A: {labels[0]}", f"B: {labels[1]}")
     if fmt == OutputFormat.csv:
@@ -383,4 +427,14 @@ def render_compare(sides: list[dict[str, Any]], fmt: OutputFormat) -> str:
         t = _engine_table(s)
         t.title = f"Engine counters: {label}"
         console.print(t)
+    for s, label in zip(sides, labels):
+        _print_roofline(console, s, f"Decode roofline per op: {label}")
     return console.export_text().rstrip()
+
+
+def _print_roofline(console: Console, side: dict[str, Any], title: str = "Decode roofline per op") -> None:
+    block = side["windows"].get("decode", {}).get("report", {}).get("roofline")
+    if block:
+        from looptrace.probes.roofline_report import roofline_table
+
+        console.print(roofline_table(block, title))

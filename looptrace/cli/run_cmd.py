@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -32,10 +33,12 @@ from looptrace.cli.common import (
     build_engine,
     check_output_path,
     check_seed,
+    command_inputs,
     dumps,
     err_console,
     friendly_errors,
     interrupt_exit,
+    note,
     peek_spec,
     run_header,
     spinner,
@@ -55,14 +58,16 @@ EPILOG = """\
   looptrace run --model ouro --workload sessions --sessions 4 --turns 3
   looptrace run --model ouro --workload jsonl --prompts prompts.jsonl --weights ./Ouro-1.4B
 
-[bold]JSONL PROMPTS[/]  (--workload jsonl --prompts FILE) one JSON object per line, blank lines skipped:
+[bold]JSONL PROMPTS[/]  (--prompts FILE, which implies --workload jsonl) one JSON object per line, blank
+lines skipped:
 
   {"prompt": "Write a haiku about loops.", "max_tokens": 64}
   {"prompt_token_ids": [1, 2, 3], "arrival": 0.5}
 
   Exactly one of prompt (text: tokenized by tokenizer.json of --weights DIR, else as UTF-8 bytes) or
-  prompt_token_ids (a non-empty list of ids). Optional: max_tokens (default --max-tokens), arrival
-  (seconds from the start, default 0). Other keys are ignored; errors name FILE:LINE.
+  prompt_token_ids (a non-empty list of ids within the model's vocabulary). Optional: max_tokens (default
+  --max-tokens), arrival (seconds from the start, 0 to 1e7, default 0). Other keys are ignored; errors
+  name FILE:LINE.
 
 [bold]OUTPUT[/]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
 given. The file is written whole and atomically, a symlink is written through, and a directory or a
@@ -132,8 +137,41 @@ def make_workload(
     from looptrace.engine.tokenizer import load_tokenizer
 
     return w.JsonlWorkload(
-        path=prompts, tokenizer=load_tokenizer(tokenizer_dir), default_max_tokens=max_tokens
+        path=prompts,
+        tokenizer=load_tokenizer(tokenizer_dir),
+        default_max_tokens=max_tokens,
+        vocab_size=vocab_size,
     )
+
+
+def resolve_workload(
+    kind: WorkloadKind | None, prompts: Path | None, rate: float | None, num_requests: int | None
+) -> WorkloadKind:
+    """--prompts FILE alone implies --workload jsonl; an option of another workload than the one chosen
+    is an error (it would be silently ignored)."""
+    kind = kind or (WorkloadKind.jsonl if prompts is not None else WorkloadKind.burst)
+    if prompts is not None and kind != WorkloadKind.jsonl:
+        raise UsageError(f"--prompts FILE is for --workload jsonl, not --workload {kind.value}")
+    for flag, value in (("--rate", rate), ("--num-requests", num_requests)):
+        if value is not None and kind != WorkloadKind.poisson:
+            raise UsageError(f"{flag} is for --workload poisson, not --workload {kind.value}")
+    return kind
+
+
+def check_workload_memory(kind: WorkloadKind, wl) -> None:
+    """The prompts a synthetic workload draws, within host memory (before they are drawn)."""
+    from looptrace.engine.budget import check_memory, workload_needs
+
+    if kind == WorkloadKind.burst:
+        requests, tokens, setting = wl.concurrency, wl.prompt_len, "--concurrency / --prompt-len"
+    elif kind == WorkloadKind.poisson:
+        requests, tokens, setting = wl.num_requests, wl.prompt_len, "--num-requests / --prompt-len"
+    elif kind == WorkloadKind.sessions:
+        requests, tokens = wl.num_sessions, wl.max_prompt_len()
+        setting = "--sessions / --turns / --prompt-len"
+    else:
+        return  # a JSONL file is already in memory
+    check_memory(workload_needs(requests, tokens, setting), "cpu")
 
 
 def workload_max_len(workload) -> int:
@@ -150,7 +188,12 @@ def run(
     model: ModelOpt = None,
     recipe: RecipeOpt = "base",
     sets: SetOpt = None,
-    workload: Annotated[WorkloadKind, typer.Option(help="Arrival pattern.")] = WorkloadKind.burst,
+    workload: Annotated[
+        WorkloadKind | None,
+        typer.Option(
+            help="Arrival pattern (default: burst; jsonl when --prompts is given).", show_default=False
+        ),
+    ] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Requests in the burst.")] = 8,
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 64,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
@@ -161,7 +204,9 @@ def run(
     sessions: Annotated[int, typer.Option(help="Sessions workload: concurrent sessions.")] = 4,
     turns: Annotated[int, typer.Option(help="Sessions workload: turns per session.")] = 3,
     turn_prompt_len: Annotated[int, typer.Option(help="Sessions workload: new user tokens per turn.")] = 16,
-    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts file for --workload jsonl.")] = None,
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSONL prompts file (implies --workload jsonl).")
+    ] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -184,13 +229,15 @@ def run(
         fmt = infer_format(fmt, output)
         progress = progress and err_console.is_terminal  # a pipe or a log file gets no bar remnants
         with friendly_errors():
-            check_output_path(output)
+            kind = resolve_workload(workload, prompts, rate, num_requests)
+            check_output_path(output, inputs=command_inputs(prompts, recipe, weights))
             check_seed(seed)
             if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
                 raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
             with spinner(progress, "preparing the workload and the engine"):
+                spec = peek_spec(model, device, weights)
                 wl = make_workload(
-                    workload,
+                    kind,
                     concurrency=concurrency,
                     prompt_len=prompt_len,
                     max_tokens=max_tokens,
@@ -201,9 +248,10 @@ def run(
                     turn_prompt_len=turn_prompt_len,
                     prompts=prompts,
                     seed=seed,
-                    vocab_size=peek_spec(model, device, weights).vocab_size,
+                    vocab_size=spec.vocab_size,
                     tokenizer_dir=weights,
                 )
+                check_workload_memory(kind, wl)
                 setup = build_engine(
                     model=model,
                     recipe=recipe,
@@ -217,9 +265,9 @@ def run(
                 )
                 check_fits(wl, setup.engine.max_model_len)
         header = run_header(setup)
-        header["workload"] = repr(wl)
-        for note in _notes(setup, concurrency):
-            err_console.print(f"[yellow]note:[/] {note}")
+        header["workload"] = wl.describe()
+        for text in _notes(setup, concurrency):
+            note(text)
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed if temperature else None
         )
@@ -227,13 +275,13 @@ def run(
         metrics = summarize(record)
         rejected = [r for r in record.requests if r.finish_reason == "rejected"]
         if rejected:
-            err_console.print(f"[yellow]note:[/] {len(rejected)} request(s) rejected: {rejected[0].error}")
+            note(f"{len(rejected)} request(s) rejected: {rejected[0].error}")
         data = report_data(header, setup.engine, metrics)
         if record.interrupted:
-            err_console.print(
-                f"[yellow]interrupted:[/] reporting what was measured so far ({metrics.tokens_sampled} tokens"
-                f", {metrics.completed} request(s) completed, {metrics.interrupted_requests} in flight)",
-                soft_wrap=True,
+            note(
+                f"reporting what was measured so far ({metrics.tokens_sampled} tokens, "
+                f"{metrics.completed} request(s) completed, {metrics.interrupted_requests} in flight)",
+                "interrupted",
             )
         text = render(data, fmt)
         with friendly_errors():
@@ -325,13 +373,22 @@ def _csv(data: dict[str, Any]) -> str:
     return buf.getvalue().rstrip()
 
 
+def _workload_text(workload: Any) -> str:
+    """`burst (concurrency 8, prompt_len 64, ...)` from the header's workload dict."""
+    if not isinstance(workload, dict):
+        return str(workload or "")
+    items = ", ".join(f"{k} {v}" for k, v in workload.items() if k != "kind" and v is not None)
+    return f"{workload.get('kind', '?')} ({items})"
+
+
 def summary_renderables(data: dict[str, Any]) -> list:
     h, m, e, kv = data["header"], data["metrics"], data["engine"], data["kv"]
+    q = {k: escape(str(v)) for k, v in h.items() if isinstance(v, (str, int))}  # paths, names: not markup
     head = (
-        f"[bold]{h['model_preset']}[/] ({h['family']}, {h['loops']} loops, weights: {h['weights']})  "
-        f"device {h['device']}  dtype {h['dtype']}\nrecipe [bold]{h['recipe']}[/]"
-        + (f" + {', '.join(h['overrides'])}" if h["overrides"] else "")
-        + f"   workload {h.get('workload', '')}\n[dim]{h['preset_note']}[/]"
+        f"[bold]{q['model_preset']}[/] ({q['family']}, {q['loops']} loops, weights: {q['weights']})  "
+        f"device {q['device']}  dtype {q['dtype']}\nrecipe [bold]{q['recipe']}[/]"
+        + (f" + {escape(', '.join(h['overrides']))}" if h["overrides"] else "")
+        + f"   workload {escape(_workload_text(h.get('workload')))}\n[dim]{q['preset_note']}[/]"
     )
     out: list = [Panel(head, title="looptrace run", expand=False)]
     if m.get("interrupted"):

@@ -37,7 +37,9 @@ def top(
     record: Annotated[Path | None, typer.Option(help="Record every snapshot to this JSONL file.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot as a table and exit.")] = False,
     diff: Annotated[Path | None, typer.Option(help="A diff result JSON for the diff screen (d).")] = None,
-    interval: Annotated[float, typer.Option(help="Seconds between snapshots.")] = 1.0,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between snapshots (--once: between its two, for tokens/s).")
+    ] = 1.0,
     screenshot: Annotated[
         Path | None, typer.Option(help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
     ] = None,
@@ -66,9 +68,10 @@ def top(
             raise UsageError("give one of URL, --prometheus URL or --replay FILE")
         if interval <= 0 or speed < 0:
             raise UsageError("--interval must be > 0 and --speed >= 0")
+        from looptrace.cli.output import check_output
+
         for path, opt in ((record, "--record"), (screenshot, "--screenshot")):
-            if path is not None and not path.parent.is_dir():
-                raise UsageError(f"{opt} {path}: directory {path.parent} does not exist")
+            check_output(path, opt, [(replay, "--replay"), (diff, "--diff")])  # writable, not an input
         diff_requests = None
         if diff is not None:
             from looptrace.tui.diff_data import DiffDataError, load_diff
@@ -93,15 +96,9 @@ def top(
 
         from looptrace.tui.once import snapshot_table
 
-        throughput = None
-        if replay is not None:
-            from looptrace.tui.model import DashboardModel
-
-            model = DashboardModel()
-            for _, snap in source.frames:
-                model.ingest(snap)
-            throughput = model.throughput[-1] if model.throughput else None
-        Console(width=110).print(snapshot_table(first, source.label, throughput))
+        with friendly_errors():
+            last, throughput = _once(source, first, interval, replay is not None)
+        Console(width=110).print(snapshot_table(last, source.label, throughput))
         return
     try:
         from looptrace.tui.app import LooptraceTop
@@ -121,3 +118,25 @@ def top(
         app.run(headless=True, size=(140, 44))
     else:
         app.run()
+
+
+def _once(source, first: dict, interval: float, replayed: bool) -> tuple[dict, float | None]:
+    """The snapshot to print and the output tokens/s between two snapshots: the replay's last two frames,
+    or a live source fetched again `interval` seconds after the first (one snapshot holds only totals)."""
+    import time
+
+    from looptrace.tui.model import DashboardModel
+    from looptrace.tui.sources import SourceError
+
+    model = DashboardModel()
+    if replayed:
+        for _, snap in source.frames:
+            model.ingest(snap)
+    else:
+        model.ingest(first)
+        time.sleep(interval)
+        try:
+            model.ingest(source.fetch())
+        except SourceError as exc:
+            raise UsageError(str(exc)) from None
+    return model.latest or first, model.throughput[-1] if model.throughput else None

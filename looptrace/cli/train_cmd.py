@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -10,21 +13,29 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
-from looptrace.cli.common import fail
+from looptrace.cli.common import SEED_MAX, UsageError, friendly_errors, interrupt_exit
+from looptrace.cli.output import same_file
+
+META_FILE = "train_meta.json"  # looptrace.train.trainer.META_FILE (not imported: it loads torch)
 
 EPILOG = """
 [bold]EXAMPLES[/bold]
 
-  looptrace train-tiny --family huginn                 # rewrites looptrace/assets/huginn-tiny
+  looptrace train-tiny --family huginn                 # writes ./looptrace-tiny-huginn/
   looptrace train-tiny --family ouro --out /tmp/ouro-tiny --steps 200
+  looptrace train-tiny --family ouro --replace-shipped  # regenerate the packaged looptrace/assets/ouro-tiny
 
 Task: 2-digit addition, answer most-significant digit first (looptrace/train/task.py). Fixed seed; the
 directory gets config.json, model.safetensors, tokenizer.json, tokenizer_config.json, eval.jsonl and
-train_meta.json (settings, wall time, teacher-forced exact match by depth).
+train_meta.json (settings, wall time, teacher-forced exact match by depth). --out is checked before
+training: a new or empty directory, or one an earlier train-tiny wrote (it is overwritten).
 
-[bold]EXIT CODES[/bold]  0 ok · 2 bad input
+[bold]EXIT CODES[/bold]  0 ok · 2 bad input · 130 interrupted
 """
+
+TRAIN_SEED_MAX = SEED_MAX - 1  # the evaluation generator is seeded with seed + 1
 
 
 class Family(str, enum.Enum):
@@ -35,25 +46,95 @@ class Family(str, enum.Enum):
 def train_tiny(
     family: Annotated[Family, typer.Option(help="Which tiny preset to train.")],
     out: Annotated[
-        Path | None, typer.Option(help="Output directory (default: the packaged looptrace/assets/<preset>).")
+        Path | None,
+        typer.Option(help="Output directory (default: ./looptrace-tiny-<family>).", show_default=False),
     ] = None,
+    replace_shipped: Annotated[
+        bool,
+        typer.Option(
+            "--replace-shipped",
+            help="Write over the packaged checkpoint (looptrace/assets/<preset>) that the tiny presets load.",
+        ),
+    ] = False,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: the shipped run's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed (data, init, Huginn depth and noise).")] = 0,
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is faster on a busy machine).")] = 2,
 ) -> None:
     """Train ouro-tiny or huginn-tiny on the addition task and write a loadable checkpoint directory."""
     from looptrace.assets import ASSETS_DIR
+
+    with interrupt_exit("interrupted: no checkpoint written"), friendly_errors():
+        preset = f"{family.value}-tiny"
+        if steps is not None and steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {steps}")
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
+        if not 0 <= seed <= TRAIN_SEED_MAX:
+            raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-2")
+        shipped = ASSETS_DIR / preset
+        target = _target(out, replace_shipped, shipped, family.value)
+        created = _prepare_dir(target)
+        try:
+            meta = _train(family.value, target, steps, seed, threads)
+        except BaseException:
+            _remove_created(created)
+            raise
+    Console(stderr=True, highlight=False).print(
+        Text(
+            f"wrote {target}  ({meta['wall_time_s']} s on {threads} thread(s); teacher-forced exact match by "
+            f"depth {meta['dense_exact_by_depth']})"
+        )
+    )
+
+
+def _target(out: Path | None, replace_shipped: bool, shipped: Path, family: str) -> Path:
+    """Where to write: --out, the packaged checkpoint only with --replace-shipped, else a new directory."""
+    if replace_shipped:
+        if out is not None:
+            raise UsageError("--replace-shipped writes the packaged checkpoint: leave out --out")
+        return shipped
+    target = out if out is not None else Path(f"looptrace-tiny-{family}")
+    if target.exists() and same_file(target, shipped):
+        raise UsageError(
+            f"--out {target}: is the packaged checkpoint the tiny presets load; pass --replace-shipped "
+            "(without --out) to replace it"
+        )
+    return target
+
+
+def _prepare_dir(target: Path) -> list[Path]:
+    """Check (and create) the output directory before training; the directories it created."""
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--out {target}: exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not (target / META_FILE).is_file():
+        raise UsageError(
+            f"--out {target}: directory holds other files (no {META_FILE} of an earlier train-tiny); "
+            "choose a new or empty directory"
+        )
+    missing = [p for p in (target, *target.parents) if not p.exists()]
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=target, prefix=".looptrace-")  # writable, not just present
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        _remove_created(missing)
+        raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc})") from None
+    return missing
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories this run created, if still empty (innermost first)."""
+    for path in created:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def _train(family: str, target: Path, steps: int | None, seed: int, threads: int) -> dict:
     from looptrace.train.trainer import DEFAULTS, train
 
-    cfg = DEFAULTS[family.value]
-    if steps is not None and steps < 1:
-        raise fail(f"--steps must be >= 1, got {steps}")
-    if threads < 1:
-        raise fail(f"--threads must be >= 1, got {threads}")
+    cfg = DEFAULTS[family]
     cfg = replace(cfg, steps=steps or cfg.steps, seed=seed, threads=threads)
-    target = out or ASSETS_DIR / cfg.preset
-    if target.exists() and not target.is_dir():
-        raise fail(f"--out {target}: exists and is not a directory")
     console = Console(stderr=True, highlight=False)
     columns = (
         TextColumn("[bold]{task.description}"),
@@ -69,8 +150,4 @@ def train_tiny(
         def on_step(step: int, metrics: dict) -> None:
             progress.update(task, completed=step, loss=metrics["loss"], exact=metrics["train_exact"])
 
-        meta = train(cfg, target, on_step)
-    console.print(
-        f"wrote {target}  ({meta['wall_time_s']} s on {threads} thread(s); teacher-forced exact match by "
-        f"depth {meta['dense_exact_by_depth']})"
-    )
+        return train(cfg, target, on_step)

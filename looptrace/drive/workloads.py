@@ -9,8 +9,7 @@ workload object can drive several runs and gives the same prompts every time.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +18,12 @@ import numpy as np
 
 class WorkloadError(ValueError):
     """A bad workload definition or file; the message is one line and names the field or file:line."""
+
+
+# Longest wait a run can schedule (115 days): beyond it a sleep or a timer overflows (OverflowError for
+# an arrival of 1e308), and no benchmark means it. Poisson's rate and think times are bounded to match.
+ARRIVAL_MAX_S = 1e7
+RATE_MIN = 1e-6  # requests per second: a mean gap of ~12 days
 
 
 @dataclass
@@ -43,6 +48,20 @@ class Workload:
     def next_items(self, item: WorkItem, outputs: list[int], now: float) -> list[WorkItem]:
         """Items released by the completion of `item` (which generated `outputs`) at `now` seconds."""
         return []
+
+    def describe(self) -> dict[str, Any]:
+        """The workload's kind and settings as plain JSON data (run headers)."""
+        out: dict[str, Any] = {"kind": type(self).__name__.removesuffix("Workload").lower()}
+        for f in fields(self) if is_dataclass(self) else ():
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "tokenizer":
+                value = None if value is None else type(value).__name__
+            elif isinstance(value, Path):
+                value = str(value)
+            out[f.name] = value
+        return out
 
 
 class Tokenizer(Protocol):
@@ -124,8 +143,8 @@ class PoissonWorkload(Workload):
     token_high: int | None = None
 
     def __post_init__(self) -> None:
-        ok = isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool) and self.rate > 0
-        _require(ok, "rate", self.rate, "> 0 requests/s")
+        ok = isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool) and self.rate >= RATE_MIN
+        _require(ok, "rate", self.rate, f">= {RATE_MIN:g} requests/s")
         _check_count("num_requests", self.num_requests)
         _check_count("prompt_len", self.prompt_len)
         _check_count("max_tokens", self.max_tokens)
@@ -169,8 +188,8 @@ class SessionWorkload(Workload):
         _check_count("first_prompt_len", self.first_prompt_len)
         _check_count("turn_prompt_len", self.turn_prompt_len)
         _check_count("max_tokens", self.max_tokens)
-        ok = isinstance(self.think_time, (int, float)) and 0 <= self.think_time < math.inf
-        _require(ok, "think_time", self.think_time, "a finite number >= 0")
+        ok = isinstance(self.think_time, (int, float)) and 0 <= self.think_time <= ARRIVAL_MAX_S
+        _require(ok, "think_time", self.think_time, f"a number of seconds in [0, {ARRIVAL_MAX_S:g}]")
         self._range = _check_tokens(self.vocab_size, self.token_low, self.token_high)
 
     def total_requests(self) -> int:
@@ -203,11 +222,13 @@ class SessionWorkload(Workload):
 class JsonlWorkload(Workload):
     """One request per non-blank line: `{"prompt": "text"}` (needs `tokenizer`) or
     `{"prompt_token_ids": [1, 2, 3]}`, optional `"max_tokens"` and `"arrival"` (seconds from the start).
-    Other keys are ignored. The file is read and checked when the workload is created."""
+    Other keys are ignored. The file is read and checked when the workload is created; with `vocab_size`,
+    a token id outside the model's vocabulary is an error naming its line."""
 
     path: str | Path
     tokenizer: Tokenizer | None = None
     default_max_tokens: int = 128
+    vocab_size: int | None = None
     items: list[WorkItem] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -246,9 +267,15 @@ class JsonlWorkload(Workload):
         if not (_is_int(max_tokens) and max_tokens >= 1):
             raise self._fail(lineno, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         arrival = obj.get("arrival", 0.0)
-        ok = isinstance(arrival, (int, float)) and not isinstance(arrival, bool) and 0 <= arrival < math.inf
+        ok = (
+            isinstance(arrival, (int, float))
+            and not isinstance(arrival, bool)
+            and 0 <= arrival <= ARRIVAL_MAX_S
+        )
         if not ok:
-            raise self._fail(lineno, f"arrival must be a finite number of seconds >= 0, got {arrival!r}")
+            raise self._fail(
+                lineno, f"arrival must be a number of seconds in [0, {ARRIVAL_MAX_S:g}], got {arrival!r}"
+            )
         return WorkItem(prompt, int(max_tokens), float(arrival))
 
     def _prompt(self, obj: dict[str, Any], lineno: int) -> list[int]:
@@ -262,6 +289,12 @@ class JsonlWorkload(Workload):
             ids = self._encode(obj["prompt"], lineno)
         if not ids:
             raise self._fail(lineno, "empty prompt")
+        if self.vocab_size is not None:
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise self._fail(
+                    lineno, f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})"
+                )
         return ids
 
     def _encode(self, text: object, lineno: int) -> list[int]:

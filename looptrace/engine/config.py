@@ -37,6 +37,14 @@ def _meta(rung: str | dict[str, str], **bounds: Any) -> dict[str, Any]:
     return {"rung": rung, **bounds}
 
 
+# Upper bounds, so a typo'd huge number is a one-line error naming the key (not a native crash or a
+# MemoryError): counts index int32 tensors (block tables, slot ids); depths size per-plane Python tables.
+# What the accepted values cost in memory is checked before allocating (looptrace/engine/budget.py).
+COUNT_MAX = 2**31 - 1
+LOOPS_MAX = 1024
+_FINITE = {"allow_inf_nan": False}
+
+
 @dataclass
 class KVConfig:
     __pydantic_config__ = _STRICT
@@ -46,13 +54,13 @@ class KVConfig:
     layout: Literal["planes", "shared", "packed"] = field(
         default="planes", metadata=_meta({"planes": "R0", "packed": "R0", "shared": "R3"})
     )
-    block_size: int = field(default=16, metadata=_meta("R1", ge=1))
+    block_size: int = field(default=16, metadata=_meta("R1", ge=1, le=COUNT_MAX))
     # Pool size in blocks. None: CPU gets `cpu_pool_tokens` tokens; CUDA sizes the pool from free memory.
-    num_blocks: int | None = field(default=None, metadata=_meta("R1", ge=1))
-    cpu_pool_tokens: int = field(default=8192, metadata=_meta("R1", ge=1))
+    num_blocks: int | None = field(default=None, metadata=_meta("R1", ge=1, le=COUNT_MAX))
+    cpu_pool_tokens: int = field(default=8192, metadata=_meta("R1", ge=1, le=COUNT_MAX))
     gpu_memory_utilization: float = field(default=0.90, metadata=_meta("R1", gt=0, le=1))
     # Blocks kept free at admission (headroom against fragmentation).
-    watermark_blocks: int = field(default=0, metadata=_meta("R1", ge=0))
+    watermark_blocks: int = field(default=0, metadata=_meta("R1", ge=0, le=COUNT_MAX))
     # Prefix cache over full blocks (chained SHA-256 keys).
     prefix_caching: bool = field(default=True, metadata=_meta("R1"))
     # When a cached page is published: `all_planes` (base) only once every plane and layer covers it (Huginn
@@ -77,16 +85,16 @@ class SchedulerConfig:
     # `refill`: stage choice per step (base engine default); `norefill`: cohort fill -> core -> coda.
     policy: Literal["refill", "norefill"] = field(default="refill", metadata=_meta("R1"))
     # Requests admitted and not finished at once (the carried-state slots); also the rows of one batch.
-    max_num_seqs: int = field(default=8, metadata=_meta("R1", ge=1))
-    max_num_batched_tokens: int = field(default=128, metadata=_meta("R1", ge=1))
-    prefill_chunk_size: int = field(default=128, metadata=_meta("R1", ge=1))
-    max_prefill_batches_before_decode: int = field(default=1, metadata=_meta("R1", ge=0))
-    min_coda_batch_size: int = field(default=1, metadata=_meta("R1", ge=1))
+    max_num_seqs: int = field(default=8, metadata=_meta("R1", ge=1, le=COUNT_MAX))
+    max_num_batched_tokens: int = field(default=128, metadata=_meta("R1", ge=1, le=COUNT_MAX))
+    prefill_chunk_size: int = field(default=128, metadata=_meta("R1", ge=1, le=COUNT_MAX))
+    max_prefill_batches_before_decode: int = field(default=1, metadata=_meta("R1", ge=0, le=COUNT_MAX))
+    min_coda_batch_size: int = field(default=1, metadata=_meta("R1", ge=1, le=COUNT_MAX))
     admission: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_meta("R1"))
-    admission_scan_limit: int = field(default=64, metadata=_meta("R1", ge=1))
-    max_admission_bypasses: int = field(default=8, metadata=_meta("R1", ge=0))
+    admission_scan_limit: int = field(default=64, metadata=_meta("R1", ge=1, le=COUNT_MAX))
+    max_admission_bypasses: int = field(default=8, metadata=_meta("R1", ge=0, le=COUNT_MAX))
     # Longest prompt + output (tokens). None: the model's max positions (capped by the pool).
-    max_model_len: int | None = field(default=None, metadata=_meta("R1", ge=1))
+    max_model_len: int | None = field(default=None, metadata=_meta("R1", ge=1, le=COUNT_MAX))
     # ExactLoop: a fixed-depth decode row runs all its loops in one submission (one graph for L loops).
     loop_fusion: bool = field(default=False, metadata=_meta("R1"))
     # ExactLoop: after an L-loop fused step, admit up to L prefill batches before the next decode step.
@@ -102,7 +110,7 @@ class SchedulerConfig:
     # copied deeper as for any early exit). Same per-row arithmetic; steps may hold other rows (R1). Off
     # on the shared layout (a speculative loop would overwrite the token's only KV slot).
     async_gate: bool = field(default=True, metadata=_meta("R1"))
-    whole_token_max_rows: int = field(default=8, metadata=_meta("R1", ge=1))
+    whole_token_max_rows: int = field(default=8, metadata=_meta("R1", ge=1, le=COUNT_MAX))
     # Beyond ExactLoop: whole-token decode without a blocking read per step. The next whole-token step is
     # submitted before the last one's tokens reach the host: a row's input token comes from a device
     # buffer the previous step wrote, and the host reads the tokens (EOS, stop, max_tokens) one step
@@ -132,15 +140,18 @@ class ExitConfig:
     # threshold 1.0 the two give the same tokens (R0); a threshold below 1 changes depth (R3).
     policy: Literal["gate", "fixed"] = field(default="gate", metadata=_meta("R0"))
     threshold: float = field(default=1.0, metadata=_meta("R3", gt=0, le=1))
-    min_loops: int = field(default=2, metadata=_meta("R3", ge=1))
+    min_loops: int = field(default=2, metadata=_meta("R3", ge=1, le=LOOPS_MAX))
     # None: the model's default depth (Ouro 4, Huginn 32).
-    max_loops: int | None = field(default=None, metadata=_meta("R3", ge=1))
+    max_loops: int | None = field(default=None, metadata=_meta("R3", ge=1, le=LOOPS_MAX))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)
 
     def check(self) -> None:
-        if self.max_loops is not None and self.min_loops > self.max_loops:
+        # min_loops only gates an early exit (policy gate, threshold < 1): elsewhere it is unused, so
+        # exit.max_loops=1 alone is valid.
+        gated = self.policy == "gate" and self.threshold < 1.0
+        if gated and self.max_loops is not None and self.min_loops > self.max_loops:
             raise ConfigError(
                 f"exit.min_loops={self.min_loops} exceeds exit.max_loops={self.max_loops}: expected <="
             )
@@ -150,8 +161,8 @@ class ExitConfig:
 class GraphConfig:
     __pydantic_config__ = _STRICT
     enabled: bool = field(default=True, metadata=_meta("R0"))  # only on CUDA
-    max_graphs: int = field(default=16, metadata=_meta("R0", ge=0))
-    max_batch_size: int = field(default=128, metadata=_meta("R0", ge=1))
+    max_graphs: int = field(default=16, metadata=_meta("R0", ge=0, le=COUNT_MAX))
+    max_batch_size: int = field(default=128, metadata=_meta("R0", ge=1, le=COUNT_MAX))
     # `none`: the first `max_graphs` keys stay forever (base engine); `lru`: evict the least recently used.
     eviction: Literal["none", "lru"] = field(default="none", metadata=_meta("R0"))
     # None: capture lazily on first use. A list: capture only these row counts, others run eager
@@ -243,16 +254,17 @@ class DepthConfig:
     # `prefill_loops` (P) core loops; every chunk endpoint and every decode row keeps S (the endpoints run
     # the remaining S - P loops as one compact batch). Needs kv.layout=shared (a skipped loop leaves the
     # position's last computed loop in the plane). None: P = S (uniform depth; bitwise the base).
-    prefill_loops: int | None = field(default=None, metadata=_meta("R3", ge=1))
+    prefill_loops: int | None = field(default=None, metadata=_meta("R3", ge=1, le=LOOPS_MAX))
     # `queue_age`: before each step P = round(P_max - z (P_max - P_min)), z = clip((q - q_low) /
     # (q_high - q_low), 0, 1), q = age of the oldest admitted request still waiting for its first token.
     controller: Literal["fixed", "queue_age"] = field(
         default="fixed", metadata=_meta({"fixed": "R0", "queue_age": "R3"})
     )
-    p_max: int | None = field(default=None, metadata=_meta("R3", ge=1))  # None: prefill_loops, else S
-    p_min: int = field(default=1, metadata=_meta("R3", ge=1))
-    q_low: float = field(default=0.25, metadata=_meta("R3", ge=0))
-    q_high: float = field(default=1.0, metadata=_meta("R3", gt=0))
+    # None: prefill_loops, else S
+    p_max: int | None = field(default=None, metadata=_meta("R3", ge=1, le=LOOPS_MAX))
+    p_min: int = field(default=1, metadata=_meta("R3", ge=1, le=LOOPS_MAX))
+    q_low: float = field(default=0.25, metadata=_meta("R3", ge=0, **_FINITE))
+    q_high: float = field(default=1.0, metadata=_meta("R3", gt=0, **_FINITE))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

@@ -38,7 +38,7 @@ from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
 from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
-from looptrace.engine.request import Request, SamplingParams, Stage
+from looptrace.engine.request import Request, SamplingParams, SamplingParamsError, Stage, reduce_seed
 from looptrace.engine.runner import ModelRunner, PendingRead
 from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
 from looptrace.engine.weights import create_model, init_random
@@ -71,6 +71,18 @@ def kernel_shapes(spec: ModelSpec) -> dict:
 
 class EngineInputError(ValueError):
     """A request or configuration the engine cannot serve (bad prompt, too long, bad setting)."""
+
+
+class StepError(RuntimeError):
+    """A step's forward or its bookkeeping raised. A batched forward cannot be blamed on one row, so the
+    requests of that step are finished with reason "error", their KV freed, before this is raised; the
+    tokens of async reads submitted by earlier steps are still read (`outputs`; where that read fails
+    too, its rows are failed as well). Other requests are untouched and the engine can go on stepping."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: list | None = None) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.outputs: list[TokenOutput] = outputs or []
 
 
 class Event(enum.Enum):
@@ -119,6 +131,8 @@ class TokenOutput:
     finished: bool
     finish_reason: str | None
     exit_depth: int
+    logprob: float | None = None  # params.logprobs: the token's log-softmax of the raw logits
+    top_logprobs: list[tuple[int, float]] | None = None  # params.logprobs = k: the k most likely, descending
 
 
 @dataclass
@@ -254,6 +268,7 @@ class LLMEngine:
         self._early_exits: list[Request] = []
         self._rollbacks: list[Request] = []
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
+        self._failures: list[tuple[str, str]] = []  # (request id, why) failed alone: see take_failures
         from looptrace.engine.perturb import install_perturbation  # debug.perturb (test aid)
 
         self.perturbation = install_perturbation(self, cfg.debug.perturb)
@@ -334,8 +349,10 @@ class LLMEngine:
         )
         if getattr(self.noise, "keyed_by_seed", False) and self.spec.family != "ouro":
             # The initial state depends on the seed: cached KV must come from the same seed.
-            req.noise_seed = params.seed if params.seed is not None else self.seed
-            req.prefix_salt = req.noise_seed.to_bytes(8, "little", signed=True)
+            # Reduced mod 2**64 (the noise hash masks to 64 bits anyway); the salt's bytes are those of the
+            # signed encoding for every seed it could take before (seeds >= 2**63 used to overflow it).
+            req.noise_seed = reduce_seed(params.seed if params.seed is not None else self.seed)
+            req.prefix_salt = req.noise_seed.to_bytes(8, "little")
         self._next_seq += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -348,11 +365,10 @@ class LLMEngine:
             raise EngineInputError("prompt is empty: at least one token is needed")
         if params.max_tokens < 1:
             raise EngineInputError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise EngineInputError(
-                f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got temperature "
-                f"{params.temperature}, top_p {params.top_p}, top_k {params.top_k})"
-            )
+        try:  # every field in a range that samples without raising (an error here fails this request only)
+            params.check(self.spec.vocab_size)
+        except SamplingParamsError as exc:
+            raise EngineInputError(f"sampling: {exc}") from None
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise EngineInputError(f"token id {bad[0]} outside the vocabulary [0, {self.spec.vocab_size})")
@@ -373,6 +389,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._pending_tokens is not None
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests the engine finished with reason "error" since the last call
+        (an exception while admitting one, or a failed step); a server tells their clients."""
+        out, self._failures = self._failures, []
+        return out
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if not req.is_finished:
+            self._finish(req, "error")
+        self._failures.append((req.request_id, f"{type(exc).__name__}: {exc}"))
 
     def num_running(self) -> int:
         """Admitted and not finished (at most scheduler.max_num_seqs)."""
@@ -406,18 +433,46 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.step_begin(self._step_info(batch))
         t0 = time.perf_counter()
-        with torch.inference_mode(), attention_backend(self.device):
-            earlier = self._pending  # a gate readback submitted by an earlier step
-            earlier_tokens = self._pending_tokens  # an async whole-token step's tokens
-            outputs = self._run(batch)
-            if earlier is not None:  # read it now: this step is already submitted behind it
-                self._resolve_gates(earlier)
-            if earlier_tokens is not None and not earlier_tokens.resolved:
-                outputs = self._resolve_tokens(earlier_tokens) + outputs
+        earlier = self._pending  # a gate readback submitted by an earlier step
+        earlier_tokens = self._pending_tokens  # an async whole-token step's tokens
+        try:
+            with torch.inference_mode(), attention_backend(self.device):
+                outputs = self._run(batch)
+                if earlier is not None:  # read it now: this step is already submitted behind it
+                    self._resolve_gates(earlier)
+                if earlier_tokens is not None and not earlier_tokens.resolved:
+                    outputs = self._resolve_tokens(earlier_tokens) + outputs
+        except Exception as exc:
+            self._fail_step(batch, earlier, earlier_tokens, exc, t0)
         self.stats.submissions = self.runner.submissions
         if self.hooks.active:
             self.hooks.step_end(self._step_result(batch, outputs, time.perf_counter() - t0))
         return outputs
+
+    def _fail_step(
+        self, batch: Batch, earlier: PendingLoops | None, earlier_tokens: PendingTokens | None, exc, t0
+    ) -> None:
+        """Finish the failed step's requests (free their KV), read what earlier steps left in flight (their
+        rows failed too where that read raises), drop any read of this step; then raise StepError."""
+        reqs = {r.request_id: r for r in batch.requests}
+        outputs: list[TokenOutput] = []
+        try:
+            with torch.inference_mode(), attention_backend(self.device):
+                if earlier is not None and not earlier.resolved:
+                    self._resolve_gates(earlier)
+                if earlier_tokens is not None and not earlier_tokens.resolved:
+                    outputs = self._resolve_tokens(earlier_tokens)
+        except Exception:  # noqa: BLE001 - their results are unknown: those rows fail as well
+            for p in (earlier, earlier_tokens):
+                reqs.update((r.request_id, r) for r, _ in (p.rows if p is not None else ()))
+        self._pending = self._pending_tokens = None
+        for req in reqs.values():
+            self._fail(req, exc)
+        if self.hooks.active:  # close the step for observers (a profiler range stays balanced)
+            with contextlib.suppress(Exception):
+                self.hooks.step_end(self._step_result(batch, [], time.perf_counter() - t0))
+        kept = [o for o in outputs if o.request_id not in reqs]
+        raise StepError(list(reqs), exc, kept) from exc
 
     def _init_depth(self) -> None:
         d = self.cfg.depth
@@ -455,7 +510,10 @@ class LLMEngine:
         choice = self.scheduler.choose()
         if choice == ADMIT:
             for admission in self.scheduler.admit():
-                self._advance(admission.request, Event.ADMITTED, admission=admission)
+                try:
+                    self._advance(admission.request, Event.ADMITTED, admission=admission)
+                except Exception as exc:  # noqa: BLE001 - e.g. a seed its generator rejects: that one alone
+                    self._fail(admission.request, exc)
             choice = self.scheduler.choose_after_admission()
         return self.scheduler.take(choice) if choice is not None else None
 
@@ -510,7 +568,11 @@ class LLMEngine:
     def _defers(self, batch: Batch) -> bool:
         """Whether a whole-token batch can run without its tokens read first: one graph pass (the phases
         of a larger batch, or under a hidden-state observer, need every input token on the host)."""
-        return len(batch.requests) <= self.cfg.scheduler.whole_token_max_rows and not self.hooks.wants_hidden
+        return (
+            len(batch.requests) <= self.cfg.scheduler.whole_token_max_rows
+            and not self.hooks.wants_hidden
+            and not any(r.params.processes_logits for r in batch.requests)  # penalties read past tokens
+        )
 
     def _resolve_tokens(self, pending: PendingTokens) -> list[TokenOutput]:
         """Async decode: the tokens of an earlier whole-token step reach the host. A row that stopped
@@ -572,7 +634,7 @@ class LLMEngine:
             req.state_slot = self.runner.take_slot()
             if self.noise.uses_generator or not req.params.greedy:
                 seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.seq
-                req.generator = torch.Generator(device=self.device).manual_seed(seed)
+                req.generator = torch.Generator(device=self.device).manual_seed(reduce_seed(seed))
             req.stage = Stage.PREFILL  # the scheduler already queued it for this step's prefill
             self._emit(req, "admitted")
         elif event == Event.CHUNK_DONE:
@@ -642,10 +704,16 @@ class LLMEngine:
         token, depth = req.outputs[index], req.exit_depths[index]
         self.stats.output_tokens += 1
         reason = None
-        if not req.params.ignore_eos and token in self.spec.eos_token_ids:
+        stops = req.params.stop_token_ids or ()  # stop whatever ignore_eos says (vLLM)
+        if (not req.params.ignore_eos and token in self.spec.eos_token_ids) or token in stops:
             reason = "stop"
         elif index + 1 >= req.params.max_tokens:
             reason = "length"
+        logprob = top = None
+        if req.params.logprobs is not None and req.logprob_records:  # one record per token, in order
+            rec = req.logprob_records.pop(0)
+            logprob = float(rec.chosen)
+            top = list(zip(rec.top_ids.tolist(), rec.top_values.tolist()))
         if self.hooks.active:
             kind = "first_token" if index == 0 else "token"
             now = time.perf_counter()
@@ -655,7 +723,7 @@ class LLMEngine:
             self._finish(req, reason)
         elif requeue:
             self._move(req, self.decode_entry)
-        return TokenOutput(req.request_id, token, reason is not None, reason, depth)
+        return TokenOutput(req.request_id, token, reason is not None, reason, depth, logprob, top)
 
     def _move(self, req: Request, stage: Stage) -> None:
         req.stage = stage

@@ -203,9 +203,31 @@ class Perturbation:
     """The installed `debug.perturb`: an OpTracker whose callback bumps the named op's output."""
 
     def __init__(self, engine, place: Place) -> None:
-        self.place, self.hits = place, 0
+        self.place, self.hits = place, 0  # hits: outputs bumped (0 after a run: the place never fired)
         self._check_op(engine)
+        self._check_reachable(engine)
         self.tracker = OpTracker(self._maybe_bump).attach(engine)
+
+    def _check_reachable(self, engine) -> None:
+        """A loop or layer this engine never runs would never fire: refuse it up front."""
+        p = self.place
+        loops = getattr(engine, "max_loops", None)
+        if isinstance(p.loop, int) and loops is not None and p.loop >= loops:
+            raise PerturbSpecError(
+                f"debug.perturb '{p}': loop {p.loop} never runs (this engine runs loops 0..{loops - 1})"
+            )
+        if p.layer in (ANY, NONE):
+            return
+        layers = {f"{m.layer_role}{m.layer_index}" for info, m in op_modules(engine) if info.kind == "layer"}
+        if p.layer not in layers:
+            role = p.layer.rstrip("0123456789")
+            have = sorted(
+                (x for x in layers if x.rstrip("0123456789") == role), key=lambda x: int(x[len(role) :])
+            )
+            where = f"{have[0]}..{have[-1]}" if have else f"no {role} layers"
+            raise PerturbSpecError(
+                f"debug.perturb '{p}': layer {p.layer} does not exist in this model ({where})"
+            )
 
     def _check_op(self, engine) -> None:
         """The op must name something, and only one op per layer (or one op outside layers)."""

@@ -42,7 +42,7 @@ from looptrace.engine.layers import (
 )
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.request import Request
-from looptrace.engine.sampling import sample
+from looptrace.engine.sampling import record_logprobs, sample
 from looptrace.engine.scheduler import PrefillSpan
 
 
@@ -749,10 +749,11 @@ class ModelRunner:
             self._mark(rows, plane, role)
         if self.hooks.active and self.hooks.wants_logits:
             self.hooks.logits([r.request_id for r in requests], logits)
-        if not all(r.params.greedy for r in requests):  # the graph's argmax serves greedy rows only
+        if any(r.params.needs_sampler for r in requests):  # the graph's argmax serves plain greedy rows
             tokens = self.ops.sampler(logits, requests)
             if self.async_decode:
                 self.token_buf.index_copy_(0, raw[0][:, META_SLOT], tokens)
+        record_logprobs(logits, tokens, requests)
         return PendingRead.start(tokens) if defer else self._to_host(tokens)
 
     def _token_planes(self) -> list[int]:
@@ -833,6 +834,7 @@ class ModelRunner:
         if self.hooks.active and self.hooks.wants_logits:
             self.hooks.logits([r.request_id for r in requests], logits)
         tokens = self.ops.sampler(logits, requests)
+        record_logprobs(logits, tokens, requests)
         return self._to_host(tokens)
 
     def _to_host(self, tokens: torch.Tensor) -> list[int]:

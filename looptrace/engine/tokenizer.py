@@ -17,6 +17,10 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files cannot be read (one line naming the file)."""
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     bos_token_id: int | None
@@ -78,7 +82,8 @@ class HFTokenizer:
         try:
             self._tok = _Tokenizer.from_file(str(self.path))
         except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-            raise ValueError(f"{self.path}: not a readable tokenizer.json ({exc})") from None
+            detail = " ".join(str(exc).split())  # tokenizers' messages span lines
+            raise TokenizerError(f"{self.path}: not a readable tokenizer.json ({detail})") from None
         self.bos_token_id = self._tok.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = self._tok.token_to_id(eos_token) if eos_token else None
 
@@ -117,7 +122,7 @@ def load_tokenizer(directory: str | os.PathLike | None) -> Tokenizer:
         try:
             loaded = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{config_path}: unreadable JSON ({exc})") from None
+            raise TokenizerError(f"{config_path}: unreadable JSON ({exc})") from None
         config = loaded if isinstance(loaded, dict) else {}
     bos, eos = _special_token(config, "bos_token"), _special_token(config, "eos_token")
     return HFTokenizer(root / TOKENIZER_FILE, bos, eos)

@@ -12,22 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from looptrace.engine.request import SamplingParams
+from looptrace.engine.request import SamplingParams, SamplingParamsError, derive_seed
 from looptrace.serve import openai_schema as oa
 from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, Rejected, TokenEvent
 from looptrace.serve.metrics import ServerMetrics
+from looptrace.serve.plumbing import DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyLimit, json_body
 
+log = logging.getLogger("looptrace.serve")
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to check whether the client is still there
 
 
@@ -86,11 +91,40 @@ class TextStream:
         return out
 
 
-class _Job:
-    """One request in flight: its queue of engine events and its bookkeeping."""
+def stream_error(exc: Exception, job: _Job) -> str:
+    """The OpenAI error body for an exception after a stream started (a bug: logged, that stream alone)."""
+    if not isinstance(exc, APIError):
+        log.error("stream of %s failed", job.request_id or "a request", exc_info=exc)
+        exc = APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
+    body = oa.ErrorBody(message=exc.message, type=exc.type, code=exc.code)
+    return oa.ErrorResponse(error=body).model_dump_json()
 
-    def __init__(self, loop: EngineLoop, tokenizer: Any, body: oa._Request, prompt: list[int]) -> None:
-        self.loop, self.body, self.prompt = loop, body, prompt
+
+@dataclass
+class _Delta:
+    """What one engine event adds to a choice: text (may be "" while held back), its token and, when asked,
+    (token, logprob, top [(token, logprob)]) and the token's offset in the choice's text."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    offsets: list[int]
+    finish_reason: str | None = None  # set on the choice's last delta
+
+
+class _Job:
+    """One sequence in flight (one choice): its queue of engine events and its bookkeeping."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer: Any,
+        body: oa._Request,
+        prompt: list[int],
+        params: SamplingParams,
+        index: int = 0,
+    ) -> None:
+        self.loop, self.body, self.prompt, self.sampling, self.index = loop, body, prompt, params, index
         self.queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         self.text = TextStream(tokenizer, body.stop_list())
@@ -98,54 +132,54 @@ class _Job:
         self.done = False
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.offsets: list[int] = []
 
         def sink(event) -> None:
             aloop.call_soon_threadsafe(self.queue.put_nowait, event)
 
         self.sink = sink
 
-    def params(self) -> SamplingParams:
-        b = self.body
-        return SamplingParams(
-            max_tokens=b.output_budget(),
-            temperature=b.temperature,
-            top_k=b.top_k,
-            top_p=b.top_p,
-            seed=b.seed,
-            ignore_eos=b.ignore_eos,
-        )
-
     async def start(self, prefix: str) -> None:
         rid = self.loop.new_request_id(prefix)
-        self.loop.submit(self.prompt, self.params(), self.sink, request_id=rid)
+        self.loop.submit(self.prompt, self.sampling, self.sink, request_id=rid)
         try:
             event = await self.queue.get()
         except asyncio.CancelledError:
             self.loop.abort(rid)
             raise
-        if isinstance(event, Rejected):
-            raise APIError(400, event.message, param="prompt")
-        if isinstance(event, Failed):
-            raise APIError(500, event.message, "server_error")
+        if isinstance(event, Rejected):  # the engine's own check: "sampling: <field>: ..." names the field
+            field = event.message.split(": ")[1] if event.message.startswith("sampling: ") else "prompt"
+            raise APIError(400, event.message, param=field)
+        if isinstance(event, Failed):  # 500 engine error, 503 dead/shutting down, 408 timeout
+            raise APIError(event.status, event.message, event.type, code=event.code)
         assert isinstance(event, Accepted)
         self.request_id = event.request_id
 
-    async def next_delta(self) -> tuple[str, list[int]]:
-        """Text and token ids of the next engine event; sets `done`/`finish_reason` at the end."""
+    async def next_delta(self) -> _Delta:
+        """The next engine event as a delta; sets `done`/`finish_reason` at the end."""
         event = await self.queue.get()
         if isinstance(event, Failed):
             self.done, self.finish_reason = True, "error"
-            raise APIError(500, event.message, "server_error")
+            raise APIError(event.status, event.message, event.type, code=event.code)
         assert isinstance(event, TokenEvent)
+        offset = len(self.text.text)
         self.token_ids.append(event.token_id)
-        text = self.text.add(event.token_id)
+        lps = []
+        if event.logprob is not None:
+            lps = [(event.token_id, event.logprob, event.top_logprobs or [])]
+            self.logprobs += lps
+            self.offsets.append(offset)
+        text = await asyncio.to_thread(self.text.add, event.token_id)  # detokenizing: off the event loop
         if self.text.stopped:
             self.done, self.finish_reason = True, "stop"
             self.loop.abort(self.request_id, "stop")  # the engine may still be generating: free it now
         elif event.finished:
             self.done, self.finish_reason = True, event.finish_reason or "length"
             text += self.text.flush()
-        return text, [event.token_id]
+        return _Delta(
+            text, [event.token_id], lps, [offset] if lps else [], self.finish_reason if self.done else None
+        )
 
     def cancel(self) -> None:
         if self.request_id and not self.done:
@@ -153,10 +187,86 @@ class _Job:
             self.loop.abort(self.request_id, "abort")
 
     def usage(self) -> oa.Usage:
-        n = len(self.token_ids)
-        return oa.Usage(
-            prompt_tokens=len(self.prompt), completion_tokens=n, total_tokens=len(self.prompt) + n
-        )
+        return usage([self])
+
+
+def sampling_params(
+    body: oa._Request, max_tokens: int, index: int, stop_ids: list[int] | None
+) -> SamplingParams:
+    """The engine's parameters for choice `index` (seeded: seed + index, see derive_seed)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),  # -1 = off (vLLM) is 0 here
+        top_p=body.top_p,
+        seed=None if body.seed is None else derive_seed(body.seed, index),
+        ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.token_bias(),
+        stop_token_ids=stop_ids,
+        logprobs=body.logprobs_k(),
+    )
+
+
+def usage(jobs: list[_Job]) -> oa.Usage:
+    """Prompt tokens once per prompt (choices of one prompt share it), completion tokens of every choice."""
+    prompt = sum(len(j.prompt) for j in jobs if j.index % max(j.body.n, 1) == 0)
+    completion = sum(len(j.token_ids) for j in jobs)
+    return oa.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Group:
+    """The choices of one HTTP request: cancelled together (a disconnect, the end of a stream)."""
+
+    def __init__(self, jobs: list[_Job]) -> None:
+        self.jobs = jobs
+        self.request_id = jobs[0].request_id if jobs else ""
+
+    def cancel(self) -> None:
+        for j in self.jobs:
+            j.cancel()
+
+
+async def start_all(jobs: list[_Job], prefix: str) -> None:
+    """Submit every choice; if one is refused, abort the others and raise its error."""
+    results = await asyncio.gather(*(j.start(prefix) for j in jobs), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for j in jobs:
+            j.cancel()
+        raise errors[0]
+
+
+async def interleave(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, _Delta]]:
+    """Deltas of every job as they arrive (n > 1 and batched prompts stream their choices interleaved)."""
+    if len(jobs) == 1:  # the common case: no task per job
+        job = jobs[0]
+        while not job.done:
+            yield job, await job.next_delta()
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: _Job) -> None:
+        try:
+            while not job.done:
+                merged.put_nowait((job, await job.next_delta()))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer (an error event, a 500)
+            merged.put_nowait((job, exc))
+
+    tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
+    try:
+        left = len(jobs)
+        while left:
+            job, item = await merged.get()
+            if isinstance(item, Exception):
+                raise item
+            yield job, item
+            left -= item.finish_reason is not None
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def create_app(
@@ -167,8 +277,13 @@ def create_app(
     model_name: str,
     aliases: tuple[str, ...] = (),
     stats_interval: float = 0.5,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     app = FastAPI(title="looptrace serve", version="1", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:  # added last = outermost: a request without the key is refused before its body is read
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     engine = loop.engine
     vocab = int(engine.spec.vocab_size)
     max_len = int(engine.max_model_len)
@@ -210,21 +325,71 @@ def create_app(
                 code="model_not_found",
             )  # fmt: skip
 
-    def check_prompt(ids: list[int], body: oa._Request) -> None:
+    def check_prompt(ids: list[int], budget: int) -> None:
         if not ids:
             raise APIError(400, "prompt is empty: at least one token is needed", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} outside the vocabulary [0, {vocab})", param="prompt")
-        need = len(ids) + body.output_budget() - 1
+        # The length first: the vocabulary scan below then never walks millions of ids on the event loop.
+        need = len(ids) + budget - 1
         if need > max_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you requested {need} "
-                f"tokens ({len(ids)} in the prompt, {body.output_budget()} for the completion).",
+                f"tokens ({len(ids)} in the prompt, {budget} for the completion).",
                 param="max_tokens" if len(ids) <= max_len else "prompt",
                 code="context_length_exceeded",
             )
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} outside the vocabulary [0, {vocab})", param="prompt")
+
+    def check_supported(body: oa._Request) -> None:
+        bad = body.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+    def make_jobs(body: oa._Request, prompts: list[list[int]], budgets: list[int]) -> list[_Job]:
+        """n choices per prompt, index = prompt * n + choice; parameters checked as the engine will."""
+        try:
+            bias = body.token_bias()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
+        jobs = []
+        for i, (ids, budget) in enumerate(zip(prompts, budgets)):
+            for j in range(body.n):
+                sp = sampling_params(body, budget, j, body.stop_token_ids)
+                sp.logit_bias = bias
+                try:
+                    sp.check(vocab)
+                except SamplingParamsError as exc:
+                    raise APIError(400, str(exc), param=exc.param) from None
+                jobs.append(_Job(loop, tokenizer, body, ids, sp, index=i * body.n + j))
+        return jobs
+
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    def completion_logprobs(d: _Delta | _Job, base: int = 0) -> oa.CompletionLogprobs:
+        out = oa.CompletionLogprobs()
+        for (t, lp, top), off in zip(d.logprobs, d.offsets):
+            out.tokens.append(token_text(t))
+            out.token_logprobs.append(lp)
+            alts: dict[str, float] = {}
+            for i, v in [*top, (t, lp)]:  # the sampled token is always listed (OpenAI, vLLM)
+                alts.setdefault(token_text(i), v)  # ids sharing a text: the likelier one's value
+            out.top_logprobs.append(alts)
+            out.text_offset.append(base + off)
+        return out
+
+    def chat_logprobs(d: _Delta | _Job) -> oa.ChatLogprobs:
+        def entry(t: int, lp: float) -> dict:
+            text = token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = [
+            oa.ChatTokenLogprob(**entry(t, lp), top_logprobs=[oa.TopLogprob(**entry(i, v)) for i, v in top])
+            for t, lp, top in d.logprobs
+        ]
+        return oa.ChatLogprobs(content=content)
 
     async def run_blocking(request: Request, job: _Job, collect) -> Any:
         """Await `collect()`; abort the job when the client goes away first."""
@@ -246,13 +411,12 @@ def create_app(
     def sse(gen: AsyncIterator[str], job: _Job) -> EventSourceResponse:
         async def events():
             try:
-                async for data in gen:
-                    yield {"data": data}
-            except APIError as exc:  # the response has started: report in-stream, as OpenAI does
-                body = oa.ErrorResponse(error=oa.ErrorBody(message=exc.message, type=exc.type, code=exc.code))
-                yield {"data": body.model_dump_json()}
-            else:
-                yield {"data": "[DONE]"}
+                try:
+                    async for data in gen:
+                        yield {"data": data}
+                except Exception as exc:  # noqa: BLE001 - the response has started: report in-stream
+                    yield {"data": stream_error(exc, job)}
+                yield {"data": "[DONE]"}  # after an error event too: every stream ends the same way
             finally:
                 job.cancel()  # a disconnect cancels this generator: abort the request, free its KV
 
@@ -261,14 +425,51 @@ def create_app(
     # Routes -------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        if not loop.alive:
-            return error_response(503, "engine thread is not running", "server_error")
+        if loop.dead or not loop.alive:
+            return error_response(503, f"the engine is not running ({loop.status()})", "server_error")
+        if loop.draining:
+            return error_response(503, "the server is shutting down", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
         cards = [oa.ModelCard(id=n, max_model_len=max_len) for n in [model_name, *aliases]]
         return oa.ModelList(data=cards).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str):
+        check_model(model_id)
+        return oa.ModelCard(id=model_id, max_model_len=max_len).model_dump()
+
+    @app.get("/version")
+    async def version():
+        from looptrace import __version__
+
+        return oa.VersionResponse(version=__version__).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(body: oa.TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+        if body.messages is not None:  # as the chat endpoint encodes them
+            special = bool(body.add_special_tokens) if body.add_special_tokens is not None else False
+            ids = await run_in_threadpool(tokenizer.encode, chat_prompt(body.messages), special)
+        else:  # as the completions endpoint encodes a prompt
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await run_in_threadpool(tokenizer.encode, body.prompt, special)
+        return oa.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(body: oa.DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} outside the vocabulary [0, {vocab})", param="tokens")
+        text = await run_in_threadpool(tokenizer.decode, body.tokens)
+        return oa.DetokenizeResponse(prompt=text).model_dump()
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -283,121 +484,142 @@ def create_app(
         interval = min(10.0, max(0.05, interval))
 
         async def gen():
-            while True:
+            while not loop.draining:  # a shutdown ends the stream (it would hold the drain open)
                 yield {"event": "stats", "data": json.dumps(loop.snapshot())}
                 await asyncio.sleep(interval)  # the stream's cadence, not synchronisation
 
         return EventSourceResponse(gen(), ping=15, sep="\n")
 
     @app.post("/v1/completions")
-    async def completions(body: oa.CompletionRequest, request: Request):
+    async def completions(
+        body: Annotated[oa.CompletionRequest, Depends(json_body(oa.CompletionRequest))], request: Request
+    ):
         check_model(body.model)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise APIError(400, "one prompt per request (got a list of several)", param="prompt")
-            p = p[0]
+        check_supported(body)
         # Special tokens on, as vLLM encodes a completion prompt: the tokenizer adds BOS where its model
         # expects one (the trained tiny checkpoints do; a chat template writes its own).
-        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        check_prompt(ids, body)
-        job = _Job(loop, tokenizer, body, ids)
-        await job.start("cmpl")
-        created, rid = int(time.time()), job.request_id
-        echo = tokenizer.decode(ids) if body.echo else ""
-        want_ids = body.return_token_ids
+        prompts = [
+            await run_in_threadpool(tokenizer.encode, p, True) if isinstance(p, str) else list(p)
+            for p in body.prompts()
+        ]
+        budget = body.output_budget()
+        for ids in prompts:
+            check_prompt(ids, budget)
+        jobs = make_jobs(body, prompts, [budget] * len(prompts))
+        await start_all(jobs, "cmpl")
+        group = _Group(jobs)
+        created, rid = int(time.time()), jobs[0].request_id
+        echo = [tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+        want_ids, want_lp = body.return_token_ids, body.logprobs is not None
+
+        def choice(job: _Job, text: str, d: _Delta | _Job, reason: str | None) -> oa.CompletionChoice:
+            return oa.CompletionChoice(
+                index=job.index,
+                text=text,
+                finish_reason=reason,
+                logprobs=completion_logprobs(d) if want_lp else None,
+                token_ids=d.token_ids if want_ids else None,
+            )
 
         if body.stream:
             usage_wanted = bool((body.stream_options or {}).get("include_usage"))
 
             async def chunks():
-                first = True
-                while not job.done:
-                    text, toks = await job.next_delta()
-                    if first and echo:
-                        text, first = echo + text, False
-                    choice = oa.CompletionChoice(
-                        text=text,
-                        finish_reason=job.finish_reason if job.done else None,
-                        token_ids=toks if want_ids else None,
-                    )
+                started: set[int] = set()
+                async for job, d in interleave(jobs):
+                    text = d.text
+                    if job.index not in started:
+                        started.add(job.index)
+                        text = echo[job.index // body.n] + text
                     yield oa.CompletionResponse(
-                        id=rid, created=created, model=body.model, choices=[choice]
+                        id=rid,
+                        created=created,
+                        model=body.model,
+                        choices=[choice(job, text, d, d.finish_reason)],
                     ).model_dump_json()
                 if usage_wanted:
                     yield oa.CompletionResponse(
-                        id=rid, created=created, model=body.model, choices=[], usage=job.usage()
+                        id=rid, created=created, model=body.model, choices=[], usage=usage(jobs)
                     ).model_dump_json()
 
-            return sse(chunks(), job)
+            return sse(chunks(), group)
 
         async def collect():
-            text = ""
-            while not job.done:
-                delta, _ = await job.next_delta()
-                text += delta
-            choice = oa.CompletionChoice(
-                text=echo + text,
-                finish_reason=job.finish_reason,
-                token_ids=job.token_ids if want_ids else None,
-            )
+            texts = {j.index: "" for j in jobs}
+            async for job, d in interleave(jobs):
+                texts[job.index] += d.text
+            choices = [choice(j, echo[j.index // body.n] + texts[j.index], j, j.finish_reason) for j in jobs]
             resp = oa.CompletionResponse(
-                id=rid, created=created, model=body.model, choices=[choice], usage=job.usage()
+                id=rid, created=created, model=body.model, choices=choices, usage=usage(jobs)
             )
             return JSONResponse(resp.model_dump())
 
-        return await run_blocking(request, job, collect)
+        return await run_blocking(request, group, collect)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
+    async def chat_completions(
+        body: Annotated[oa.ChatCompletionRequest, Depends(json_body(oa.ChatCompletionRequest))],
+        request: Request,
+    ):
         check_model(body.model)
-        ids = tokenizer.encode(chat_prompt(body.messages))
-        check_prompt(ids, body)
-        job = _Job(loop, tokenizer, body, ids)
-        await job.start("chatcmpl")
-        created, rid = int(time.time()), job.request_id
-        want_ids = body.return_token_ids
+        check_supported(body)
+        ids = await run_in_threadpool(lambda: tokenizer.encode(chat_prompt(body.messages)))  # template too
+        budget = body.output_budget(default=max(1, max_len - len(ids)))  # vLLM: the rest of the context
+        check_prompt(ids, budget)
+        jobs = make_jobs(body, [ids], [budget])
+        await start_all(jobs, "chatcmpl")
+        group = _Group(jobs)
+        created, rid = int(time.time()), jobs[0].request_id
+        want_ids, want_lp = body.return_token_ids, body.logprobs
 
         if body.stream:
             usage_wanted = bool((body.stream_options or {}).get("include_usage"))
 
             async def chunks():
-                head = oa.ChatChunkChoice(delta=oa.ChatDelta(role="assistant", content=""))
-                yield oa.ChatCompletionChunk(
-                    id=rid, created=created, model=body.model, choices=[head]
-                ).model_dump_json()
-                while not job.done:
-                    text, toks = await job.next_delta()
-                    choice = oa.ChatChunkChoice(
-                        delta=oa.ChatDelta(content=text),
-                        finish_reason=job.finish_reason if job.done else None,
-                        token_ids=toks if want_ids else None,
+                for job in jobs:
+                    head = oa.ChatChunkChoice(
+                        index=job.index, delta=oa.ChatDelta(role="assistant", content="")
                     )
                     yield oa.ChatCompletionChunk(
-                        id=rid, created=created, model=body.model, choices=[choice]
+                        id=rid, created=created, model=body.model, choices=[head]
+                    ).model_dump_json()
+                async for job, d in interleave(jobs):
+                    c = oa.ChatChunkChoice(
+                        index=job.index,
+                        delta=oa.ChatDelta(content=d.text),
+                        finish_reason=d.finish_reason,
+                        logprobs=chat_logprobs(d) if want_lp else None,
+                        token_ids=d.token_ids if want_ids else None,
+                    )
+                    yield oa.ChatCompletionChunk(
+                        id=rid, created=created, model=body.model, choices=[c]
                     ).model_dump_json()
                 if usage_wanted:
                     yield oa.ChatCompletionChunk(
-                        id=rid, created=created, model=body.model, choices=[], usage=job.usage()
+                        id=rid, created=created, model=body.model, choices=[], usage=usage(jobs)
                     ).model_dump_json()
 
-            return sse(chunks(), job)
+            return sse(chunks(), group)
 
         async def collect():
-            text = ""
-            while not job.done:
-                delta, _ = await job.next_delta()
-                text += delta
-            choice = oa.ChatChoice(
-                message=oa.ChatMessageOut(content=text),
-                finish_reason=job.finish_reason,
-                token_ids=job.token_ids if want_ids else None,
-            )
+            texts = {j.index: "" for j in jobs}
+            async for job, d in interleave(jobs):
+                texts[job.index] += d.text
+            choices = [
+                oa.ChatChoice(
+                    index=j.index,
+                    message=oa.ChatMessageOut(content=texts[j.index]),
+                    finish_reason=j.finish_reason,
+                    logprobs=chat_logprobs(j) if want_lp else None,
+                    token_ids=j.token_ids if want_ids else None,
+                )
+                for j in jobs
+            ]
             resp = oa.ChatCompletionResponse(
-                id=rid, created=created, model=body.model, choices=[choice], usage=job.usage()
+                id=rid, created=created, model=body.model, choices=choices, usage=usage(jobs)
             )
             return JSONResponse(resp.model_dump())
 
-        return await run_blocking(request, job, collect)
+        return await run_blocking(request, group, collect)
 
     return app

@@ -6,6 +6,17 @@ request (accepted, rejected, token, error) to that request's `sink`, a callable 
 server's sink moves the event onto the handler's asyncio queue with `call_soon_threadsafe`). An abort is
 applied before the next step, so a disconnected client's KV blocks are freed within one engine step.
 
+Failure isolation. An exception while adding or admitting one request fails that request alone (the
+engine finishes it with reason "error" and frees its KV). A batched forward cannot be blamed on one row:
+a failed step fails the requests of that step (`StepError`), the others go on. An exception the engine
+does not attribute (its state is then unknown) fails every request in flight. After
+MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, or any exception escaping the loop itself, the
+engine is dead: every pending and later request gets a 503 at once, `alive` turns False (/health 503)
+and `on_dead` is called (the server then exits non-zero so a supervisor restarts it).
+
+Shutdown. `begin_drain(timeout)` refuses new requests (503) and lets those in flight finish; at the
+deadline the rest get a 503 error event (a stream then ends with it and `[DONE]`).
+
 The thread also publishes a stats snapshot (a plain dict, replaced whole, so readers never see a
 half-built one) every `snapshot_interval` seconds and whenever the engine goes idle: /metrics, /v1/stats,
 the stats stream and the in-process dashboard read it without touching the engine.
@@ -33,6 +44,12 @@ log = logging.getLogger("looptrace.serve")
 SCHEMA = "looptrace.stats/1"
 LATENCY_WINDOW_S = 60.0  # latency percentiles in a snapshot cover requests of the last minute
 MAX_LISTED_REQUESTS = 64
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # failed steps in a row, no success between: the engine is broken
+# The snapshot's probe section when no live probe runs (the dashboard shows the note).
+PROBE_OFF = {
+    "off": True,
+    "note": "live probe off (serve --probe-interval S turns it on; each window pauses serving: README)",
+}
 
 
 # Events sent to a request's sink ---------------------------------------------------------------------------
@@ -51,11 +68,22 @@ class TokenEvent:
     token_id: int
     finished: bool
     finish_reason: str | None
+    logprob: float | None = None  # SamplingParams.logprobs: see TokenOutput
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
 class Failed:
+    """The request ended without its tokens; `status`/`type`/`code` are the HTTP error to answer with."""
+
     message: str
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+
+def unavailable(message: str) -> Failed:
+    return Failed(message, 503, "server_error", "unavailable")
 
 
 Event = Accepted | Rejected | TokenEvent | Failed
@@ -86,6 +114,7 @@ class _Track:
     arrival: float
     prompt_len: int
     max_tokens: int
+    deadline: float | None = None  # perf_counter time after which the request is aborted (timeout)
     first: float | None = None
     last: float | None = None
     tokens: int = 0
@@ -110,6 +139,19 @@ class _Window:
         return {"p50": float(p50), "p99": float(p99), "n": int(v.size)}
 
 
+class EngineDead(RuntimeError):
+    """Raised on the engine thread to end it: the engine cannot be trusted to serve any more."""
+
+
+@dataclass
+class DrainReport:
+    """What a shutdown drain did (read after the loop stopped)."""
+
+    in_flight: int = 0  # requests queued or running when the drain began
+    ended_at_deadline: int = 0  # of those, ended with an error event at the drain timeout
+    request_blocks_at_exit: int | None = None  # KV blocks still held by requests after the stop
+
+
 class EngineLoop:
     """Owns an engine on a dedicated thread. Thread-safe methods: submit, abort, snapshot, hold, wait_*."""
 
@@ -122,10 +164,18 @@ class EngineLoop:
         probe: Any = None,  # looptrace.serve.live_probe.LiveProbe
         snapshot_interval: float = 0.25,
         info: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine, self.model_name, self.metrics, self.probe = engine, model_name, metrics, probe
         self.snapshot_interval = snapshot_interval
         self.info = info or {}
+        self.request_timeout = request_timeout or None  # seconds from submission; None: no limit
+        self.on_dead = on_dead
+        self._dead = False
+        self._failed_steps = 0  # consecutive
+        self._drain_deadline: float | None = None
+        self.drain = DrainReport()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0  # submitted, not yet drained by the thread
@@ -159,10 +209,33 @@ class EngineLoop:
             self._thread.join(timeout)
         if self.probe is not None:
             self.probe.close()
+        with contextlib.suppress(Exception):
+            self.drain.request_blocks_at_exit = int(self.engine.kv_blocks()["request_blocks"])
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not self._stop.is_set() and not self._dead
+
+    @property
+    def dead(self) -> bool:
+        """The engine failed for good (not a requested stop)."""
+        return self._dead
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests; those in flight may finish for `timeout` seconds, then get a 503 event.
+        Called again (a second signal), the earlier deadline of the two holds."""
+        deadline = time.perf_counter() + max(0.0, timeout)
+        with self._cond:
+            if self._drain_deadline is None:
+                self.drain.in_flight = len(self._tracks) + self._pending
+                self._drain_deadline = deadline
+            else:
+                self._drain_deadline = min(self._drain_deadline, deadline)
+        self._wake.set()
 
     def new_request_id(self, prefix: str = "cmpl") -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000:05d}"
@@ -171,13 +244,32 @@ class EngineLoop:
         self, prompt: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None
     ) -> str:
         rid = request_id or self.new_request_id()
-        with self._cond:
-            self._pending += 1
-            self._idle.clear()
-            self._cond.notify_all()
-        self._commands.put(_Submit(rid, list(prompt), params, sink, time.perf_counter()))
+        with self._cond:  # under the lock: a submission is either queued before death/drain or refused
+            refusal = self._refusal()
+            if refusal is None:
+                self._pending += 1
+                self._idle.clear()
+                self._commands.put(_Submit(rid, list(prompt), params, sink, time.perf_counter()))
+                self._cond.notify_all()
+        if refusal is not None:
+            _send(sink, refusal)
+            return rid
         self._wake.set()
         return rid
+
+    def _refusal(self) -> Failed | None:
+        if self._dead or not self._thread.is_alive() and self._thread.ident is not None:
+            return unavailable(f"the engine is not running ({self._why_dead()})")
+        if self._stop.is_set() or self._drain_deadline is not None:
+            return unavailable("the server is shutting down")
+        return None
+
+    def status(self) -> str:
+        """Why the engine is not serving (its last error), for /health and logs."""
+        return self._why_dead()
+
+    def _why_dead(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}" if self.error is not None else "stopped"
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._commands.put(_Abort(request_id, reason))
@@ -208,11 +300,44 @@ class EngineLoop:
 
     # The thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread is going: fail everything, then report
+            log.critical("the engine thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._die(exc)
+            return
+        self._abort_all(unavailable("the server is shutting down"))
+
+    def _die(self, exc: BaseException) -> None:
+        self.error = exc
+        with self._cond:
+            self._dead = True  # from here submit() refuses; what is queued already is failed below
+        event = unavailable(f"the engine is not running ({self._why_dead()})")
+        self._abort_all(event)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Submit):
+                _send(cmd.sink, event)
+        with self._cond:
+            self._pending = 0
+        self._idle.set()
+        with contextlib.suppress(Exception):
+            self._publish(time.perf_counter())
+        if self.on_dead is not None:
+            with contextlib.suppress(Exception):
+                self.on_dead(exc)
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             self._gate.wait()
             if self._stop.is_set():
                 break
             self._drain()
+            self._report_failures()
+            self._check_deadlines()
             busy = self.engine.has_unfinished_requests()
             if busy:
                 self._step()
@@ -225,7 +350,6 @@ class EngineLoop:
                         self._idle.set()
                 self._wake.wait(self.snapshot_interval)
                 self._wake.clear()
-        self._abort_all("server shutting down")
 
     def _drain(self) -> None:
         while True:
@@ -250,13 +374,21 @@ class EngineLoop:
         except (EngineInputError, ValueError) as exc:
             _send(cmd.sink, Rejected(str(exc)))
             return
-        self._tracks[rid] = _Track(cmd.sink, cmd.arrival, len(cmd.prompt), cmd.params.max_tokens)
+        except Exception as exc:  # noqa: BLE001 - not the client's input: a 500 for this request alone
+            log.exception("adding request %s failed", cmd.request_id)
+            with contextlib.suppress(Exception):  # it may be half-added: take it out again
+                self.engine.abort_request(cmd.request_id)
+            self._forget(cmd.request_id)
+            _send(cmd.sink, Failed(f"engine error: {type(exc).__name__}: {exc}"))
+            return
+        deadline = cmd.arrival + self.request_timeout if self.request_timeout else None
+        self._tracks[rid] = _Track(cmd.sink, cmd.arrival, len(cmd.prompt), cmd.params.max_tokens, deadline)
         self._totals["prompt_tokens"] += len(cmd.prompt)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(cmd.prompt))
         _send(cmd.sink, Accepted(rid))
 
-    def _abort(self, rid: str, reason: str) -> None:
+    def _abort(self, rid: str, reason: str, event: Failed | None = None) -> None:
         track = self._tracks.pop(rid, None)
         if track is None:
             return
@@ -264,14 +396,46 @@ class EngineLoop:
         self._forget(rid)
         self._totals["aborted"] += reason == "abort"
         self._finished(track, time.perf_counter(), reason)
+        if event is not None:
+            _send(track.sink, event)
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, event: Failed) -> None:
         for rid, track in list(self._tracks.items()):
             with contextlib.suppress(Exception):
                 self.engine.abort_request(rid)
             self._forget(rid)
-            _send(track.sink, Failed(message))
+            _send(track.sink, event)
         self._tracks.clear()
+
+    def _report_failures(self) -> None:
+        """Requests the engine finished with reason "error" on its own (admission, failed step)."""
+        take = getattr(self.engine, "take_failures", None)
+        for rid, why in take() if take is not None else ():
+            track = self._tracks.pop(rid, None)
+            self._forget(rid)
+            if track is not None:
+                log.error("request %s failed in the engine: %s", rid, why)
+                self._finished(track, time.perf_counter(), "error")
+                _send(track.sink, Failed(f"engine error: {why}"))
+
+    def _check_deadlines(self) -> None:
+        """Per-request timeouts and the drain deadline, checked between steps."""
+        now = time.perf_counter()
+        if self._drain_deadline is not None and now >= self._drain_deadline and self._tracks:
+            self.drain.ended_at_deadline += len(self._tracks)
+            self._abort_all(unavailable("the server is shutting down (drain timeout reached)"))
+        if self.request_timeout is None:
+            return
+        for rid, track in list(self._tracks.items()):
+            if track.deadline is not None and now >= track.deadline:
+                log.warning("request %s timed out after %.1f s", rid, self.request_timeout)
+                event = Failed(
+                    f"request timed out after {self.request_timeout:g} s (--request-timeout)",
+                    408,
+                    "timeout_error",
+                    "request_timeout",
+                )
+                self._abort(rid, "timeout", event)
 
     def _forget(self, rid: str) -> None:
         # The engine keeps finished requests in `requests`; a server must not grow without bound.
@@ -279,45 +443,73 @@ class EngineLoop:
             self.engine.requests.pop(rid, None)
 
     def _step(self) -> None:
+        from looptrace.engine.llm_engine import StepError
+
         probe = self.probe
         if probe is not None:
             probe.before_step()
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
-            log.exception("engine step failed; failing the requests in flight")
-            self.error = exc
-            if probe is not None:
-                probe.abandon()
-            self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+        except StepError as exc:  # the engine failed that step's requests and freed their KV
+            log.error("engine step failed; failing its %d request(s)", len(exc.request_ids), exc_info=exc)
+            self._report_failures()
+            self._deliver_all(exc.outputs)  # tokens of earlier steps read after the failure
+            self._step_failed(exc)
             return
+        except Exception as exc:  # noqa: BLE001 - not attributable: fail every request in flight
+            log.exception("engine step failed; failing every request in flight")
+            self._step_failed(exc)
+            self._abort_all(Failed(f"engine error: {type(exc).__name__}: {exc}"))
+            return
+        self._failed_steps = 0
         if probe is not None:
             probe.after_step(len(outputs))
+        self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list) -> None:
         now = time.perf_counter()
-        m = self.metrics
         for out in outputs:
-            track = self._tracks.get(out.request_id)
-            if track is None:
-                continue
-            track.tokens += 1
-            self._totals["generation_tokens"] += 1
+            try:
+                self._deliver(out, now)
+            except Exception as exc:  # noqa: BLE001 - one request's bookkeeping: that request alone
+                log.exception("delivering a token of %s failed", out.request_id)
+                event = Failed(f"server error: {type(exc).__name__}: {exc}")
+                self._abort(out.request_id, "error", event)
+
+    def _step_failed(self, exc: Exception) -> None:
+        self.error = exc
+        self._failed_steps += 1
+        if self.probe is not None:
+            with contextlib.suppress(Exception):
+                self.probe.abandon()
+        if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDead(f"{self._failed_steps} engine steps failed in a row; last: {exc}") from exc
+
+    def _deliver(self, out: Any, now: float) -> None:
+        m = self.metrics
+        track = self._tracks.get(out.request_id)
+        if track is None:
+            return
+        track.tokens += 1
+        self._totals["generation_tokens"] += 1
+        if m is not None:
+            m.generation_tokens.inc()
+        if track.first is None:
+            track.first = now
+            self._windows["ttft"].add(now, now - track.arrival)
             if m is not None:
-                m.generation_tokens.inc()
-            if track.first is None:
-                track.first = now
-                self._windows["ttft"].add(now, now - track.arrival)
-                if m is not None:
-                    m.ttft.observe(now - track.arrival)
-            else:
-                self._windows["itl"].add(now, now - track.last)
-                if m is not None:
-                    m.itl.observe(now - track.last)
-            track.last = now
-            _send(track.sink, TokenEvent(out.token_id, out.finished, out.finish_reason))
-            if out.finished:
-                self._tracks.pop(out.request_id, None)
-                self._forget(out.request_id)
-                self._finished(track, now, out.finish_reason or "length")
+                m.ttft.observe(now - track.arrival)
+        else:
+            self._windows["itl"].add(now, now - track.last)
+            if m is not None:
+                m.itl.observe(now - track.last)
+        track.last = now
+        event = TokenEvent(out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs)
+        _send(track.sink, event)
+        if out.finished:
+            self._tracks.pop(out.request_id, None)
+            self._forget(out.request_id)
+            self._finished(track, now, out.finish_reason or "length")
 
     def _finished(self, track: _Track, now: float, reason: str) -> None:
         self._totals["requests_finished"] += 1
@@ -394,7 +586,7 @@ class EngineLoop:
             "graphs": _graphs(e),
             "prefix": _prefix(e),
             "prefill_depth": _prefill_depth(e),
-            "probe": self.probe.result() if self.probe is not None else None,
+            "probe": self.probe.result() if self.probe is not None else PROBE_OFF,
         }
 
 

@@ -2,16 +2,37 @@
 
 Binding before uvicorn starts turns "port in use" into a clean error, and lets tests bind port 0 and know
 the port before the server runs (connections wait in the listen backlog until uvicorn accepts).
+
+Shutdown. SIGTERM or SIGINT (our handlers, not uvicorn's: uvicorn re-raises the signal after its
+shutdown, which made SIGTERM exit 143) starts a drain: uvicorn stops accepting and closes idle
+connections, the engine loop refuses new requests with 503 and lets running ones finish for
+`drain_timeout` seconds, then ends the rest with an error event and `[DONE]`; uvicorn waits for those
+responses (DRAIN_GRACE_S more), the engine thread stops, `run()` returns exit code 0. A second signal
+ends the running requests at once (still with their final events); a third forces uvicorn out.
+sse-starlette's own shutdown handling, which cancels every stream mid-flight, is turned off.
+
+Engine death. If the engine thread dies, every request gets a 503 at once and /health is 503; after
+DEAD_LINGER_S (so health checks see it) uvicorn shuts down and `run()` returns exit code 1, for a
+supervisor to restart the server.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from looptrace.serve.engine_loop import EngineLoop
+from looptrace.serve.plumbing import DEFAULT_MAX_BODY_BYTES
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+DRAIN_GRACE_S = 5.0  # past the drain deadline: time to send the final error events before uvicorn cancels
+DEAD_LINGER_S = 1.0  # after the engine died: keep answering 503 this long, then exit
 
 
 class BindError(OSError):
@@ -34,14 +55,46 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 @dataclass
+class ShutdownReport:
+    signals: list[str]
+    engine_error: str | None  # set when the engine died (exit code 1)
+    in_flight: int  # requests queued or running when the drain began
+    ended_at_deadline: int  # of those, ended with an error event at the drain timeout
+    request_blocks_at_exit: int | None  # KV blocks still held by requests after the engine stopped
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.engine_error else 0
+
+    def line(self, drain_timeout: float) -> str:
+        how = f"on {'+'.join(self.signals)}" if self.signals else "on request"
+        return (
+            f"looptrace serve stopped {how}: {self.in_flight} request(s) in flight, "
+            f"{self.ended_at_deadline} ended at the drain timeout ({drain_timeout:g} s); "
+            f"KV blocks held by requests at exit: {self.request_blocks_at_exit}"
+        )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
 class Server:
     """A running (or ready) server: `start()` serves on a thread, `run()` in the calling thread."""
 
     app: Any
     loop: EngineLoop
     sock: socket.socket
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    exit_on_dead: bool = True  # engine death shuts the HTTP side down too (the CLI then exits 1)
+    notify: Callable[[str], None] = _stderr
     uvicorn_server: Any = None
     thread: threading.Thread | None = None
+    signals: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.loop.on_dead = self._on_dead
 
     @property
     def host(self) -> str:
@@ -63,21 +116,54 @@ class Server:
             self.app,
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=self.drain_timeout + DRAIN_GRACE_S,
             lifespan="off",
             ws="none",
         )
-        self.uvicorn_server = uvicorn.Server(config)
+        self.uvicorn_server = _uvicorn_server(config, self._on_signal)
         return self.uvicorn_server
 
-    def run(self) -> None:
-        """Serve until interrupted (uvicorn handles SIGINT/SIGTERM), then stop the engine thread."""
+    def _on_signal(self, sig: int) -> None:
+        """Runs in the main thread between bytecodes: set flags only."""
+        self.signals.append(signal.Signals(sig).name)
+        server = self.uvicorn_server
+        if len(self.signals) == 1:
+            self.loop.begin_drain(self.drain_timeout)
+            self.notify(f"looptrace serve: {self.signals[0]}: draining for up to {self.drain_timeout:g} s")
+        elif len(self.signals) == 2:
+            self.loop.begin_drain(0.0)  # end the running requests now, still with their final events
+        else:
+            server.force_exit = True
+        server.should_exit = True
+
+    def _on_dead(self, exc: BaseException) -> None:
+        """On the engine thread, as it dies."""
+        self.notify(f"looptrace serve: the engine died ({type(exc).__name__}: {exc}); every request gets 503")
+        if self.exit_on_dead:
+            timer = threading.Timer(DEAD_LINGER_S, self._shut)
+            timer.daemon = True
+            timer.start()
+
+    def _shut(self) -> None:
+        if self.uvicorn_server is not None:
+            self.uvicorn_server.should_exit = True
+
+    def run(self) -> ShutdownReport:
+        """Serve until a signal (a drained shutdown) or the engine's death, then stop the engine thread."""
         server = self._config()
         try:
             server.run(sockets=[self.sock])
         finally:
             self.loop.stop()
             self.sock.close()
+        return self.report()
+
+    def report(self) -> ShutdownReport:
+        d = self.loop.drain
+        error = self.loop.status() if self.loop.dead else None
+        return ShutdownReport(
+            list(self.signals), error, d.in_flight, d.ended_at_deadline, d.request_blocks_at_exit
+        )
 
     def start(self) -> Server:
         server = self._config()
@@ -87,13 +173,39 @@ class Server:
         self.thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, drain_timeout: float = 0.0) -> ShutdownReport:
+        """Drain (running requests end with an error event after `drain_timeout`), stop HTTP and engine."""
+        self.loop.begin_drain(drain_timeout)
         if self.uvicorn_server is not None:
             self.uvicorn_server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout)
         self.loop.stop()
         self.sock.close()
+        return self.report()
+
+
+def _uvicorn_server(config: Any, on_signal: Callable[[int], None]) -> Any:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's version re-raises the signal once served (SIGTERM: exit 143); a drain exits 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handlers = {s: signal.signal(s, self._signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in handlers.items():
+                    signal.signal(s, handler)
+
+        def _signal(self, sig: int, _frame: Any) -> None:
+            on_signal(sig)
+
+    return _Server(config)
 
 
 def build_server(
@@ -104,24 +216,47 @@ def build_server(
     model_name: str = "looptrace",
     aliases: tuple[str, ...] = (),
     tokenizer: Any = None,
-    probe_interval: float | None = 5.0,
+    probe_interval: float | None = None,  # seconds between live-probe windows; None: no probe
     info: dict[str, Any] | None = None,
     sock: socket.socket | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: float | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+    exit_on_dead: bool = True,
 ) -> Server:
     """Everything but the serving itself; the engine thread is started. Raises BindError."""
+    from sse_starlette.sse import AppStatus
+
     from looptrace.engine.tokenizer import ByteTokenizer
     from looptrace.serve.app import create_app
     from looptrace.serve.live_probe import LiveProbe
     from looptrace.serve.metrics import ServerMetrics
 
+    # Our drain ends every stream with its final events; sse-starlette's would cancel them mid-flight.
+    AppStatus.disable_automatic_graceful_drain()
     sock = sock or bind_socket(host, port)
     probe = LiveProbe(engine, interval_s=probe_interval) if probe_interval else None
     holder: dict[str, EngineLoop] = {}
     metrics = ServerMetrics(model_name, lambda: holder["loop"].snapshot())
-    loop = EngineLoop(engine, model_name=model_name, metrics=metrics, probe=probe, info=info)
+    loop = EngineLoop(
+        engine,
+        model_name=model_name,
+        metrics=metrics,
+        probe=probe,
+        info=info,
+        request_timeout=request_timeout,
+    )
     holder["loop"] = loop
     app = create_app(
-        loop, tokenizer=tokenizer or ByteTokenizer(), metrics=metrics, model_name=model_name, aliases=aliases
+        loop,
+        tokenizer=tokenizer or ByteTokenizer(),
+        metrics=metrics,
+        model_name=model_name,
+        aliases=aliases,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
     )
+    server = Server(app, loop, sock, drain_timeout=drain_timeout, exit_on_dead=exit_on_dead)
     loop.start()
-    return Server(app, loop, sock)
+    return server

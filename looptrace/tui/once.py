@@ -44,6 +44,8 @@ def snapshot_table(snap: dict[str, Any], label: str, throughput: float | None = 
         row("engine", "steps / token", fmt_num(eng.get("steps_per_token"), 2))
         row("engine", "submissions / token", fmt_num(eng.get("submissions_per_token"), 2))
     probe = snap.get("probe") or {}
+    if probe.get("note"):
+        row("probe", "state", probe["note"])
     for k, v in (probe.get("per_token") or {}).items():
         row("probe", f"{k} / token", fmt_num(v, 2))
     graphs = snap.get("graphs")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,11 +41,18 @@ def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def auth_headers() -> dict[str, str]:
+    """The server's `/v1/*` needs `Authorization: Bearer KEY` when it runs with `--api-key`; `top` sends
+    the key of the LOOPTRACE_API_KEY environment variable (the same variable `serve` reads)."""
+    key = os.environ.get("LOOPTRACE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _get(url: str, timeout: float) -> Any:
     import httpx
 
     try:
-        resp = httpx.get(url, timeout=timeout)
+        resp = httpx.get(url, timeout=timeout, headers=auth_headers())
     except httpx.HTTPError as exc:
         raise SourceError(f"{url}: cannot connect ({type(exc).__name__}: {exc or 'no answer'})") from None
     if resp.status_code != 200:
@@ -78,7 +86,9 @@ class LooptraceSource:
         url = f"{self.base}/v1/stats/stream"
         try:
             with (
-                httpx.Client(timeout=httpx.Timeout(self.timeout, read=max(30.0, 4 * interval))) as client,
+                httpx.Client(
+                    timeout=httpx.Timeout(self.timeout, read=max(30.0, 4 * interval)), headers=auth_headers()
+                ) as client,
                 connect_sse(client, "GET", url, params={"interval": interval}) as events,
             ):
                 for sse in events.iter_sse():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -193,3 +195,29 @@ def test_localize_without_difference(ouro) -> None:
     b.exit.policy = "fixed"
     loc = localize(ouro, a, b, "r0", ITEMS[0].prompt, 2)
     assert not loc.found and loc.ops_compared > 100 and loc.ops_differ == 0
+
+
+def test_one_engine_alive_at_a_time(ouro) -> None:
+    """Every run's engine is collected before the next one is built, even inside a reference cycle (on
+    CUDA an engine's graph caches hold bound methods of its runner): the collector must run in between."""
+    refs: list[weakref.ref] = []
+
+    def factory(cfg):
+        alive = [i for i, r in enumerate(refs) if r() is not None]
+        assert not alive, f"engine(s) {alive} still alive when engine {len(refs)} is built"
+        engine = ouro(cfg)
+        engine.cycle = engine  # what CUDA graph caches do; freed only by gc.collect()
+        refs.append(weakref.ref(engine))
+        return engine
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the explicit collections between runs may free the cycles
+    try:
+        lab = lab_for(factory, exit__policy="fixed", scheduler__max_num_seqs=1)
+        res = diff(lab)
+        loc = localize(factory, lab.cfg_a, lab.config(lab.all), "r0", ITEMS[0].prompt, 2)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not res.violations and not loc.found
+    assert len(refs) == lab.runs + 2 and all(r() is None for r in refs)

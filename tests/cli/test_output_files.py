@@ -34,7 +34,7 @@ def no_work(monkeypatch):
     """Every command fails loudly (exit 1, WorkStarted) if it gets past its argument checks."""
     monkeypatch.setattr("looptrace.cli.run_cmd.make_workload", _boom)
     monkeypatch.setattr("looptrace.cli.profile_cmd.build_engine", _boom)
-    monkeypatch.setattr("looptrace.cli.trace_cmd.load_chrome_trace", _boom)
+    monkeypatch.setattr("looptrace.probes.events.load_chrome_trace", _boom)  # imported at call time
 
 
 def command(writer: str, target: Path, trace_in: Path) -> list[str]:

@@ -217,10 +217,18 @@ def test_jsonl_accepts_tokenizers_encoding(tmp_path):
         ('{"prompt": 12}', "prompt must be a string, got int"),
         ('{"prompt_token_ids": [1], "max_tokens": 0}', "max_tokens must be an integer >= 1, got 0"),
         ('{"prompt_token_ids": [1], "max_tokens": 2.0}', "max_tokens must be an integer >= 1, got 2.0"),
-        ('{"prompt_token_ids":[1],"arrival":-1}', "arrival must be a finite number of seconds >= 0, got -1"),
+        (
+            '{"prompt_token_ids":[1],"arrival":-1}',
+            "arrival must be a number of seconds in [0, 1e+07], got -1",
+        ),
+        # issue #23: a finite but absurd arrival overflowed the driver's sleep (OverflowError)
+        (
+            '{"prompt_token_ids":[1],"arrival":1e308}',
+            "arrival must be a number of seconds in [0, 1e+07], got 1e+308",
+        ),
         (
             '{"prompt_token_ids":[1],"arrival":"0"}',
-            "arrival must be a finite number of seconds >= 0, got '0'",
+            "arrival must be a number of seconds in [0, 1e+07], got '0'",
         ),
     ],
 )
@@ -229,6 +237,40 @@ def test_jsonl_errors_name_file_line_and_problem(tmp_path, bad_line, problem):
     with pytest.raises(WorkloadError) as exc:
         JsonlWorkload(path, CharTokenizer())
     assert str(exc.value) == f"{path}:3: {problem}"
+
+
+def test_jsonl_token_outside_the_vocabulary_names_the_line(tmp_path):
+    """issue #23: an out-of-vocabulary id was submitted and "rejected" (exit 0) instead of FILE:LINE."""
+    path = _write(tmp_path, ['{"prompt_token_ids": [1, 2]}', '{"prompt_token_ids": [3, 512]}'])
+    with pytest.raises(WorkloadError) as exc:
+        JsonlWorkload(path, vocab_size=512)
+    assert str(exc.value) == f"{path}:2: token id 512 is outside the model's vocabulary (0..511)"
+    assert len(JsonlWorkload(path).items) == 2  # without a vocabulary size, nothing is checked
+
+
+def test_describe_is_plain_data(tmp_path):
+    """issue #23: run headers carried `repr(workload)` (with a memory address); now a JSON dict."""
+    wl = BurstWorkload(concurrency=2, prompt_len=3, max_tokens=4, seed=5, vocab_size=10)
+    assert wl.describe() == {
+        "kind": "burst",
+        "concurrency": 2,
+        "prompt_len": 3,
+        "max_tokens": 4,
+        "seed": 5,
+        "vocab_size": 10,
+        "token_low": 0,
+        "token_high": None,
+    }
+    path = _write(tmp_path, ['{"prompt": "ab"}'])
+    described = JsonlWorkload(path, CharTokenizer(), vocab_size=99).describe()
+    assert described == {
+        "kind": "jsonl",
+        "path": str(path),
+        "tokenizer": "CharTokenizer",
+        "default_max_tokens": 128,
+        "vocab_size": 99,
+    }
+    json.dumps(described)
 
 
 def test_jsonl_text_prompt_without_tokenizer(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.engine.kv_cache import BlockManager, KVHistoryError, PackedLayout, PlanesLayout
+from looptrace.engine.llm_engine import StepError
 from looptrace.engine.model_config import PRESETS
 from looptrace.engine.request import Stage
 
@@ -54,8 +55,11 @@ def test_engine_read_after_partial_write_raises():
     seq.written[(2, 4)].prefix = 3  # layer 4 of plane 2 "forgot" positions 3.. (others remain written)
     while engine.requests[rid].loops_done < 2:
         engine.step()
-    with pytest.raises(KVHistoryError, match="plane 2 layer 4"):
+    # The guard's error fails the step's requests alone (issue #23: StepError, KV freed), never a silent read.
+    with pytest.raises(StepError, match="plane 2 layer 4") as err:
         engine.step()
+    assert isinstance(err.value.__cause__, KVHistoryError) and err.value.request_ids == [rid]
+    assert engine.requests[rid].stage == Stage.FINISHED and rid not in engine.blocks.seqs
 
 
 @pytest.mark.parametrize("layout", ["planes", "packed"])

@@ -175,8 +175,8 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server, client):
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "ouro", "prompt": "x", "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = httpx.post(url, json={"model": "ouro", "prompt": ["a", "b"]})
-    assert r.status_code == 400
+    r = httpx.post(url, json={"model": "ouro", "prompt": ["a", "b"], "max_tokens": 2, "min_p": 0.1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p"  # unsupported: never ignored
     r = httpx.post(url, json={"model": "ouro", "prompt": [1, 2, 100000]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError) as err:

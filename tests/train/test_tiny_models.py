@@ -27,7 +27,7 @@ PRESETS = sorted(FLOORS)
 
 def _engine(preset: str, loops: int | None = None) -> tuple[LLMEngine, object]:
     root = shipped_weights(preset)
-    assert root is not None, f"looptrace/assets/{preset} is missing (run `looptrace train-tiny`)"
+    assert root is not None, f"looptrace/assets/{preset} missing (`looptrace train-tiny --replace-shipped`)"
     _, net = load_checkpoint(root, "cpu", torch.float32, name=preset)
     cfg = EngineConfig()
     cfg.scheduler.max_num_seqs = 64

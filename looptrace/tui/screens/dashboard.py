@@ -16,6 +16,20 @@ from looptrace.tui.widgets.probe_panel import ProbePanel
 from looptrace.tui.widgets.requests_panel import RequestsPanel
 from looptrace.tui.widgets.spark_panel import SparkPanel
 
+TOP_ROWS, BOTTOM_ROWS = 7, 11  # the panels' full heights (borders included), as in looptrace.tcss
+REQUESTS_MIN_ROWS = 3
+CHROME_ROWS = 3  # header, status line, footer
+
+
+def grid_rows(height: int) -> str:
+    """The dashboard's `grid-rows` for a screen `height` lines high."""
+    middle = 2 + 1 + 1 + REQUESTS_MIN_ROWS  # borders, summary, table header, rows
+    spare = height - CHROME_ROWS - middle
+    deficit = max(0, TOP_ROWS + BOTTOM_ROWS - spare)  # taken half from the top row, half from the bottom
+    top = max(4, TOP_ROWS - deficit // 2)  # 4: a panel keeps its border and two lines
+    bottom = max(4, BOTTOM_ROWS - (deficit - deficit // 2))
+    return f"{top} 1fr {bottom}"
+
 
 class DashboardScreen(Screen[None]):
     BINDINGS = [Binding("tab", "app.focus_next", "Panel", key_display="Tab")]
@@ -36,6 +50,11 @@ class DashboardScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.query_one("#throughput").focus()
+
+    def on_resize(self) -> None:
+        """Small terminals (80x24): shrink the top and bottom rows before the requests panel, which keeps
+        its summary, the table header and at least REQUESTS_MIN_ROWS requests."""
+        self.query_one("#dashboard", Grid).set_styles(f"grid-rows: {grid_rows(self.size.height)};")
 
     def refresh_from(self, model: DashboardModel, status: str) -> None:
         tp = list(model.throughput)

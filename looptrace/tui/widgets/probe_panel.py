@@ -20,12 +20,7 @@ class ProbePanel(Static, can_focus=True):
         t.add_column()
         t.add_column(justify="right")
         if not probe or "per_token" not in probe:
-            note = (probe or {}).get("error") or (
-                "no probe for this source"
-                if model.latest and engine is None
-                else "waiting for the first window"
-            )
-            t.add_row("probe", f"[dim]{note}[/]")
+            t.add_row("probe", f"[dim]{_no_window_note(model, probe)}[/]")
             t.add_row("steps / token", fmt_num(engine.get("steps_per_token"), 2) if engine else "n/a")
             t.add_row(
                 "submissions / token", fmt_num(engine.get("submissions_per_token"), 2) if engine else "n/a"
@@ -46,3 +41,16 @@ class ProbePanel(Static, can_focus=True):
         w = probe.get("window") or {}
         t.add_row("[dim]window[/]", f"[dim]{w.get('steps', '?')} steps, {w.get('tokens', '?')} tok[/]")
         self.update(t)
+
+
+def _no_window_note(model: DashboardModel, probe: dict | None) -> str:
+    """Why there are no per-token counters: the server's own note, a source that has none (a Prometheus
+    endpoint has no live probe: no window will ever come), or the first window still to come."""
+    if probe and (probe.get("note") or probe.get("error")):
+        return str(probe.get("note") or probe.get("error"))
+    latest = model.latest
+    if latest is None:
+        return "waiting for the first snapshot"
+    if latest.get("source") == "prometheus" or latest.get("engine") is None:
+        return "no live probe for this source"
+    return "waiting for the first window"
