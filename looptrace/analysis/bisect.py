@@ -1,48 +1,13 @@
-"""Delta debugging over a set of differing settings (Zeller & Hildebrandt's ddmin), and `bisect`: which of
-B's settings, applied to A, make the runs diverge."""
+"""`bisect`: which of B's settings, applied to A, make the runs diverge (delta debugging over the
+differing settings, `ddmin`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-Outcome = bool | None  # True: fails (diverges); False: passes; None: unresolved (invalid combination)
-
-
-def _split(items: list[str], n: int) -> list[list[str]]:
-    size, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + size + (1 if i < extra else 0)
-        if end > start:
-            out.append(items[start:end])
-        start = end
-    return out
-
-
-def ddmin(items: list[str], fails: Callable[[frozenset[str]], Outcome]) -> list[str]:
-    """A 1-minimal subset of `items` for which `fails` is True (`fails(frozenset(items))` must be True).
-    Unresolved outcomes count as passing."""
-    current, n = list(items), 2
-    while len(current) >= 2:
-        chunks = _split(current, min(n, len(current)))
-        reduced = False
-        for chunk in chunks:
-            if fails(frozenset(chunk)) is True:
-                current, n, reduced = chunk, 2, True
-                break
-        if not reduced and len(chunks) > 2:
-            for chunk in chunks:
-                comp = [x for x in current if x not in chunk]
-                if fails(frozenset(comp)) is True:
-                    current, n, reduced = comp, max(n - 1, 2), True
-                    break
-        if not reduced:
-            if n >= len(current):
-                break
-            n = min(len(current), 2 * n)
-    return current
+from looptrace.analysis.ddmin import Outcome, ddmin
+from looptrace.analysis.diff import evidence
 
 
 @dataclass
@@ -68,8 +33,6 @@ def bisect(lab, mode: str = "batched") -> BisectResult:
 
     A subset that needs other settings to be valid (its closure) is run against those settings alone
     (`Lab.baseline`), so it is blamed for its own effect only, not for what the settings it needs do."""
-    from looptrace.analysis.diff import evidence
-
     ev = evidence(lab.compare(lab.all, mode))
     if not ev.tokens_ok:
         criterion = "tokens"

@@ -16,13 +16,12 @@ only after a device check (`rung_check(path) == "device"`) is graded by the engi
 
 When A and B differ in several settings, each setting needs its own evidence: the settings claiming R0
 run together on A (batched and solo) and those claiming R0 or R1 together (solo); only when a group fails
-does delta debugging (`bisect.ddmin`) look for the settings that break their claim.
+does delta debugging (`ddmin`) look for the settings that break their claim.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import hashlib
 import json
 import time
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 
+from looptrace.analysis.ddmin import ddmin
+from looptrace.build import free_memory
 from looptrace.engine.config import (
     RUNGS,
     ConfigError,
@@ -137,15 +138,6 @@ def release(engine) -> None:
     pert = getattr(engine, "perturbation", None)
     if pert is not None:
         pert.remove()
-
-
-def free_memory() -> None:
-    """Collect the engines just dropped and give their CUDA blocks back, so that one engine is alive at a
-    time and the next one's KV pool is sized on what is really free. The collector is needed: a CUDA
-    engine's graph caches hold bound methods of its runner (a reference cycle refcounting never frees)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def with_engine(factory: EngineFactory, cfg: EngineConfig, use: Callable[[Any], Any]) -> Any:
@@ -510,7 +502,6 @@ def _isolate(
     lab: Lab, group: frozenset[str], mode: str, strict: bool, background: frozenset[str]
 ) -> list[str]:
     """Settings of `group` whose runs (on top of `background`) differ from their baseline in `mode`."""
-    from looptrace.analysis.bisect import ddmin
 
     def fails(subset: frozenset[str]) -> bool | None:
         own = lab.own_evidence(subset, mode, background)

@@ -13,7 +13,6 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated, Any
 
 import typer
@@ -22,11 +21,29 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from looptrace.cli.common import (
+from looptrace.build import (
     DEFAULT_MODEL,
+    build_engine,
+    check_seed,
+    device_name,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+    versions,
+)
+from looptrace.cli.common import (
     EXIT_CODES_HELP,
     EXIT_INTERRUPTED,
     EXIT_NO_ENV,
+    UsageError,
+    dumps,
+    err_console,
+    fail,
+    friendly_errors,
+    interrupt_exit,
+    note,
+)
+from looptrace.cli.options import (
     DeviceOpt,
     DtypeOpt,
     FormatOpt,
@@ -35,22 +52,8 @@ from looptrace.cli.common import (
     RandomWeightsOpt,
     SeedOpt,
     ThreadsOpt,
-    UsageError,
-    build_engine,
-    check_seed,
-    device_name,
-    dumps,
-    err_console,
-    fail,
-    friendly_errors,
-    interrupt_exit,
-    note,
-    resolve_device,
-    resolve_dtype,
-    versions,
-    write_output,
 )
-from looptrace.cli.output import infer_format
+from looptrace.cli.output import infer_format, write_output
 
 SCHEMA = "looptrace.bench/1"
 TABLE2_SETS = ("cuda_graphs.max_graphs=64",)  # what `--cells table2` sets on both arms
@@ -388,7 +391,7 @@ def prepare(
 def _check_cell_memory(cell, recipes, shared, arm_sets, prefill_batch, dev, dt) -> None:
     """Before any engine: C within the settings' range, and each arm's engine plus the burst's prompts
     within the memory the device has (a one-line error naming the cell, not a MemoryError mid-run)."""
-    from looptrace.cli.common import check_engine_memory
+    from looptrace.build import check_engine_memory
     from looptrace.drive.paired import ARMS, arm_overrides
     from looptrace.engine.budget import check_memory, workload_needs
     from looptrace.engine.config import COUNT_MAX
@@ -432,7 +435,7 @@ class _Arm:
 
 
 class EngineBackend:
-    """`paired.PairedBackend` on real LLMEngines (built through `common.build_engine`)."""
+    """`paired.PairedBackend` on real LLMEngines (built through `looptrace.build.build_engine`)."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -447,16 +450,14 @@ class EngineBackend:
         sets = arm_overrides(cell, p.shared, p.arm_sets[arm], self._auto.get(arm, []), p.prefill_batch)
         with friendly_errors():
             setup = build_engine(
-                model=cell.model,
+                resolve_model(cell.model, p.device, None, random_weights=p.random_weights),
                 recipe=p.recipes[arm],
                 sets=sets,
-                device=str(p.device),
+                device=p.device,
                 dtype=str(p.dtype).replace("torch.", ""),
-                weights=None,
                 seed=p.seed,
                 threads=p.threads,
                 max_model_len=cell.prompt_len + cell.output_len,
-                random_weights=p.random_weights,
             )
         need = cell.prompt_len + cell.output_len - 1
         if need > setup.engine.max_model_len:
@@ -476,7 +477,7 @@ class EngineBackend:
         import torch
 
         from looptrace.drive.paired import ARMS, arm_overrides, kv_bytes_per_arm, sets_key
-        from looptrace.engine.kv_cache import LAYOUTS
+        from looptrace.engine.budget import pool_geometry
         from looptrace.engine.model_config import PRESETS
         from looptrace.engine.weights import create_model
         from looptrace.recipes import load_recipe
@@ -500,16 +501,11 @@ class EngineBackend:
         free, total = torch.cuda.mem_get_info(p.device)
         util = min(cfgs[arm].kv.gpu_memory_utilization for arm in ARMS)
         per_arm = kv_bytes_per_arm(free, total, util, len(ARMS) * weight_bytes)
-        elt = torch.empty((), dtype=p.dtype).element_size()
         out = {}
         for arm in sized:
-            kv = cfgs[arm].kv
-            block_bytes = 2 * spec.num_layers * kv.block_size * spec.num_kv_heads * spec.head_dim * elt
-            per_page = LAYOUTS[kv.layout](
-                spec, cfgs[arm].exit.max_loops or spec.default_loops
-            ).blocks_per_page
-            blocks = per_arm // block_bytes // per_page * per_page
-            if blocks < per_page:
+            geo = pool_geometry(spec, cfgs[arm], p.dtype.itemsize)
+            blocks = geo.blocks_for_bytes(per_arm)
+            if blocks < geo.blocks_per_page:
                 raise fail(
                     f"--cell {cell.label}: two engines' weights leave no KV memory for arm {arm.upper()} "
                     f"({free / 2**30:.1f} GiB free); size the pools with --set kv.num_blocks=N"
@@ -652,7 +648,7 @@ def report_data(plan: Plan, done: list, interrupted: bool) -> dict[str, Any]:
         "tool": "looptrace bench",
         "command": " ".join(["looptrace", *sys.argv[1:]]),
         "versions": versions(),
-        "device": device_name(SimpleNamespace(device=plan.device)),
+        "device": device_name(plan.device),
         "dtype": str(plan.dtype).replace("torch.", ""),
         "models": sorted({c.model for c in plan.cells}),
         "arms": arms,

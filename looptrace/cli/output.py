@@ -24,7 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Union
 
-from looptrace.cli.common import OutputFormat, UsageError
+from rich.console import Console
+
+from looptrace.cli.common import UsageError
+from looptrace.cli.options import OutputFormat
 
 _KINDS = (
     (stat.S_ISCHR, "character device"),
@@ -201,3 +204,27 @@ def infer_format(fmt: OutputFormat | None, output: Path | None) -> OutputFormat:
         return fmt
     suffix = output.suffix.lower() if output is not None else ""
     return {".json": OutputFormat.json, ".csv": OutputFormat.csv}.get(suffix, OutputFormat.table)
+
+
+def check_output_path(output: Path | None, option: str = "--output", inputs=()) -> None:
+    """Fail before any work when --output cannot be written or is one of `inputs` (rules and the form of
+    `inputs`: looptrace/cli/output.py)."""
+    check_output(output, option, inputs)
+
+
+def command_inputs(prompts: Path | None, recipe: str, weights: Path | None) -> list:
+    """Files the command reads, which --output must not replace: the prompts, a recipe given as a file
+    and the checkpoint's files."""
+    inputs: list = [(prompts, "--prompts")]
+    if Path(recipe).is_file():
+        inputs.append((Path(recipe), "--recipe"))
+    if weights is not None and weights.is_dir():
+        inputs += [(f, "--weights") for f in sorted(weights.iterdir()) if f.is_file()]
+    return inputs
+
+
+def write_output(text: str, output: Path | None, console: Console) -> None:
+    """Print to stdout and, with --output, write the same text (whole and atomically, after success)."""
+    if output is not None:
+        atomic_write_text(output, text + "\n")
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

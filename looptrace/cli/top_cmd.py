@@ -26,23 +26,34 @@ Exit codes: 0 ok, 2 bad input (unreachable URL, malformed replay file), 3 enviro
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
+UrlArg = Annotated[str | None, typer.Argument(help="looptrace server URL.", show_default=DEFAULT_URL)]
+PrometheusOpt = Annotated[
+    str | None,
+    typer.Option(help="Watch a Prometheus endpoint (vLLM's /metrics) instead of a looptrace server."),
+]
+ReplayOpt = Annotated[Path | None, typer.Option(help="Replay a session recorded with --record.")]
+SpeedOpt = Annotated[float, typer.Option(help="Replay speed factor (0: as fast as possible).")]
+RecordOpt = Annotated[Path | None, typer.Option(help="Record every snapshot to this JSONL file.")]
+OnceOpt = Annotated[bool, typer.Option("--once", help="Print one snapshot as a table and exit.")]
+DiffOpt = Annotated[Path | None, typer.Option(help="A diff result JSON for the diff screen (d).")]
+IntervalOpt = Annotated[
+    float, typer.Option(help="Seconds between snapshots (--once: between its two, for tokens/s).")
+]
+ScreenshotOpt = Annotated[
+    Path | None, typer.Option(help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
+]
+
+
 def top(
-    url: Annotated[str | None, typer.Argument(help="looptrace server URL.", show_default=DEFAULT_URL)] = None,
-    prometheus: Annotated[
-        str | None,
-        typer.Option(help="Watch a Prometheus endpoint (vLLM's /metrics) instead of a looptrace server."),
-    ] = None,
-    replay: Annotated[Path | None, typer.Option(help="Replay a session recorded with --record.")] = None,
-    speed: Annotated[float, typer.Option(help="Replay speed factor (0: as fast as possible).")] = 1.0,
-    record: Annotated[Path | None, typer.Option(help="Record every snapshot to this JSONL file.")] = None,
-    once: Annotated[bool, typer.Option("--once", help="Print one snapshot as a table and exit.")] = False,
-    diff: Annotated[Path | None, typer.Option(help="A diff result JSON for the diff screen (d).")] = None,
-    interval: Annotated[
-        float, typer.Option(help="Seconds between snapshots (--once: between its two, for tokens/s).")
-    ] = 1.0,
-    screenshot: Annotated[
-        Path | None, typer.Option(help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
-    ] = None,
+    url: UrlArg = None,
+    prometheus: PrometheusOpt = None,
+    replay: ReplayOpt = None,
+    speed: SpeedOpt = 1.0,
+    record: RecordOpt = None,
+    once: OnceOpt = False,
+    diff: DiffOpt = None,
+    interval: IntervalOpt = 1.0,
+    screenshot: ScreenshotOpt = None,
 ) -> None:
     """Live dashboard: throughput, TTFT/TPOT, requests by stage and loop, per-token probe counters, KV pool,
     CUDA graphs, prefix cache and prefill depth."""
@@ -54,6 +65,36 @@ def top(
             f"`looptrace top` needs the serve extra ({exc.name} is missing): pip install 'looptrace[serve]'",
             EXIT_NO_ENV,
         ) from None
+    with friendly_errors():
+        if len([x for x in (url, prometheus, replay) if x is not None]) > 1:
+            raise UsageError("give one of URL, --prometheus URL or --replay FILE")
+        if interval <= 0 or speed < 0:
+            raise UsageError("--interval must be > 0 and --speed >= 0")
+        from looptrace.cli.output import check_output
+
+        for path, opt in ((record, "--record"), (screenshot, "--screenshot")):
+            check_output(path, opt, [(replay, "--replay"), (diff, "--diff")])  # writable, not an input
+        diff_requests = _load_diff(diff)
+        source, first = _source(url, prometheus, replay)
+    if once:
+        _print_once(source, first, interval, replay is not None)
+        return
+    _dashboard(source, interval, speed, record, diff_requests, screenshot)
+
+
+def _load_diff(diff: Path | None):
+    if diff is None:
+        return None
+    from looptrace.tui.diff_data import DiffDataError, load_diff
+
+    try:
+        return load_diff(diff)
+    except DiffDataError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _source(url: str | None, prometheus: str | None, replay: Path | None):
+    """The source to watch and its first snapshot (unreachable or wrong endpoint: fail here, in one line)."""
     from looptrace.tui.sources import (
         LooptraceSource,
         PrometheusSource,
@@ -62,44 +103,29 @@ def top(
         SourceError,
     )
 
+    try:
+        if replay is not None:
+            source = ReplaySource(replay)
+        elif prometheus is not None:
+            source = PrometheusSource(prometheus)
+        else:
+            source = LooptraceSource(url or DEFAULT_URL)
+        return source, source.fetch()
+    except (ReplayError, SourceError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _print_once(source, first: dict, interval: float, replayed: bool) -> None:
+    from rich.console import Console
+
+    from looptrace.tui.once import snapshot_table
+
     with friendly_errors():
-        chosen = [x for x in (url, prometheus, replay) if x is not None]
-        if len(chosen) > 1:
-            raise UsageError("give one of URL, --prometheus URL or --replay FILE")
-        if interval <= 0 or speed < 0:
-            raise UsageError("--interval must be > 0 and --speed >= 0")
-        from looptrace.cli.output import check_output
+        last, throughput = _once(source, first, interval, replayed)
+    Console(width=110).print(snapshot_table(last, source.label, throughput))
 
-        for path, opt in ((record, "--record"), (screenshot, "--screenshot")):
-            check_output(path, opt, [(replay, "--replay"), (diff, "--diff")])  # writable, not an input
-        diff_requests = None
-        if diff is not None:
-            from looptrace.tui.diff_data import DiffDataError, load_diff
 
-            try:
-                diff_requests = load_diff(diff)
-            except DiffDataError as exc:
-                raise UsageError(str(exc)) from None
-        try:
-            if replay is not None:
-                source = ReplaySource(replay)
-            elif prometheus is not None:
-                source = PrometheusSource(prometheus)
-            else:
-                source = LooptraceSource(url or DEFAULT_URL)
-            first = source.fetch()  # unreachable or wrong endpoint: fail here, in one line
-        except (ReplayError, SourceError) as exc:
-            raise UsageError(str(exc)) from None
-
-    if once:
-        from rich.console import Console
-
-        from looptrace.tui.once import snapshot_table
-
-        with friendly_errors():
-            last, throughput = _once(source, first, interval, replay is not None)
-        Console(width=110).print(snapshot_table(last, source.label, throughput))
-        return
+def _dashboard(source, interval: float, speed: float, record, diff_requests, screenshot: Path | None) -> None:
     try:
         from looptrace.tui.app import LooptraceTop
     except ImportError as exc:
@@ -107,12 +133,7 @@ def top(
             f"`looptrace top` needs textual ({exc.name} is missing): pip install textual", EXIT_NO_ENV
         ) from None
     app = LooptraceTop(
-        source,
-        interval=interval,
-        speed=speed,
-        record_path=record,
-        diff=diff_requests,
-        screenshot=screenshot,
+        source, interval=interval, speed=speed, record_path=record, diff=diff_requests, screenshot=screenshot
     )
     if screenshot is not None:
         app.run(headless=True, size=(140, 44))

@@ -7,16 +7,14 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from looptrace.cli.common import OutputFormat, UsageError, fail, interrupt_exit
+from looptrace.cli.common import UsageError, fail, interrupt_exit
+from looptrace.cli.options import OutputFormat
 from looptrace.cli.output import atomic_write_text, check_output, infer_format
-
-if TYPE_CHECKING:
-    from looptrace.probes.capture import CapturedGraph
 
 EXAMPLES = """
 [bold]EXAMPLES[/bold]
@@ -97,76 +95,85 @@ def emit(text: str, output: Path | None) -> None:
     _wrote(output)
 
 
+TraceArg = Annotated[Path, typer.Argument(help="Chrome/Kineto trace: .json or .json.gz.", show_default=False)]
+TokensOpt = Annotated[
+    Optional[int], typer.Option("--tokens", min=1, help="Output tokens in the window (per-token divisor).")
+]
+StepMarkerOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--step-marker",
+        help="user_annotation name prefix that marks one step (e.g. ProfilerStep#, execute_model); "
+        "without --tokens, tokens = its instances in the window. Default: lt.step#, else ProfilerStep#.",
+    ),
+]
+WindowOpt = Annotated[
+    WindowChoice,
+    typer.Option(
+        help="lt.window/decode or lt.window/prefill ranges, or the whole trace; auto: decode if any."
+    ),
+]
+TraceFormatOpt = Annotated[
+    Optional[OutputFormat],
+    typer.Option(
+        "--format",
+        help="Output format. Default: from the --output suffix (.json, .csv), else table.",
+        show_default=False,
+    ),
+]
+TraceOutputOpt = Annotated[
+    Optional[Path], typer.Option("--output", "-o", help="Write to PATH instead of stdout.")
+]
+TopOpt = Annotated[int, typer.Option(min=0, help="Kernels listed in each top-kernels table.")]
+CaptureOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--capture",
+        help="Capture-trace folder (execution_details.json + traces) that attributes graph-replayed "
+        "kernels. Default: capture_traces/ beside the trace, if present.",
+        show_default=False,
+    ),
+]
+PeakDeviceOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Device for the roofline peaks (e.g. H100, MI300X). Default: the trace's.", show_default=False
+    ),
+]
+LoopsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--loops",
+        min=1,
+        help="Looped model: passes of its recurrent block per forward (traces without lt ranges; "
+        "see LOOPED MODELS).",
+        show_default=False,
+    ),
+]
+LayersPerLoopOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--layers-per-loop",
+        min=1,
+        help="Looped model: layers in its recurrent block (traces without lt ranges).",
+        show_default=False,
+    ),
+]
+
+
 @trace_app.command(epilog=EXAMPLES)
 def analyze(
-    trace: Annotated[
-        Path, typer.Argument(help="Chrome/Kineto trace: .json or .json.gz.", show_default=False)
-    ],
-    tokens: Annotated[
-        Optional[int],
-        typer.Option("--tokens", min=1, help="Output tokens in the window (per-token divisor)."),
-    ] = None,
-    step_marker: Annotated[
-        Optional[str],
-        typer.Option(
-            "--step-marker",
-            help="user_annotation name prefix that marks one step (e.g. ProfilerStep#, execute_model); "
-            "without --tokens, tokens = its instances in the window. Default: lt.step#, else ProfilerStep#.",
-        ),
-    ] = None,
-    window: Annotated[
-        WindowChoice,
-        typer.Option(
-            help="lt.window/decode or lt.window/prefill ranges, or the whole trace; auto: decode if any."
-        ),
-    ] = WindowChoice.auto,
-    fmt: Annotated[
-        Optional[OutputFormat],
-        typer.Option(
-            "--format",
-            help="Output format. Default: from the --output suffix (.json, .csv), else table.",
-            show_default=False,
-        ),
-    ] = None,
-    output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Write to PATH instead of stdout.")
-    ] = None,
-    top: Annotated[int, typer.Option(min=0, help="Kernels listed in each top-kernels table.")] = 10,
-    capture: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--capture",
-            help="Capture-trace folder (execution_details.json + traces) that attributes graph-replayed "
-            "kernels. Default: capture_traces/ beside the trace, if present.",
-            show_default=False,
-        ),
-    ] = None,
-    device: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Device for the roofline peaks (e.g. H100, MI300X). Default: the trace's.",
-            show_default=False,
-        ),
-    ] = None,
-    loops: Annotated[
-        Optional[int],
-        typer.Option(
-            "--loops",
-            min=1,
-            help="Looped model: passes of its recurrent block per forward (traces without lt ranges; "
-            "see LOOPED MODELS).",
-            show_default=False,
-        ),
-    ] = None,
-    layers_per_loop: Annotated[
-        Optional[int],
-        typer.Option(
-            "--layers-per-loop",
-            min=1,
-            help="Looped model: layers in its recurrent block (traces without lt ranges).",
-            show_default=False,
-        ),
-    ] = None,
+    trace: TraceArg,
+    tokens: TokensOpt = None,
+    step_marker: StepMarkerOpt = None,
+    window: WindowOpt = WindowChoice.auto,
+    fmt: TraceFormatOpt = None,
+    output: TraceOutputOpt = None,
+    top: TopOpt = 10,
+    capture: CaptureOpt = None,
+    device: PeakDeviceOpt = None,
+    loops: LoopsOpt = None,
+    layers_per_loop: LayersPerLoopOpt = None,
 ) -> None:
     """Per-token counters (Table A4 shape), op categories and per-op roofline, kernel attribution by
     stage/op/layer and top kernels; vLLM, SGLang, Hugging Face and looptrace traces (CUDA and ROCm)."""
@@ -187,28 +194,19 @@ class _Options:
     layers_per_loop: int | None = None
 
 
-def _captures(trace: Path, folder: Path | None) -> list[CapturedGraph] | None:
-    """Graphs of the given capture folder, else of the one beside the trace (a broken one is an error
-    either way: it was meant for this trace)."""
-    from looptrace.probes.capture import find_capture_dir, load_captures
-
-    folder = folder or find_capture_dir(trace)
-    return load_captures(folder) if folder is not None else None
-
-
 def _analyze(trace: Path, o: _Options, fmt: OutputFormat, output: Path | None) -> None:
     # The analysis modules load here, not at import: `looptrace --help` and usage errors stay fast.
     from looptrace.probes.capture import find_capture_dir
+    from looptrace.probes.compare import trace_captures
     from looptrace.probes.counters import analyze as analyze_trace
     from looptrace.probes.events import TraceError, load_chrome_trace
-    from looptrace.probes.report import render_report, to_csv, to_json
 
     try:
         check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
         loaded = load_chrome_trace(trace)
         if not loaded.events:
             raise TraceError(f"{trace}: no complete ('ph': 'X') events in the trace")
-        captures = _captures(trace, o.capture)
+        captures = trace_captures(trace, o.capture)
         result = analyze_trace(
             loaded, tokens=o.tokens, window=o.window.value, step_marker=o.step_marker, top=o.top,
             captures=captures, device=o.device, loops=o.loops, layers_per_loop=o.layers_per_loop,
@@ -220,6 +218,12 @@ def _analyze(trace: Path, o: _Options, fmt: OutputFormat, output: Path | None) -
         header["capture"] = str(o.capture or find_capture_dir(trace))
     if result.device:
         header["device"] = result.device
+    _render(result, header, fmt, output)
+
+
+def _render(result, header: dict, fmt: OutputFormat, output: Path | None) -> None:
+    from looptrace.probes.report import render_report, to_csv, to_json
+
     if fmt is OutputFormat.json:
         emit(to_json(result, header) + "\n", output)
     elif fmt is OutputFormat.csv:

@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from looptrace.cli.common import SEED_MAX, UsageError, friendly_errors, interrupt_exit
+from looptrace.build import SEED_MAX
+from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
 from looptrace.cli.output import same_file
 
 META_FILE = "train_meta.json"  # looptrace.train.trainer.META_FILE (not imported: it loads torch)
@@ -43,22 +44,30 @@ class Family(str, enum.Enum):
     huginn = "huginn"
 
 
+FamilyOpt = Annotated[Family, typer.Option(help="Which tiny preset to train.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(help="Output directory (default: ./looptrace-tiny-<family>).", show_default=False),
+]
+ReplaceShippedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--replace-shipped",
+        help="Write over the packaged checkpoint (looptrace/assets/<preset>) that the tiny presets load.",
+    ),
+]
+StepsOpt = Annotated[int | None, typer.Option(help="Optimizer steps (default: the shipped run's).")]
+TrainSeedOpt = Annotated[int, typer.Option(help="Seed (data, init, Huginn depth and noise).")]
+TrainThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (1 is faster on a busy machine).")]
+
+
 def train_tiny(
-    family: Annotated[Family, typer.Option(help="Which tiny preset to train.")],
-    out: Annotated[
-        Path | None,
-        typer.Option(help="Output directory (default: ./looptrace-tiny-<family>).", show_default=False),
-    ] = None,
-    replace_shipped: Annotated[
-        bool,
-        typer.Option(
-            "--replace-shipped",
-            help="Write over the packaged checkpoint (looptrace/assets/<preset>) that the tiny presets load.",
-        ),
-    ] = False,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: the shipped run's).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed (data, init, Huginn depth and noise).")] = 0,
-    threads: Annotated[int, typer.Option(help="torch CPU threads (1 is faster on a busy machine).")] = 2,
+    family: FamilyOpt,
+    out: OutOpt = None,
+    replace_shipped: ReplaceShippedOpt = False,
+    steps: StepsOpt = None,
+    seed: TrainSeedOpt = 0,
+    threads: TrainThreadsOpt = 2,
 ) -> None:
     """Train ouro-tiny or huginn-tiny on the addition task and write a loadable checkpoint directory."""
     from looptrace.assets import ASSETS_DIR

@@ -123,7 +123,7 @@ def check_memory(needs: Iterable[Need], device: Any = "cpu", *, context: str = "
         )
 
 
-# What an engine allocates ------------------------------------------------------------------------------
+# Weights -----------------------------------------------------------------------------------------------
 def weight_bytes(spec: Any, elt: int) -> int:
     """Parameters of the model shape (attention, MLP, embeddings, Huginn's adapter; norms ignored)."""
     h, heads, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -134,26 +134,96 @@ def weight_bytes(spec: Any, elt: int) -> int:
     return params * elt
 
 
+# The KV pool ---------------------------------------------------------------------------------------------
+GIB = 1 << 30
+RESERVE_BYTES = GIB  # what an engine leaves beside its pool on CUDA (graphs, activations)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What a config's KV pool is made of: the cost of one block and the blocks one page takes."""
+
+    block_size: int  # positions per block
+    block_bytes: int  # K and V of `block_size` positions in every layer
+    blocks_per_page: int  # blocks one page of one request takes (all planes of the layout)
+    num_tables: int  # block tables per request (decode tables are this wide)
+
+    def blocks_for_bytes(self, nbytes: float) -> int:
+        """Blocks of the whole pages that fit in `nbytes` (0 when none does)."""
+        return max(0, int(nbytes // self.block_bytes)) // self.blocks_per_page * self.blocks_per_page
+
+    def blocks_for_tokens(self, tokens: int, requests: int = 1) -> int:
+        """Blocks that hold `requests` requests of `tokens` positions each."""
+        return requests * math.ceil(tokens / self.block_size) * self.blocks_per_page
+
+
+def pool_geometry(spec: Any, cfg: Any, elt: int) -> PoolGeometry:
+    """The pool geometry of `cfg`'s layout for `spec` in a dtype of `elt` bytes (no memory allocated)."""
+    from looptrace.engine.kv_cache import LAYOUTS
+
+    kv = cfg.kv
+    layout = LAYOUTS[kv.layout](spec, cfg.exit.max_loops or spec.default_loops)
+    block_bytes = 2 * spec.num_layers * kv.block_size * spec.num_kv_heads * spec.head_dim * elt
+    return PoolGeometry(kv.block_size, block_bytes, layout.blocks_per_page, layout.num_tables)
+
+
+def cuda_kv_budget(free: int, total: int, utilization: float, reserve: int = RESERVE_BYTES) -> float:
+    """KV bytes the engine's rule allows on a GPU: free memory less (1 - utilization) x total and
+    `reserve`."""
+    return free - (1 - utilization) * total - reserve
+
+
+@dataclass(frozen=True)
+class PoolNeed:
+    """KV positions a run needs at once: `window` requests of `longest` tokens (the batches must be the
+    same in both arms of a diff, so every request of a window must fit)."""
+
+    window: int
+    longest: int
+
+
+def cuda_pool_blocks(
+    spec: Any, cfg: Any, elt: int, device: Any, need: PoolNeed | None, cap_tokens: int
+) -> int:
+    """The engine's rule measured on what is alive now, capped at `cap_tokens` positions; a `need` that
+    does not fit is a BudgetError naming the settings to change."""
+    import torch
+
+    kv = cfg.kv
+    geo = pool_geometry(spec, cfg, elt)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = cuda_kv_budget(free, total, kv.gpu_memory_utilization)
+    fits = geo.blocks_for_bytes(budget)
+    if need is not None:
+        needed = geo.blocks_for_tokens(need.longest, need.window) + kv.watermark_blocks
+        if fits < needed:
+            raise BudgetError(
+                f"the KV pool ({kv.layout} layout) needs {needed * geo.block_bytes / GIB:.2f} GiB for "
+                f"{need.window} request(s) of {need.longest} tokens, but kv.gpu_memory_utilization="
+                f"{kv.gpu_memory_utilization:g} leaves {max(0.0, budget) / GIB:.2f} GiB "
+                f"({free / GIB:.1f} of {total / GIB:.1f} GiB free): raise kv.gpu_memory_utilization "
+                "(--a-set/--b-set) or lower -c, --prompt-len or --max-tokens"
+            )
+    return max(geo.blocks_per_page, min(geo.blocks_for_tokens(cap_tokens), fits))
+
+
+# What an engine allocates ------------------------------------------------------------------------------
 def engine_needs(spec: Any, cfg: Any, elt: int, device: Any, *, weights: bool = True) -> list[Need]:
     """The large allocations of `LLMEngine(spec, cfg)` in a dtype of `elt` bytes on `device`."""
-    from looptrace.engine.kv_cache import LAYOUTS  # the page geometry of the chosen layout
-
     kind = _kind(device)
     kvc, sch = cfg.kv, cfg.scheduler
-    layout = LAYOUTS[kvc.layout](spec, cfg.exit.max_loops or spec.default_loops)
-    per_page = layout.blocks_per_page
+    geo = pool_geometry(spec, cfg, elt)
     needs: list[Need] = []
     if weights:
         needs.append(Need("weights", weight_bytes(spec, elt), "--model / --dtype"))
     if kvc.num_blocks is not None:
         blocks, setting = kvc.num_blocks, "kv.num_blocks"
     elif kind != "cuda":
-        blocks, setting = math.ceil(kvc.cpu_pool_tokens / kvc.block_size) * per_page, "kv.cpu_pool_tokens"
+        blocks, setting = geo.blocks_for_tokens(kvc.cpu_pool_tokens), "kv.cpu_pool_tokens"
     else:
         blocks, setting = 0, ""  # CUDA sizes the pool from free memory itself
     if blocks:
-        block_bytes = 2 * spec.num_layers * kvc.block_size * spec.num_kv_heads * spec.head_dim * elt
-        needs.append(Need("KV pool", blocks * block_bytes, setting))
+        needs.append(Need("KV pool", blocks * geo.block_bytes, setting))
         needs.append(Need("KV block tables", blocks * _HOST_BYTES_PER_BLOCK, setting, host=True))
     slots = sch.max_num_seqs
     state = slots * (spec.hidden_size * elt * (3 if spec.has_injection else 2) + 8)
@@ -161,7 +231,7 @@ def engine_needs(spec: Any, cfg: Any, elt: int, device: Any, *, weights: bool = 
     needs.append(Need("slot bookkeeping", slots * _HOST_BYTES_PER_SLOT, "scheduler.max_num_seqs", host=True))
     if kind == "cuda":  # fixed-width decode tables (graph inputs) exist only there
         max_len = min(sch.max_model_len or spec.max_position, spec.max_position)
-        tables = slots * layout.num_tables * math.ceil(max_len / kvc.block_size) * 8
+        tables = slots * geo.num_tables * math.ceil(max_len / kvc.block_size) * 8
         needs.append(Need("decode block tables", tables, "scheduler.max_num_seqs"))
     rows = sch.max_num_batched_tokens
     act = rows * (8 * spec.hidden_size + 3 * spec.intermediate_size) * elt

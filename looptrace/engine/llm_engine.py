@@ -41,6 +41,7 @@ from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_e
 from looptrace.engine.request import Request, SamplingParams, SamplingParamsError, Stage, reduce_seed
 from looptrace.engine.runner import ModelRunner, PendingRead
 from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
+from looptrace.engine.snapshot import EngineSnapshot, snapshot_engine
 from looptrace.engine.weights import create_model, init_random
 
 
@@ -849,3 +850,8 @@ class LLMEngine:
             if cache is not None:
                 out[name] = cache.counters.as_dict()
         return out
+
+    def snapshot(self) -> EngineSnapshot:
+        """Queues, requests, step counts, KV, graphs, prefix cache and decode mode, read between steps (no
+        device sync): what clients may know of the engine (engine/snapshot.py)."""
+        return snapshot_engine(self)

@@ -77,13 +77,8 @@ class ProfileResult:
 
 
 def steps_per_token(engine: LLMEngine) -> int:
-    """Engine steps one decode token takes per batch: loops + 2 (prelude, a step per loop, coda); 3 with
-    loop fusion (prelude, fused loops, coda); 1 with whole-token decode."""
-    if getattr(engine, "whole_token", False):
-        return 1
-    if getattr(engine, "fuse_loops", False):
-        return 3
-    return engine.max_loops + 2
+    """Engine steps one decode token takes per batch (`DecodeMode.steps_per_token`)."""
+    return engine.snapshot().decode.steps_per_token
 
 
 def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:

@@ -33,11 +33,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from looptrace.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.engine.snapshot import (
+        EngineSnapshot,
+        GraphFamily,
+        KVSnapshot,
+        PrefixCacheSnapshot,
+        StepCounts,
+    )
 
 log = logging.getLogger("looptrace.serve")
 
@@ -157,7 +167,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         *,
         model_name: str = "looptrace",
         metrics: Any = None,  # looptrace.serve.metrics.ServerMetrics (observes latencies and tokens)
@@ -409,8 +419,7 @@ class EngineLoop:
 
     def _report_failures(self) -> None:
         """Requests the engine finished with reason "error" on its own (admission, failed step)."""
-        take = getattr(self.engine, "take_failures", None)
-        for rid, why in take() if take is not None else ():
+        for rid, why in self.engine.take_failures():
             track = self._tracks.pop(rid, None)
             self._forget(rid)
             if track is not None:
@@ -535,30 +544,7 @@ class EngineLoop:
         self._last_snapshot = now
 
     def _build_snapshot(self, now: float) -> dict[str, Any]:
-        e = self.engine
-        reqs = list(getattr(e, "requests", {}).values())
-        live = [r for r in reqs if getattr(r, "stage", None) is not None and _stage(r) != "finished"]
-        waiting = [r for r in live if _stage(r) == "waiting"]
-        running = [r for r in live if _stage(r) != "waiting"]
-        max_loops = int(getattr(e, "max_loops", 0) or 0)
-        listed = []
-        for r in sorted(live, key=lambda r: getattr(r, "arrival_time", 0.0))[:MAX_LISTED_REQUESTS]:
-            listed.append(
-                {
-                    "id": r.request_id,
-                    "stage": _stage(r),
-                    "loop": int(getattr(r, "loops_done", 0)),
-                    "max_loops": max_loops,
-                    "tokens": len(getattr(r, "outputs", [])),
-                    "max_tokens": int(getattr(getattr(r, "params", None), "max_tokens", 0) or 0),
-                    "prompt_tokens": len(getattr(r, "prompt", [])),
-                    "age_s": round(max(0.0, now - float(getattr(r, "arrival_time", now))), 3),
-                }
-            )
-        stats = getattr(e, "stats", None)
-        steps = int(getattr(stats, "steps", 0))
-        subs = int(getattr(stats, "submissions", 0))
-        out_tokens = int(getattr(stats, "output_tokens", 0))
+        snap = self.engine.snapshot()
         return {
             "schema": SCHEMA,
             "source": "looptrace",
@@ -566,7 +552,7 @@ class EngineLoop:
             "uptime_s": round(time.time() - self._started, 3),
             "model": self.model_name,
             "info": self.info,
-            "requests": {"running": len(running), "waiting": len(waiting), "list": listed},
+            "requests": _requests_section(snap, now),
             "tokens": {
                 "prompt_total": self._totals["prompt_tokens"],
                 "generation_total": self._totals["generation_tokens"],
@@ -574,18 +560,11 @@ class EngineLoop:
                 "requests_aborted": self._totals["aborted"],
             },
             "latency": {k: w.summary(now) for k, w in self._windows.items()},
-            "engine": {
-                "steps": steps,
-                "submissions": subs,
-                "output_tokens": out_tokens,
-                "steps_per_token": steps / out_tokens if out_tokens else None,
-                "submissions_per_token": subs / out_tokens if out_tokens else None,
-                "steps_by_stage": dict(getattr(stats, "steps_by_stage", {}) or {}),
-            },
-            "kv": kv_state(e),
-            "graphs": _graphs(e),
-            "prefix": _prefix(e),
-            "prefill_depth": _prefill_depth(e),
+            "engine": _engine_section(snap.stats),
+            "kv": _kv_section(snap.kv),
+            "graphs": _graphs_section(snap.graphs),
+            "prefix": _prefix_section(snap.prefix),
+            "prefill_depth": float(snap.prefill_depth),
             "probe": self.probe.result() if self.probe is not None else PROBE_OFF,
         }
 
@@ -597,85 +576,75 @@ def _send(sink: Sink, event: Event) -> None:
         log.debug("dropping an event for a closed client", exc_info=True)
 
 
-def _stage(req: Any) -> str:
-    stage = getattr(req, "stage", "")
-    return str(getattr(stage, "value", stage))
-
-
-def kv_state(e: Any) -> dict[str, Any]:
-    """Blocks held by requests, by the prefix cache only (evictable) and free (`LLMEngine.kv_blocks`); live
-    vs dead slots per plane for the pages requests hold."""
-    kv = e.kv_blocks()
-    num, used, request_blocks = kv["num_blocks"], kv["used_blocks"], kv["request_blocks"]
-    blocks = getattr(e, "blocks", None)
-    layout = getattr(e, "layout", None)
-    spec = getattr(e, "spec", None)
-    planes: list[dict[str, Any]] = []
-    num_planes = int(getattr(layout, "num_planes", 1) or 1)
-    block_size = int(getattr(blocks, "block_size", 0) or 0)
-    # A page of one request takes `blocks_per_page` pool blocks (all planes; fewer under `packed`).
-    per_page = int(getattr(layout, "blocks_per_page", num_planes) or num_planes)
-    tokens_per_plane = request_blocks // per_page * block_size
-    if layout is not None and spec is not None and hasattr(layout, "layers_in_plane"):
-        for p in range(num_planes):
-            live = len(layout.layers_in_plane(p))
-            # slots the plane reserves per token (packed: only its live layers), less the live ones
-            dead = (
-                int(layout.plane_width(p)) - live
-                if hasattr(layout, "plane_width")
-                else spec.num_layers - live
-            )
-            planes.append(
-                {"plane": p, "live_slots": live * tokens_per_plane, "dead_slots": dead * tokens_per_plane}
-            )
-    return {
-        "layout": getattr(layout, "name", None),
-        "num_blocks": num,
-        "block_size": block_size,
-        "used_blocks": used,
-        "request_blocks": request_blocks,
-        "cached_blocks": kv["cached_blocks"],
-        "free_blocks": kv["free_blocks"],
-        "usage": request_blocks / num if num else 0.0,
-        "planes": planes,
-    }
-
-
-def _graphs(e: Any) -> dict[str, Any]:
-    try:
-        counters = e.graph_counters()
-    except Exception:  # noqa: BLE001
-        counters = {}
-    out: dict[str, Any] = {"enabled": bool(counters), "caches": {}}
-    runner = getattr(e, "runner", None)
-    for name, c in counters.items():
-        cache = getattr(runner, f"{name}_graphs", None)
-        entries = len(getattr(cache, "entries", {}) or {})
-        out["caches"][name] = {
-            **c,
-            "fallback_reasons": dict(c.get("fallback_reasons", {})),
-            "graphs": entries,
+def _requests_section(snap: EngineSnapshot, now: float) -> dict[str, Any]:
+    """Queue counts and the oldest unfinished requests (at most MAX_LISTED_REQUESTS)."""
+    oldest = sorted(snap.requests, key=lambda r: r.arrival_time)[:MAX_LISTED_REQUESTS]
+    listed = [
+        {
+            "id": r.request_id,
+            "stage": r.stage,
+            "loop": r.loop,
+            "max_loops": snap.decode.max_loops,
+            "tokens": r.tokens,
+            "max_tokens": r.max_tokens,
+            "prompt_tokens": r.prompt_tokens,
+            "age_s": round(max(0.0, now - r.arrival_time), 3),
         }
-    return out
+        for r in oldest
+    ]
+    return {"running": snap.queues.running, "waiting": snap.queues.waiting, "list": listed}
 
 
-def _prefix(e: Any) -> dict[str, Any]:
-    blocks = getattr(e, "blocks", None)
-    st = dict(getattr(blocks, "stats", {}) or {})
-    hits, queries = int(st.get("prefix_hit_tokens", 0)), int(st.get("prefix_query_tokens", 0))
+def _engine_section(stats: StepCounts) -> dict[str, Any]:
+    out_tokens = stats.output_tokens
     return {
-        "enabled": bool(getattr(blocks, "prefix_caching", False)),
-        "hit_tokens": hits,
-        "query_tokens": queries,
-        "hit_rate": hits / queries if queries else None,
-        "evictions": int(st.get("evictions", 0)),
+        "steps": stats.steps,
+        "submissions": stats.submissions,
+        "output_tokens": out_tokens,
+        "steps_per_token": stats.steps / out_tokens if out_tokens else None,
+        "submissions_per_token": stats.submissions / out_tokens if out_tokens else None,
+        "steps_by_stage": dict(stats.steps_by_stage),
     }
 
 
-def _prefill_depth(e: Any) -> float | None:
-    """Current prefill depth P, once the engine exposes one (`prefill_depth` attribute or stats field)."""
-    for obj in (e, getattr(e, "stats", None), getattr(e, "runner", None)):
-        value = getattr(obj, "prefill_depth", None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
+def _kv_section(kv: KVSnapshot) -> dict[str, Any]:
+    """Blocks held by requests, by the prefix cache only (evictable) and free; live vs dead slots per plane
+    for the pages requests hold."""
+    return {
+        "layout": kv.layout,
+        "num_blocks": kv.num_blocks,
+        "block_size": kv.block_size,
+        "used_blocks": kv.used_blocks,
+        "request_blocks": kv.request_blocks,
+        "cached_blocks": kv.cached_blocks,
+        "free_blocks": kv.free_blocks,
+        "usage": kv.usage,
+        "planes": [
+            {"plane": p.plane, "live_slots": p.live_slots, "dead_slots": p.dead_slots} for p in kv.planes
+        ],
+    }
+
+
+def _graphs_section(families: tuple[GraphFamily, ...]) -> dict[str, Any]:
+    caches = {
+        g.name: {
+            "captures": g.captures,
+            "replays": g.replays,
+            "fallbacks": g.fallbacks,
+            "evictions": g.evictions,
+            "fallback_reasons": dict(g.fallback_reasons),
+            "graphs": g.graphs,
+        }
+        for g in families
+    }
+    return {"enabled": bool(families), "caches": caches}
+
+
+def _prefix_section(prefix: PrefixCacheSnapshot) -> dict[str, Any]:
+    return {
+        "enabled": prefix.enabled,
+        "hit_tokens": prefix.hit_tokens,
+        "query_tokens": prefix.query_tokens,
+        "hit_rate": prefix.hit_rate,
+        "evictions": prefix.evictions,
+    }

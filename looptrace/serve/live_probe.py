@@ -21,22 +21,24 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.engine.snapshot import GraphFamily
 
 log = logging.getLogger("looptrace.serve")
 
 
-def _graph_totals(engine: Any) -> dict[str, Any]:
-    try:
-        counters = engine.graph_counters()
-    except Exception:  # noqa: BLE001
-        return {"replays": 0, "captures": 0, "fallbacks": 0, "reasons": {}}
+def _graph_totals(families: tuple[GraphFamily, ...]) -> dict[str, Any]:
+    """Replays, captures and eager fallbacks summed over the graph families, fallbacks by reason."""
     out: dict[str, Any] = {"replays": 0, "captures": 0, "fallbacks": 0, "reasons": {}}
-    for c in counters.values():
-        for k in ("replays", "captures", "fallbacks"):
-            out[k] += int(c.get(k, 0))
-        for reason, n in dict(c.get("fallback_reasons", {})).items():
-            out["reasons"][reason] = out["reasons"].get(reason, 0) + int(n)
+    for g in families:
+        out["replays"] += g.replays
+        out["captures"] += g.captures
+        out["fallbacks"] += g.fallbacks
+        for reason, n in g.fallback_reasons.items():
+            out["reasons"][reason] = out["reasons"].get(reason, 0) + n
     return out
 
 
@@ -66,9 +68,9 @@ class LiveProbe:
     """Called by the engine loop around each step (`before_step`, `after_step`). Not thread-safe except
     `result()`, which returns the latest finished window (a dict replaced whole) or None."""
 
-    def __init__(self, engine: Any, interval_s: float = 5.0, window_steps: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, interval_s: float = 5.0, window_steps: int | None = None) -> None:
         self.engine, self.interval_s = engine, interval_s
-        loops = int(getattr(engine, "max_loops", 1) or 1)
+        loops = engine.snapshot().decode.max_loops
         # About two tokens of every running batch: one token costs loops + 2 steps (prelude, coda).
         self.window_steps = window_steps or 2 * (loops + 2)
         self._next = time.monotonic() + min(1.0, interval_s)
@@ -124,7 +126,7 @@ class LiveProbe:
         from looptrace.probes.ranges import RangeProbe
 
         acts = [torch.profiler.ProfilerActivity.CPU]
-        if getattr(getattr(self.engine, "device", None), "type", "cpu") == "cuda":
+        if self.engine.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         try:
             self._ranges = RangeProbe("step", nvtx=False).attach(self.engine)
@@ -141,9 +143,9 @@ class LiveProbe:
         self._prof = prof
         self._t0 = time.perf_counter()
         self._steps = self._tokens = 0
-        stats = getattr(self.engine, "stats", None)
-        self._subs0 = int(getattr(stats, "submissions", 0))
-        self._graph0 = _graph_totals(self.engine)
+        snap = self.engine.snapshot()
+        self._subs0 = snap.stats.submissions
+        self._graph0 = _graph_totals(snap.graphs)
 
     def _stop(self, prof: Any) -> None:
         try:
@@ -158,9 +160,9 @@ class LiveProbe:
         prof, self._prof = self._prof, None
         self._stop(prof)
         wall = time.perf_counter() - self._t0
-        stats = getattr(self.engine, "stats", None)
-        subs = int(getattr(stats, "submissions", 0)) - self._subs0
-        g1 = _graph_totals(self.engine)
+        snap = self.engine.snapshot()
+        subs = snap.stats.submissions - self._subs0
+        g1 = _graph_totals(snap.graphs)
         graphs = {k: g1[k] - self._graph0.get(k, 0) for k in ("replays", "captures", "fallbacks")}
         reasons = {
             k: v - self._graph0["reasons"].get(k, 0)

@@ -126,9 +126,9 @@ def test_ctrl_c_during_validate_writes_what_was_measured(prompts: Path, tmp_path
         "(8,2)": [],
     }
     assert "throughput_req_s" not in v and "controller" not in v
-    from looptrace.cli.depth_cmd import _validate_lines
+    from looptrace.analysis.depth_report import validate_lines
 
-    assert "  interrupted: timed runs done (8,8) 1/1, (8,2) 0/1" in "\n".join(_validate_lines(v))  # the table
+    assert "  interrupted: timed runs done (8,8) 1/1, (8,2) 0/1" in "\n".join(validate_lines(v))  # the table
 
 
 def test_progress_on_a_terminal_names_each_phase(prompts: Path, monkeypatch) -> None:

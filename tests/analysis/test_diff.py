@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-from looptrace.analysis.bisect import bisect, ddmin
+from looptrace.analysis.bisect import bisect
+from looptrace.analysis.ddmin import ddmin
 from looptrace.analysis.diff import (
     HOLDS,
     REPORTED,

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from looptrace.cli import bench_cmd
-from looptrace.cli.common import OutputFormat
 from looptrace.cli.main import app
+from looptrace.cli.options import OutputFormat
 from looptrace.drive import benchmark
 from tests.cli.test_run_cli import assert_one_line_error
 

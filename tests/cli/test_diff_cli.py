@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from looptrace.build import POOL_CAP_TOKENS, engine_factory, preset_model
 from looptrace.cli.main import app
+from looptrace.engine.budget import PoolNeed
 
 FAST = ["-c", "2", "--prompt-len", "8", "--max-tokens", "2", "--no-progress"]
 runner = CliRunner()
@@ -225,7 +227,6 @@ GIB = 1 << 30
 def _cuda_factory(monkeypatch, free_gib: float, total_gib: float = 140.0):
     import torch
 
-    from looptrace.cli import diff_cmd
     from looptrace.engine import llm_engine
     from looptrace.engine.model_config import resolve_preset
 
@@ -236,8 +237,8 @@ def _cuda_factory(monkeypatch, free_gib: float, total_gib: float = 140.0):
     )
     spec = resolve_preset("huginn-0125", "cuda")
     net = type("Net", (), {"spec": spec})()
-    need = diff_cmd.PoolNeed(window=4, longest=144)
-    return diff_cmd._factory(net, torch.device("cuda"), torch.bfloat16, 0, need), built, spec
+    need = PoolNeed(window=4, longest=144)
+    return engine_factory(net, torch.device("cuda"), torch.bfloat16, 0, need), built, spec
 
 
 def _pool(spec, cfg, num_blocks: int) -> tuple[int, float]:
@@ -253,29 +254,28 @@ def _pool(spec, cfg, num_blocks: int) -> tuple[int, float]:
 def test_cuda_pool_is_capped_and_sized_on_free_memory(monkeypatch, recipe: str) -> None:
     # On the H200 the first engine took the free memory and the next got a one-page pool; then every engine
     # got a fixed 8192-position pool whatever kv.gpu_memory_utilization said (Huginn base: 41 GiB each).
-    from looptrace.cli import diff_cmd
     from looptrace.recipes import load_recipe
 
     make, built, spec = _cuda_factory(monkeypatch, free_gib=126.0)  # one copy of the weights loaded
     cfg = load_recipe(recipe).config
     make(cfg)
-    assert _pool(spec, cfg, built[-1].kv.num_blocks)[0] == diff_cmd.DIFF_POOL_TOKENS  # plenty: the cap
+    assert _pool(spec, cfg, built[-1].kv.num_blocks)[0] == POOL_CAP_TOKENS  # plenty: the cap
     assert cfg.kv.num_blocks is None  # the recipe's config is not changed
     cfg.kv.gpu_memory_utilization = 0.4  # leaves 126 - 0.6 * 140 - 1 = 41 GiB
     make(cfg)
     tokens, gib = _pool(spec, cfg, built[-1].kv.num_blocks)
-    assert gib <= 41.0 and (tokens < diff_cmd.DIFF_POOL_TOKENS or recipe == "exactloop")
+    assert gib <= 41.0 and (tokens < POOL_CAP_TOKENS or recipe == "exactloop")
 
 
 def test_cuda_workload_that_does_not_fit_names_the_setting(monkeypatch) -> None:
-    from looptrace.cli import diff_cmd
+    from looptrace.engine.budget import BudgetError
     from looptrace.recipes import load_recipe
 
     make, built, _ = _cuda_factory(monkeypatch, free_gib=86.0)  # 0.9 x 140: 86 - 14 - 1 = 71 GiB, fits
     cfg = load_recipe("base").config
     make(cfg)
     cfg.kv.gpu_memory_utilization = 0.4  # 86 - 84 - 1 = 1 GiB: not 4 requests of 144 tokens at 32 loops
-    with pytest.raises(diff_cmd.UsageError, match=r"kv.gpu_memory_utilization=0.4 leaves 1.00 GiB.*raise"):
+    with pytest.raises(BudgetError, match=r"kv.gpu_memory_utilization=0.4 leaves 1.00 GiB.*raise"):
         make(cfg)
     assert len(built) == 1
 
@@ -332,12 +332,11 @@ def test_cli_frees_every_engine_before_the_next(monkeypatch) -> None:
 
 
 def test_tiny_presets_use_their_trained_weights_on_any_device() -> None:
-    from looptrace.cli import diff_cmd
 
-    assert diff_cmd._shipped("ouro-tiny", "cuda") is not None
-    assert diff_cmd._shipped("huginn-tiny", "cuda") is not None
-    assert diff_cmd._shipped("ouro", "cuda") is None  # ouro-1.4b: no shipped checkpoint
-    assert diff_cmd._shipped("ouro", "cpu") is not None  # ouro-tiny on CPU
+    assert preset_model("ouro-tiny", "cuda").weights is not None
+    assert preset_model("huginn-tiny", "cuda").weights is not None
+    assert preset_model("ouro", "cuda").weights is None  # ouro-1.4b: no shipped checkpoint
+    assert preset_model("ouro", "cpu").weights is not None  # ouro-tiny on CPU
 
 
 def test_each_r3_setting_is_marked_by_its_own_accuracy(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from looptrace.cli.common import OutputFormat
 from looptrace.cli.main import app
+from looptrace.cli.options import OutputFormat
 from looptrace.cli.output import OutputError, atomic_path, atomic_write_text, check_output, infer_format
 
 runner = CliRunner()
@@ -33,7 +33,7 @@ def _boom(*_args, **_kwargs):
 def no_work(monkeypatch):
     """Every command fails loudly (exit 1, WorkStarted) if it gets past its argument checks."""
     monkeypatch.setattr("looptrace.cli.run_cmd.make_workload", _boom)
-    monkeypatch.setattr("looptrace.cli.profile_cmd.build_engine", _boom)
+    monkeypatch.setattr("looptrace.probes.profile_run.build_engine", _boom)
     monkeypatch.setattr("looptrace.probes.events.load_chrome_trace", _boom)  # imported at call time
 
 

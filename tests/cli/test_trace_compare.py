@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from looptrace.cli.main import app
-from looptrace.cli.trace_compare_cmd import SCHEMA, compare_reports
+from looptrace.probes.compare import SCHEMA, compare_reports
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 SGLANG = TRACES / "sglang_prefilldecode" / "sglang_Qwen3-8B_prefilldecode.json.gz"

@@ -6,30 +6,45 @@ copy per layer). Addressing is the engine's *entry* addressing (`layers.AttnCont
 `[num_blocks, num_layers, block_size, kv_heads, head_dim]` is seen as `[num_blocks * num_layers,
 block_size, kv_heads, head_dim]`; a row's table holds entry bases and layer l reads entry `base + l`.
 
-Kernel design (`_attn_kernel`): grid `(R, H)`, one program per (row, query head), kv head
-`head // (H // KVH)` (GQA: the K/V of one kv head is read by its `group` query heads, from L2; both
-target models are MHA, where nothing is read twice). A program walks its row's keys in tiles of
-`BLOCK_N = 128` keys (8 pages of 16; each key's page entry comes from the table, so pages may lie anywhere
-in the pool), from key 0 upwards, `ceil(ctx / BLOCK_N)` tiles, with an online softmax in fp32: scores
-`sum(q * k)` with q pre-scaled by `scale * log2(e)`, running max and sum, `exp2`, fp32 accumulator
-`acc = acc * alpha + sum(p * v)`, and one IEEE division and one rounding to q's dtype at the end. The
-products and sums are plain fp32 CUDA-core math (no tensor cores: no tf32, no bf16 rounding of p); decode
-attention is bound by memory, not arithmetic. head_dim is padded to a power of two with masks (Huginn's
-96 -> 128). Keys past `ctx` are masked on load, so table entries of pages `p >= ceil(ctx / bs)` (the -1
-padding) and their pages are never read; a row with `ctx == 0` (a padding row) reads nothing and writes
-zeros. No host syncs, no data-dependent grid: the loop bound is read on the device, the grid depends only
-on (R, H), so the launch can be captured in a CUDA graph.
+Kernel design (`_attn_kernel`, split-KV decode): a row's keys are cut into *segments* of
+`segment_keys(ctx)` keys, a whole number of `BLOCK_N = 64`-key tiles: one tile per segment up to
+`MAX_SEGMENTS * BLOCK_N` keys, then as many tiles per segment as keep the count at `MAX_SEGMENTS = 16`
+(the bound keeps the scratch at `R * H * 16` partials whatever the table width: Ouro's 65,536 positions
+would otherwise need 1,024 segments per row). Grid `(segment slots, H, R)`, one program per (segment, query
+head, row), kv head `head // (H // KVH)` (GQA: both target models are MHA, where nothing is read twice):
+Ouro's 1 row x 640 keys x 16 heads runs 10 x 16 = 160 programs on the H200's 132 SMs, where one program per
+(row, head) ran 16. A program walks its segment's tiles in order (each key's page entry comes from the
+table, so pages may lie anywhere in the pool) with an online softmax in fp32: scores `sum(q * k)` with q
+pre-scaled by `scale * log2(e)`, running max and sum, `exp2`, fp32 accumulator `acc = acc * alpha +
+sum(p * v)`. The products and sums are plain fp32 CUDA-core math (no tensor cores: no tf32, no bf16
+rounding of p); decode attention is bound by memory, not arithmetic. A row with one segment writes
+`acc / sum` (one IEEE division, one rounding to q's dtype) and touches no scratch. Otherwise every segment
+stores its (max, sum, acc) partial in a scratch buffer and takes a ticket (an `acq_rel` atomic on a
+per-(row, head) counter, after a barrier so the whole program's stores are released with it); the program
+that draws the last ticket reads all partials back (`.cg` loads, from L2), combines them over the 16
+partial slots in one fixed order (max; weights `exp2(m_s - max)`; weighted sums; empty slots add exact
+zeros), writes the output and resets the counter to zero for the next launch. The counters are a
+persistent zeroed buffer per device (`_tickets`), so the launch needs no memset; launches on one stream
+never overlap, which is what makes sharing it safe (concurrent launches on two streams would not be).
+head_dim is covered by two power-of-two tiles where it splits so (`head_split`: Huginn's 96 = 64 + 32, no
+padded lanes), else by one tile padded with masks. Keys past `ctx` are masked on load, so table entries of
+pages `p >= ceil(ctx / bs)` (the -1 padding) and their pages are never read; a row with `ctx == 0` (a
+padding row) reads nothing and its segment 0 writes zeros. No host syncs, no data-dependent grid: the
+segment count is read on the device, the grid depends only on (R, H, nb) (segment slots beyond a row's
+count exit at once), so the launch can be captured in a CUDA graph.
 
 Determinism contract (R0 batch invariance): a row's output depends only on its q, its ctx_len and the
 K/V values it reads, never on R, on the other rows, on the table width nb or on what the padding holds.
-Each program computes its (row, head) alone; the tile size and the tile order are constants (not
-functions of R, nb or the launch), every reduction is over a fixed-shape tile of one compiled kernel, and
-masked keys contribute exact zeros (p = exp2(-inf) = 0, v loaded as 0). The kernel never sees R; the
-integer arguments that vary with the batch (the table and ctx_len strides, which follow nb when they are
-columns of the per-row metadata tensor) are excluded from Triton's value specialisation, and q/out are
-excluded from alignment specialisation, so every batch runs the same binary with the same reduction
-order. (Pool and table pointers come from the allocator: their 16-byte alignment is fixed.) Results are
-run-to-run deterministic; they are not bitwise equal to SDPA (another reduction order).
+The segment length, the segment count and the combine depend on the row's own ctx only (the grid only
+decides which slots exist, and every segment of a valid row has one); tile size, tile order and the
+combine order are constants of one compiled kernel, and masked keys contribute exact zeros (p =
+exp2(-inf) = 0, v loaded as 0). The kernel never sees R; the integer arguments that vary with the batch
+(the table and ctx_len strides, which follow nb when they are columns of the per-row metadata tensor, and
+the scratch stride) are excluded from Triton's value specialisation, and q/out are excluded from
+alignment specialisation, so every batch runs the same binary with the same reduction order. (Pool and
+table pointers come from the allocator: their 16-byte alignment is fixed.) Results are run-to-run
+deterministic whichever program draws the last ticket; they are not bitwise equal to SDPA (another
+reduction order).
 
 `write_kv` stores K and V of every row in one launch (grid `(R, KVH)`): row r goes to
 `cache[write_entry[r] + layer_id, write_offset[r]]`; rows with `write_entry < 0` are skipped. Importing
@@ -47,124 +62,199 @@ from looptrace.engine.kernels._fences import triton
 
 tl = triton.language
 
-# Keys per tile and warps: constants of the kernel (the determinism contract), never functions of R or nb.
-# Measured on an H200 (bf16, ctx 2700, R 1/8/64): 128 keys x 4 warps was best or near best for Ouro and
-# Huginn among 32/64/128 x 2/4/8 warps; num_stages made no difference (the loads are indirect).
-BLOCK_N = 128
+# Keys per tile, the segment bound and warps: constants of the kernel (the determinism contract), never
+# functions of R or nb. 64-key segments give Ouro's 640-key decode row 10 segments per head (160 programs).
+BLOCK_N = 64
+MAX_SEGMENTS = 16
 NUM_WARPS = 4
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}  # every buffer ever handed out stays alive (graphs)
+
+
+def segment_keys(ctx: int) -> int:
+    """Keys per segment of a row with `ctx` keys (the kernel's `_segment_keys`, for tests and the bench)."""
+    tiles = -(-ctx // BLOCK_N)
+    return max(1, -(-tiles // MAX_SEGMENTS)) * BLOCK_N
+
+
+def segment_count(ctx: int) -> int:
+    return -(-ctx // segment_keys(ctx))
+
+
+def head_split(dim: int) -> tuple[int, int]:
+    """(D_A, D_B), both powers of two, D_A + D_B = dim (96 -> 64 + 32; 128 -> 128 + 0); where no such
+    split exists, one tile padded to the next power of two (D_A > dim, D_B = 0)."""
+    first = 1 << (dim.bit_length() - 1)
+    rest = dim - first
+    if rest & (rest - 1) == 0:
+        return first, rest
+    return triton.next_power_of_2(dim), 0
 
 
 @triton.jit
-def _tile(q, k_ptr, v_ptr, tab, start, ctx, stride_e, stride_s, m_i, l_i, acc, HEAD_DIM, D_PAD, PAGE, BLOCK):
-    """Keys `start .. start + BLOCK - 1`: online-softmax update of (max, sum, accumulator).
+def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr):
+    tiles = tl.cdiv(tl.cdiv(ctx, BLOCK), MAX_SEGS)
+    return tl.maximum(tiles, 1) * BLOCK
+
+
+@triton.jit
+def _load_dims(base, rows, kmask, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """fp32 `[keys, W]` tile of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row offsets `rows`."""
+    d = D0 + tl.arange(0, W)
+    mask = kmask[:, None] & (d < HEAD_DIM)[None, :]
+    return tl.load(base + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+          HEAD_DIM, D_A, D_B, PAGE, BLOCK):  # fmt: skip
+    """Keys `start .. min(start + BLOCK, end) - 1`: online-softmax update of (max, sum, accumulators).
 
     k_ptr/v_ptr already point at (layer, kv head) of entry 0; a key's page entry comes from the table.
     """
-    d = tl.arange(0, D_PAD)
     pos = start + tl.arange(0, BLOCK)
-    kmask = pos < ctx  # pos < ctx  =>  page < ceil(ctx / PAGE): padding entries are never loaded
+    kmask = pos < end  # end <= ctx  =>  page < ceil(ctx / PAGE): padding entries are never loaded
     entry = tl.load(tab + pos // PAGE, mask=kmask, other=0).to(tl.int64)
-    offs = (entry * stride_e + (pos % PAGE) * stride_s)[:, None] + d[None, :]
-    lmask = kmask[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
-    s = tl.where(kmask, tl.sum(q[None, :] * k, axis=1), float("-inf"))
+    rows = entry * stride_e + (pos % PAGE) * stride_s
+    s = tl.sum(q_a[None, :] * _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM), axis=1)
+    if D_B > 0:
+        s += tl.sum(q_b[None, :] * _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM), axis=1)
+    s = tl.where(kmask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile holds at least one key
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)  # masked keys: exactly 0
-    v = tl.load(v_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
-    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    acc_a = acc_a * alpha + tl.sum(p[:, None] * _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM), axis=0)
+    if D_B > 0:
+        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
+        acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b, axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    return m_new, l_i, acc
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _segment(q_a, q_b, k_ptr, v_ptr, tab, first, end, stride_e, stride_s,
+             HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK):  # fmt: skip
+    """(max, sum, acc_a, acc_b) of keys `first .. end - 1`, tile after tile from `first` upwards."""
+    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    acc_a = tl.zeros([D_A], tl.float32)
+    acc_b = tl.zeros([DB_W], tl.float32)
+    if COMPILED:
+        for start in range(first, end, BLOCK):
+            m_i, l_i, acc_a, acc_b = _tile(
+                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, PAGE, BLOCK,
+            )  # fmt: skip
+    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
+        start = first
+        while start < end:
+            m_i, l_i, acc_a, acc_b = _tile(
+                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, PAGE, BLOCK,
+            )  # fmt: skip
+            start += BLOCK
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _store_out(out, acc_a, acc_b, l_i, HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr):
+    """`acc / sum` (IEEE division, one rounding to out's dtype); zeros where the row had no keys."""
+    has_keys = l_i > 0.0
+    den = tl.where(has_keys, l_i, 1.0)
+    d_a = tl.arange(0, D_A)
+    o_a = tl.where(has_keys, tl.math.div_rn(acc_a, den), 0.0)
+    tl.store(out + d_a, o_a.to(out.dtype.element_ty), mask=d_a < HEAD_DIM)
+    if D_B > 0:
+        o_b = tl.where(has_keys, tl.math.div_rn(acc_b, den), 0.0)
+        tl.store(out + D_A + tl.arange(0, D_B), o_b.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _store_partial(part_ptr, ml_ptr, idx, m_i, l_i, acc_a, acc_b,
+                   HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr):  # fmt: skip
+    d_a = tl.arange(0, D_A)
+    tl.store(part_ptr + idx * HEAD_DIM + d_a, acc_a, mask=d_a < HEAD_DIM)
+    if D_B > 0:
+        tl.store(part_ptr + idx * HEAD_DIM + D_A + tl.arange(0, D_B), acc_b)
+    tl.store(ml_ptr + idx * 2, m_i)
+    tl.store(ml_ptr + idx * 2 + 1, l_i)
+
+
+@triton.jit
+def _combined_dims(part_ptr, idx, valid, w, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """sum over partial slots of `w[s] * acc_s[D0 : D0 + W]` (invalid slots: 0), fixed order."""
+    d = D0 + tl.arange(0, W)
+    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    acc = tl.load(part_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return tl.sum(acc * w[:, None], axis=0)
+
+
+@triton.jit
+def _combine(out, part_ptr, ml_ptr, first_idx, parts,
+             HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr,
+             MAX_SEGS: tl.constexpr):  # fmt: skip
+    """Segments 0 .. parts-1 of one (row, head), read back from scratch, combined into the output."""
+    slot = tl.arange(0, MAX_SEGS)
+    valid = slot < parts
+    idx = first_idx + slot
+    m_s = tl.load(ml_ptr + idx * 2, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(ml_ptr + idx * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+    w = tl.exp2(m_s - tl.max(m_s, axis=0))  # empty slots: exp2(-inf) = 0
+    l_i = tl.sum(l_s * w, axis=0)
+    acc_a = _combined_dims(part_ptr, idx, valid, w, 0, D_A, HEAD_DIM)
+    acc_b = tl.zeros([DB_W], tl.float32)
+    if D_B > 0:
+        acc_b = _combined_dims(part_ptr, idx, valid, w, D_A, D_B, HEAD_DIM)
+    _store_out(out, acc_a, acc_b, l_i, HEAD_DIM, D_A, D_B)
+
+
+@triton.jit
+def _load_q(
+    q_ptr, qk_scale, HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr
+):
+    """q pre-scaled by `scale * log2(e)`: scores come out in log2 units for exp2."""
+    d_a = tl.arange(0, D_A)
+    q_a = tl.load(q_ptr + d_a, mask=d_a < HEAD_DIM, other=0.0).to(tl.float32) * qk_scale
+    q_b = tl.zeros([DB_W], tl.float32)
+    if D_B > 0:
+        q_b = tl.load(q_ptr + D_A + tl.arange(0, D_B)).to(tl.float32) * qk_scale
+    return q_a, q_b
 
 
 @triton.jit(
-    do_not_specialize=["layer_id", "stride_t", "stride_c"],
+    do_not_specialize=["layer_id", "stride_t", "stride_c", "seg_stride"],
     do_not_specialize_on_alignment=["q_ptr", "out_ptr"],
 )
-def _attn_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    tab_ptr,
-    ctx_ptr,
-    out_ptr,
-    layer_id,
-    qk_scale,
-    stride_qr,
-    stride_qh,
-    stride_e,
-    stride_s,
-    stride_kh,
-    stride_t,
-    stride_c,
-    stride_or,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, D_PAD)
-    dmask = d < HEAD_DIM
-
-    q = tl.load(q_ptr + row * stride_qr + head * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-    q = q * qk_scale  # scale * log2(e): scores come out in log2 units for exp2
+def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr, ticket_ptr,
+                 layer_id, qk_scale, stride_qr, stride_qh, stride_e, stride_s, stride_kh, stride_t, stride_c,
+                 stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
+                 D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                 MAX_SEGS: tl.constexpr):  # fmt: skip
+    part, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     ctx = tl.load(ctx_ptr + row * stride_c)
-    tab = tab_ptr + row * stride_t
-    shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
-    k_base, v_base = k_ptr + shift, v_ptr + shift
-
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    acc = tl.zeros([D_PAD], tl.float32)
-    if COMPILED:
-        for start in range(0, ctx, BLOCK):
-            m_i, l_i, acc = _tile(
-                q,
-                k_base,
-                v_base,
-                tab,
-                start,
-                ctx,
-                stride_e,
-                stride_s,
-                m_i,
-                l_i,
-                acc,
-                HEAD_DIM,
-                D_PAD,
-                PAGE,
-                BLOCK,
+    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS)
+    parts = tl.cdiv(ctx, seg_keys)
+    if part < tl.maximum(parts, 1):  # segment 0 of a ctx-0 row writes its zeros
+        q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
+        shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
+        first = part * seg_keys
+        m_i, l_i, acc_a, acc_b = _segment(
+            q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
+            tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
+        )  # fmt: skip
+        out = out_ptr + row * stride_or + head * HEAD_DIM
+        if parts <= 1:
+            _store_out(out, acc_a, acc_b, l_i, HEAD_DIM, D_A, D_B)
+        else:
+            pair = row * tl.num_programs(1) + head
+            _store_partial(
+                part_ptr, ml_ptr, pair * seg_stride + part, m_i, l_i, acc_a, acc_b, HEAD_DIM, D_A, D_B
             )
-    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
-        start = 0
-        while start < ctx:
-            m_i, l_i, acc = _tile(
-                q,
-                k_base,
-                v_base,
-                tab,
-                start,
-                ctx,
-                stride_e,
-                stride_s,
-                m_i,
-                l_i,
-                acc,
-                HEAD_DIM,
-                D_PAD,
-                PAGE,
-                BLOCK,
-            )
-            start += BLOCK
-    has_keys = l_i > 0.0
-    out = tl.math.div_rn(acc, tl.where(has_keys, l_i, 1.0))
-    out = tl.where(has_keys, out, 0.0)
-    tl.store(out_ptr + row * stride_or + head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+            tl.debug_barrier()  # all of this program's stores happen before its ticket releases them
+            if tl.atomic_add(ticket_ptr + pair, 1, sem="acq_rel") == parts - 1:  # the last segment to finish
+                _combine(out, part_ptr, ml_ptr, pair * seg_stride, parts, HEAD_DIM, D_A, D_B, DB_W, MAX_SEGS)
+                tl.store(ticket_ptr + pair, 0)  # every segment has drawn: ready for the next launch
 
 
 @triton.jit(do_not_specialize=["layer_id", "stride_w", "stride_o"])
@@ -230,6 +320,27 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
     return q, tables, out, strides, shape
 
 
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """`count` zeroed int32 segment counters on `device`; the kernel leaves them zero again. A buffer is
+    never freed (captured graphs keep using its address); a new, larger one is made outside capture, or
+    inside a capture for that graph alone (then its zeroing is captured too)."""
+    buffers = _TICKETS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= count:
+        return buffers[-1]
+    fresh = torch.zeros(
+        max(count, 2 * buffers[-1].numel() if buffers else 0), dtype=torch.int32, device=device
+    )
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh  # graph-pool memory: not kept for later launches
+    buffers.append(fresh)
+    return fresh
+
+
+def segment_slots(table_width: int, page: int) -> int:
+    """Grid size over segments: the most segments a row of `table_width` pages can have."""
+    return segment_count(table_width * page) if table_width else 1
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -248,26 +359,21 @@ def paged_attention(
     design and the batch-invariance contract.
     """
     q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
-    if q.shape[0] == 0:
+    rows, heads, dim = q.shape
+    if rows == 0:
         return out
-    _attn_kernel[(q.shape[0], q.shape[1])](
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        ctx_lens,
-        out,
-        layer_id,
-        float(scale) * LOG2E,
-        *strides,
-        tables.stride(0),
-        ctx_lens.stride(0),
-        out.stride(0),
-        **shape,
-        BLOCK=BLOCK_N,
-        num_warps=NUM_WARPS,
-        num_stages=1,
-    )
+    slots = segment_slots(tables.shape[1], shape["PAGE"])
+    scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
+    partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
+    max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
+    d_a, d_b = head_split(dim)
+    del shape["D_PAD"]
+    _attn_kernel[(slots, heads, rows)](
+        q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
+        layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
+        **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=BLOCK_N, MAX_SEGS=MAX_SEGMENTS,
+        num_warps=NUM_WARPS, num_stages=1,
+    )  # fmt: skip
     return out
 
 
@@ -315,4 +421,12 @@ def write_kv(
     )
 
 
-__all__ = ["BLOCK_N", "NUM_WARPS", "paged_attention", "write_kv"]
+__all__ = [
+    "BLOCK_N",
+    "MAX_SEGMENTS",
+    "NUM_WARPS",
+    "head_split",
+    "paged_attention",
+    "segment_keys",
+    "write_kv",
+]

@@ -1,0 +1,136 @@
+"""Decode attention against its byte floor (issue #22): the split-KV kernel beside the kernel it replaced.
+
+    python bench/decode_attention_h200.py [--old FILE] [--out DIR] [--copy-tbps 4.28]
+
+Times `kernels/paged_attention.py` (split-KV) and, with `--old`, a saved copy of the one-program-per-(row,
+head) kernel it replaced (e.g. `git show 45c1321:looptrace/engine/kernels/paged_attention.py > old.py`),
+interleaved shape by shape in the same process, at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head
+shapes, bf16, rows {1, 8, 32, 64} x contexts {128, 640, 2112}. Median µs per launch from
+`checks.graph_time_us` (a CUDA graph of 20 launches: no host launch cost). The byte floor is the K and V
+bytes one launch must read (rows x ctx x kv_heads x head_dim x 2 tensors x 2 bytes) at the copy bandwidth
+measured on the same GPU (4.28 TB/s on the H200, bench/results/README.md); `bw %` = floor / time.
+The max |new - old| of the outputs is reported too (another reduction order: not bitwise, both within
+the float64 tests' bound).
+
+Writes `decode_attention_h200.json` and `.md` under --out (default: $OUT or .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BS = 16
+SHAPES = {"ouro-1.4b": (16, 16, 128), "huginn-0125": (55, 55, 96)}
+ROWS = (1, 8, 32, 64)
+CONTEXTS = (128, 640, 2112)
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("paged_attention_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def case_inputs(model: str, rows: int, ctx_len: int, gen: torch.Generator):
+    heads, kv_heads, dim = SHAPES[model]
+    pages = math.ceil(ctx_len / BS)
+    blocks = rows * pages + 4
+    shape = (blocks * 2, BS, kv_heads, dim)  # two layers per block: entries are base + layer
+    k = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+    perm = torch.randperm(blocks, generator=gen, device="cuda")[: rows * pages] * 2
+    tables = perm.view(rows, pages).to(torch.int64)
+    ctx = torch.full((rows,), ctx_len, dtype=torch.int64, device="cuda")
+    q = torch.randn(rows, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    return q, k, v, tables, ctx, dim**-0.5
+
+
+def floor_us(model: str, rows: int, ctx_len: int, copy_tbps: float) -> float:
+    _, kv_heads, dim = SHAPES[model]
+    return rows * ctx_len * kv_heads * dim * 2 * 2 / (copy_tbps * 1e12) * 1e6
+
+
+def run(old, copy_tbps: float) -> list[dict]:
+    from looptrace.engine.kernels import paged_attention as new
+    from looptrace.engine.kernels.checks import graph_time_us
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    results = []
+    for model in SHAPES:
+        for rows in ROWS:
+            for ctx_len in CONTEXTS:
+                q, k, v, tables, ctx, scale = case_inputs(model, rows, ctx_len, gen)
+                row = {"model": model, "rows": rows, "ctx": ctx_len, "floor_us": floor_us(model, rows, ctx_len, copy_tbps)}
+                arms = {"new": new} | ({"old": old} if old else {})
+                outs = {}
+                for _ in range(2):  # interleaved: new, old, new, old; the second round is kept
+                    for name, mod in arms.items():
+                        outs[name] = mod.paged_attention(q, k, v, tables, ctx, 1, scale)
+                        row[f"{name}_us"] = graph_time_us(
+                            lambda mod=mod: mod.paged_attention(q, k, v, tables, ctx, 1, scale)
+                        )
+                row["segments"] = new.segment_count(ctx_len)
+                row["new_bw_pct"] = 100 * row["floor_us"] / row["new_us"]
+                if old:
+                    row["old_bw_pct"] = 100 * row["floor_us"] / row["old_us"]
+                    row["max_abs_new_old"] = float((outs["new"].float() - outs["old"].float()).abs().max())
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    return results
+
+
+def render(results: list[dict], header: str) -> str:
+    old = "old_us" in results[0]
+    lines = [header, "", "| model | rows | ctx | segments | floor µs | split-KV µs | bw % |"
+             + (" one-pass µs | bw % | max abs diff |" if old else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|---|" if old else "")]  # fmt: skip
+    for r in results:
+        cells = [r["model"], r["rows"], r["ctx"], r["segments"], f"{r['floor_us']:.2f}", f"{r['new_us']:.1f}",
+                 f"{r['new_bw_pct']:.0f}"]  # fmt: skip
+        if old:
+            cells += [f"{r['old_us']:.1f}", f"{r['old_bw_pct']:.0f}", f"{r['max_abs_new_old']:.1e}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", help="a saved copy of the previous paged_attention.py to time beside")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--copy-tbps", type=float, default=4.28)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/decode_attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
+    import triton
+
+    t0 = time.time()
+    old = load_module(args.old) if args.old else None
+    results = run(old, args.copy_tbps)
+    device = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    command = "python bench/decode_attention_h200.py" + (" --old OLD.py" if old else "")
+    header = (
+        f"# Decode attention vs byte floor (issue #22)\n\nDevice: {device}; {versions}. Command: `{command}` "
+        f"({time.time() - t0:.0f} s). Median µs per launch from a CUDA graph of 20 launches; floor = K+V bytes "
+        f"at {args.copy_tbps} TB/s copy bandwidth."
+    )
+    out = Path(args.out)
+    payload = {"device": device, "versions": versions, "command": command, "results": results}
+    (out / "decode_attention_h200.json").write_text(json.dumps(payload, indent=1))
+    (out / "decode_attention_h200.md").write_text(render(results, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""The one place an engine is built: --model/--weights -> a resolved model, recipe + overrides -> config,
+both -> LLMEngine, plus the metadata every report carries about what was built.
+
+No CLI here (no typer, no rich): errors are plain exceptions (`BuildInputError`, `NoDeviceError` and the
+engine's own input errors) that the CLI maps to exit codes. torch is imported inside the functions so that
+importing this module stays cheap for commands that never build an engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import looptrace
+
+if TYPE_CHECKING:  # the engine package imports torch: only at call time here
+    from looptrace.engine.budget import PoolNeed
+
+DEFAULT_MODEL = "ouro"
+SEED_MAX = 2**64 - 1  # torch.manual_seed's range; numpy takes any non-negative int
+POOL_CAP_TOKENS = 8192  # KV positions per factory engine on CUDA at most: diff workloads and eval sets fit
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+
+
+class BuildInputError(ValueError):
+    """A bad device, dtype, seed, thread count or model choice (the CLI: one line, exit code 2)."""
+
+
+class NoDeviceError(RuntimeError):
+    """The requested device is not available on this machine (the CLI: exit code 3)."""
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise BuildInputError(f"--seed {seed}: expected an integer from 0 to 2**64-1")
+
+
+def resolve_device(device: Any):
+    """torch.device of a --device value (auto, cpu, cuda, cuda:N) or of a torch.device."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BuildInputError(f"--device '{device}': expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise NoDeviceError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise BuildInputError(f"--device '{device}': expected auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(dtype: str, device):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise BuildInputError(f"--dtype '{dtype}': expected auto, bf16, fp16 or fp32")
+    return getattr(torch, DTYPES[dtype])
+
+
+def set_threads(threads: int, device) -> None:
+    """Validate --threads and apply it to torch on CPU (1 is fastest for tiny models)."""
+    import torch
+
+    if threads < 1:
+        raise BuildInputError(f"--threads must be >= 1, got {threads}")
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+
+
+def model_family(model: str) -> str:
+    """Family of a --model value (a family or a preset name); UnknownModelError otherwise."""
+    from looptrace.engine.model_config import FAMILY_PRESETS, PRESETS, resolve_preset
+
+    key = model.lower()
+    if key in FAMILY_PRESETS:
+        return key
+    if key in PRESETS:
+        return PRESETS[key].family
+    return resolve_preset(model, "cpu").family  # raises the one-line UnknownModelError
+
+
+def checkpoint_spec(model: str | None, weights: Path):
+    """The checkpoint's spec; an explicit --model of another family is an error, not silently ignored."""
+    from looptrace.engine.checkpoint import read_spec
+
+    spec = read_spec(weights)
+    if model is not None:
+        family = model_family(model)
+        if family != spec.family:
+            raise BuildInputError(
+                f"--model {model} is a {family} model but --weights {weights} holds a {spec.family} "
+                f"checkpoint (config.json); pass --model {spec.family} or leave --model out"
+            )
+    return spec
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What --model and --weights name, resolved once: the shape and the checkpoint (if any) to load."""
+
+    spec: Any  # ModelSpec: from the checkpoint's config.json, else the preset
+    requested: str | None  # --model as given; None: the default, or the checkpoint's family
+    weights: Path | None  # checkpoint to load: --weights, or a tiny preset's packaged one; None: random
+    shipped: bool = False  # `weights` is the packaged checkpoint of a tiny preset, not --weights
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+
+def resolve_model(
+    model: str | None, device: Any, weights: Path | None, *, random_weights: bool = False
+) -> ResolvedModel:
+    """--model/--weights -> spec + checkpoint (a contradicting --model is a BuildInputError)."""
+    if weights is not None:
+        return ResolvedModel(checkpoint_spec(model, weights), model, weights)
+    return preset_model(model, resolve_device(device).type, random_weights=random_weights)
+
+
+def preset_model(model: str | None, device_type: str, *, random_weights: bool = False) -> ResolvedModel:
+    """The preset --model names on `device_type`. A tiny preset with a packaged trained checkpoint
+    (looptrace/assets/<preset>) loads it on any device (issue #9) unless `random_weights` asks for the
+    seeded random init."""
+    from looptrace.assets import shipped_weights
+    from looptrace.engine.model_config import resolve_preset
+
+    spec = resolve_preset(model or DEFAULT_MODEL, device_type)
+    shipped = None if random_weights else shipped_weights(spec.name)
+    return ResolvedModel(spec, model, shipped, shipped=shipped is not None)
+
+
+def load_model(model: ResolvedModel, device, dtype, seed: int):
+    """(spec, nn.Module) on `device`: the checkpoint's weights, else the preset's seeded random init."""
+    from looptrace.engine.weights import create_model, init_random
+
+    if model.weights is not None:
+        from looptrace.engine.checkpoint import load_checkpoint
+
+        name = model.spec.name if model.shipped else None  # a packaged checkpoint keeps the preset's name
+        return load_checkpoint(model.weights, device, dtype, name=name)
+    net = create_model(model.spec, device, dtype)
+    init_random(net, seed)
+    return model.spec, net
+
+
+def fit_max_model_len(config, tokens: int) -> None:
+    """Size the decode tables to a workload of `tokens` positions instead of the model's 4k-64k, unless the
+    recipe sets them."""
+    if config.scheduler.max_model_len is None:
+        block = config.kv.block_size
+        config.scheduler.max_model_len = math.ceil(tokens / block) * block
+
+
+def check_engine_memory(spec, config, device, dtype, *, context: str = "") -> None:
+    """BudgetError (one line, exit 2) when the engine these settings build cannot fit in memory."""
+    import torch
+
+    from looptrace.engine.budget import check_memory, engine_needs
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    check_memory(engine_needs(spec, config, elt, device), device, context=context)
+
+
+@dataclass
+class EngineSetup:
+    engine: Any  # LLMEngine
+    recipe: Any  # Recipe
+    model: ResolvedModel
+
+    @property
+    def weights(self) -> Path | None:
+        return self.model.weights
+
+
+def build_engine(
+    model: ResolvedModel,
+    *,
+    recipe: str,
+    sets: list[str] | None,
+    device: Any,
+    dtype: str,
+    seed: int,
+    threads: int,
+    max_model_len: int | None = None,
+) -> EngineSetup:
+    """Recipe + overrides -> EngineConfig; the resolved model's weights -> nn.Module; both -> LLMEngine."""
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.recipes import load_recipe
+
+    check_seed(seed)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    set_threads(threads, dev)
+    rec = load_recipe(recipe, list(sets or []))
+    if max_model_len is not None:  # a workload longer than the model is reported by the caller's fit check
+        fit_max_model_len(rec.config, min(max_model_len, model.spec.max_position))
+    check_engine_memory(model.spec, rec.config, dev, dt)
+    if model.weights is not None and not model.shipped:
+        from looptrace.engine.tokenizer import load_tokenizer
+
+        load_tokenizer(model.weights)  # a broken tokenizer.json (read later by serve, run) fails first
+    _, net = load_model(model, dev, dt, seed)
+    engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
+    return EngineSetup(engine, rec, model)
+
+
+def free_memory() -> None:
+    """Collect the engines just dropped and give their CUDA blocks back, so that one engine is alive at a
+    time and the next one's KV pool is sized on what is really free. The collector is needed: a CUDA
+    engine's graph caches hold bound methods of its runner (a reference cycle refcounting never frees)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def engine_factory(
+    net, device, dtype, seed: int, need: PoolNeed | None = None, *, cap_tokens: int = POOL_CAP_TOKENS
+) -> Callable[[Any], Any]:
+    """EngineConfig -> a fresh LLMEngine on its own copy of `net` (an engine may hook its model), for
+    commands that build many engines of one model one at a time. On CUDA a pool the config does not size
+    is sized on the memory alive when the engine is built, capped at `cap_tokens` positions; a `need`
+    that does not fit is a BudgetError."""
+    from looptrace.engine.budget import cuda_pool_blocks
+    from looptrace.engine.llm_engine import LLMEngine
+
+    def make(cfg):
+        cfg = copy.deepcopy(cfg)
+        free_memory()  # whatever an earlier engine left: the pool is sized on what is alive now
+        model = copy.deepcopy(net)
+        if device.type == "cuda" and cfg.kv.num_blocks is None:
+            elt = dtype.itemsize
+            cfg.kv.num_blocks = cuda_pool_blocks(net.spec, cfg, elt, device, need, cap_tokens)
+        return LLMEngine(model, cfg, device=device, dtype=dtype, seed=seed)
+
+    return make
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    out = {
+        "looptrace": looptrace.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} thread(s))"
+
+
+def run_header(setup: EngineSetup) -> dict[str, Any]:
+    """Metadata every report carries: what ran, where, with which toggles, and how to pick another."""
+    from looptrace.engine.config import config_to_dict
+
+    e = setup.engine
+    return {
+        "tool": "looptrace",
+        "model_preset": e.spec.name,
+        "family": e.spec.family,
+        "weights": str(setup.weights) if setup.weights else "random (seeded)",
+        "loops": e.max_loops,
+        "device": device_name(e.device),
+        "dtype": str(e.dtype).replace("torch.", ""),
+        "recipe": setup.recipe.name,
+        "recipe_source": setup.recipe.source,
+        "overrides": setup.recipe.overrides,
+        "config": config_to_dict(e.cfg),
+        "versions": versions(),
+        "command": " ".join(["looptrace", *sys.argv[1:]]),
+        "preset_note": _preset_note(setup.model, e.spec, e.device.type),
+    }
+
+
+def _preset_note(model: ResolvedModel, spec, device_type: str) -> str:
+    """How the model was picked and how to pick another."""
+    from looptrace.engine.model_config import FAMILY_PRESETS
+
+    family = (model.requested or DEFAULT_MODEL).lower()
+    if model.weights is not None and not model.shipped:
+        return (
+            f"{spec.family} checkpoint {model.weights} (shape from its config.json); "
+            f"random weights: --model {spec.family} without --weights"
+        )
+    if family in FAMILY_PRESETS:
+        cpu, cuda = FAMILY_PRESETS[family]
+        other = cuda if spec.name == cpu else cpu
+        return (
+            f"'{family}' resolved to {spec.name} on {device_type}; pick another with --model {other} "
+            f"(or any preset, or --weights DIR)"
+        )
+    return f"preset {spec.name}; families: ouro, huginn, olmo"

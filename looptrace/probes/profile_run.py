@@ -1,0 +1,137 @@
+"""`looptrace profile`'s orchestration: build the engine of each side (a recipe + overrides), profile its
+decode and prefill windows (looptrace.probes.session), add the roofline, and shape the report data.
+
+A side is a dict: header (run_header + the profile's settings), windows (per window: the engine's counters,
+the live analysis and its report dict), the profiler's raw counts against the exported trace's, and
+whether a Ctrl-C cut it short.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from looptrace.build import ResolvedModel, build_engine, run_header
+
+# A status line for `label` while a side profiles: yields a callback for progress messages, or None.
+Status = Callable[[str], AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class ProfileEngines:
+    """What the engines of every side share (the sides differ in recipe and overrides)."""
+
+    model: ResolvedModel
+    device: str
+    dtype: str
+    seed: int
+    threads: int
+
+
+def check_prompts_memory(concurrency: int, prompt_len: int) -> None:
+    """The windows' random prompts within host memory, before any engine (issue #23: huge -c hung)."""
+    from looptrace.engine.budget import check_memory, workload_needs
+
+    check_memory(workload_needs(concurrency, prompt_len, "--concurrency / --prompt-len"), "cpu")
+
+
+def profile_side(
+    recipe: str,
+    sets: list[str],
+    cfg,
+    engines: ProfileEngines,
+    trace: Path | None,
+    peak: str | None,
+    status: Status,
+) -> dict[str, Any]:
+    """Profile one (recipe, overrides) side; `trace`: where to write its Chrome trace."""
+    from looptrace.probes.roofline_report import profile_roofline
+    from looptrace.probes.session import plan, profile_engine
+
+    max_len = cfg.prompt_len + 64 + (cfg.decode_steps or 0)
+    setup = build_engine(
+        engines.model,
+        recipe=recipe,
+        sets=sets,
+        device=engines.device,
+        dtype=engines.dtype,
+        seed=engines.seed,
+        threads=engines.threads,
+        max_model_len=max_len,
+    )
+    plan(setup.engine, cfg)  # a prompt that cannot fit fails here, before any profiling
+    header = run_header(setup)
+    label = setup.recipe.name + (" + " + ", ".join(sets) if sets else "")
+    with status(f"profiling {setup.engine.spec.name} ({label})") as line:
+        say = (lambda msg: line.update(f"{label}: {msg}")) if line is not None else None
+        result = profile_engine(setup.engine, cfg, trace_path=trace, progress=say)
+    roofline = profile_roofline(setup.engine, result, peak)  # needs the engine's modules: before release
+    _release(setup)
+    header.update(label=label, concurrency=cfg.concurrency, prompt_len=cfg.prompt_len, level=cfg.level)
+    return _side(header, result, roofline)
+
+
+def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, Any]:
+    from looptrace.probes.report import to_dict
+
+    windows = {}
+    for name, run in result.windows.items():
+        analysis = result.analyses[name]
+        windows[name] = {"engine": vars(run), "analysis": analysis, "report": to_dict(analysis, {})}
+    if roofline is not None:
+        windows["decode"]["report"]["roofline"] = roofline
+    return {
+        "header": header,
+        "windows": windows,
+        "raw_profiler_counts": result.raw_counts,
+        "trace_counts": result.trace_counts,
+        "interrupted": result.interrupted,
+    }
+
+
+def _release(setup) -> None:
+    """Free the engine's KV pool before the next side of a --compare sizes its own from free memory."""
+    import torch
+
+    setup.engine = None
+    gc.collect()  # the engine holds reference cycles (scheduler/block-manager callbacks)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_comparison(sides: list[dict[str, Any]], compare: bool) -> bool:
+    """A --compare reports both sides once both decode windows finished; before that, side A alone."""
+    return compare and len(sides) == 2 and all("decode" in s["windows"] for s in sides)
+
+
+def report_data(sides: list[dict[str, Any]], compare: bool) -> dict[str, Any]:
+    """The JSON report: one side (looptrace.profile/1) or both with their comparison rows."""
+    if is_comparison(sides, compare):
+        return {
+            "schema": "looptrace.compare/1",
+            "a": _jsonable(sides[0]),
+            "b": _jsonable(sides[1]),
+            "decode_comparison": comparison(sides),
+            "prefill_comparison": comparison(sides, "prefill"),
+        }
+    return {"schema": "looptrace.profile/1", **_jsonable(sides[0])}
+
+
+def _jsonable(side: dict[str, Any]) -> dict[str, Any]:
+    """The side without live objects: header, per-window engine counters and the report dicts."""
+    windows = {name: {"engine": w["engine"], **w["report"]} for name, w in side["windows"].items()}
+    return {k: v for k, v in side.items() if k != "windows"} | {"windows": windows}
+
+
+def comparison(sides: list[dict[str, Any]], window: str = "decode") -> list[dict[str, Any]] | None:
+    """Per-counter B vs A rows of one window (None: a side lacks it, e.g. after a Ctrl-C there)."""
+    from looptrace.probes.report import compare_rows
+
+    if not all(window in s["windows"] for s in sides):
+        return None
+    a, b = (s["windows"][window]["analysis"].counters for s in sides)
+    return compare_rows(a, b)

@@ -1,0 +1,110 @@
+"""The house's rules (issue #21), checked on the source with `ast` (bench/house_metrics.py): no import
+circles, no upward arrows between floors, no `getattr(` into engine objects outside engine/, and an engine
+that imports no client package. LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_house_metrics() -> ModuleType:
+    """bench/ is not a package: load the analysis by path (registered first, for its dataclasses)."""
+    spec = importlib.util.spec_from_file_location("house_metrics", REPO / "bench" / "house_metrics.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+hm = _load_house_metrics()
+
+
+@pytest.fixture(scope="module")
+def house():
+    root = Path(os.environ.get("LOOPTRACE_HOUSE_ROOT", REPO))
+    modules = hm.load_modules(root)
+    edges = hm.import_edges(modules)
+    floors, _ = hm.module_floors(modules, edges)
+    return modules, edges, floors
+
+
+def _listing(rows: list[dict]) -> str:
+    return "\n".join(str(row) for row in rows)
+
+
+def test_no_import_circles(house):
+    modules, edges, _ = house
+    circles = hm.import_circles(modules, edges)
+    assert circles == [], "import circles:\n" + _listing(circles)
+
+
+def test_no_upward_arrows(house):
+    _, edges, floors = house
+    arrows = hm.upward_arrows(edges, floors)
+    assert arrows == [], "imports from a lower floor to a higher one:\n" + _listing(arrows)
+
+
+def test_no_getattr_into_engine_objects_outside_engine(house):
+    modules, _, _ = house
+    hits = hm.getattr_hits(modules)
+    assert hits == [], "getattr( into engine objects:\n" + _listing(hits)
+
+
+def test_engine_imports_no_client_package(house):
+    modules, edges, _ = house
+    imports = hm.client_imports_of_engine(modules, edges)
+    assert imports == [], "the engine imports client code:\n" + _listing(imports)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / "looptrace" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_rules_catch_what_they_name(tmp_path):
+    """On a made-up package: one circle (lazy), one upward arrow (engine -> probes, also a client import),
+    one kernel importing layers, two getattr hits (an engine object; a request attribute) and one
+    caught exception that is not an engine object."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/layers.py": "",
+            "engine/request.py": "class Request:\n    def __init__(self):\n        self.loops_done = 0\n",
+            "engine/kernels/__init__.py": "from looptrace.engine import layers\n",
+            "engine/runner.py": "def f():\n    from looptrace.probes import hooks\n",
+            "probes/__init__.py": "",
+            "probes/hooks.py": "import looptrace.probes.steps\n",
+            "probes/steps.py": "def g():\n    import looptrace.probes.hooks\n",
+            "serve/app.py": (
+                "def h(engine, r):\n"
+                "    try:\n        pass\n    except ValueError as e:\n        getattr(e, 'pos', 0)\n"
+                "    return getattr(engine, 'stats', None), getattr(r, 'loops_done', 0)\n"
+            ),
+        },
+    )
+    modules = hm.load_modules(tmp_path)
+    edges = hm.import_edges(modules)
+    floors, _ = hm.module_floors(modules, edges)
+    circles = hm.import_circles(modules, edges)
+    assert [c["modules"] for c in circles] == [["looptrace.probes.hooks", "looptrace.probes.steps"]]
+    assert not circles[0]["survives_eager_only"]
+    arrows = {(a["src"], a["dst"]) for a in hm.upward_arrows(edges, floors)}
+    assert arrows == {
+        ("looptrace.engine.runner", "looptrace.probes.hooks"),
+        ("looptrace.engine.kernels", "looptrace.engine.layers"),
+    }
+    assert [e["dst"] for e in hm.client_imports_of_engine(modules, edges)] == ["looptrace.probes.hooks"]
+    hits = [h["where"] for h in hm.getattr_hits(modules)]
+    assert hits == ["looptrace/serve/app.py:6", "looptrace/serve/app.py:6"]
