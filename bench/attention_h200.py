@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from looptrace.engine.kernels.checks import graph_time_us
+from looptrace.engine.kernel_checks import graph_time_us
 
 BS = 16
 SHAPES = {"ouro-1.4b": (16, 16, 128), "huginn-0125": (55, 55, 96)}

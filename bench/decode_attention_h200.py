@@ -60,32 +60,42 @@ def floor_us(model: str, rows: int, ctx_len: int, copy_tbps: float) -> float:
     return rows * ctx_len * kv_heads * dim * 2 * 2 / (copy_tbps * 1e12) * 1e6
 
 
+def time_case(arms: dict, model: str, rows: int, ctx_len: int, gen, copy_tbps: float) -> dict:
+    from looptrace.engine.kernel_checks import graph_time_us
+
+    q, k, v, tables, ctx, scale = case_inputs(model, rows, ctx_len, gen)
+    row = {
+        "model": model,
+        "rows": rows,
+        "ctx": ctx_len,
+        "floor_us": floor_us(model, rows, ctx_len, copy_tbps),
+    }
+    outs = {}
+    for _ in range(2):  # interleaved: new, old, new, old; the second round is kept
+        for name, mod in arms.items():
+            outs[name] = mod.paged_attention(q, k, v, tables, ctx, 1, scale)
+            row[f"{name}_us"] = graph_time_us(
+                lambda mod=mod: mod.paged_attention(q, k, v, tables, ctx, 1, scale)
+            )
+    row["segments"] = arms["new"].segment_count(ctx_len)
+    for name in arms:
+        row[f"{name}_bw_pct"] = 100 * row["floor_us"] / row[f"{name}_us"]
+    if "old" in arms:
+        row["max_abs_new_old"] = float((outs["new"].float() - outs["old"].float()).abs().max())
+    return row
+
+
 def run(old, copy_tbps: float) -> list[dict]:
     from looptrace.engine.kernels import paged_attention as new
-    from looptrace.engine.kernels.checks import graph_time_us
 
     gen = torch.Generator(device="cuda").manual_seed(5)
+    arms = {"new": new} | ({"old": old} if old else {})
     results = []
     for model in SHAPES:
         for rows in ROWS:
             for ctx_len in CONTEXTS:
-                q, k, v, tables, ctx, scale = case_inputs(model, rows, ctx_len, gen)
-                row = {"model": model, "rows": rows, "ctx": ctx_len, "floor_us": floor_us(model, rows, ctx_len, copy_tbps)}
-                arms = {"new": new} | ({"old": old} if old else {})
-                outs = {}
-                for _ in range(2):  # interleaved: new, old, new, old; the second round is kept
-                    for name, mod in arms.items():
-                        outs[name] = mod.paged_attention(q, k, v, tables, ctx, 1, scale)
-                        row[f"{name}_us"] = graph_time_us(
-                            lambda mod=mod: mod.paged_attention(q, k, v, tables, ctx, 1, scale)
-                        )
-                row["segments"] = new.segment_count(ctx_len)
-                row["new_bw_pct"] = 100 * row["floor_us"] / row["new_us"]
-                if old:
-                    row["old_bw_pct"] = 100 * row["floor_us"] / row["old_us"]
-                    row["max_abs_new_old"] = float((outs["new"].float() - outs["old"].float()).abs().max())
-                print(json.dumps(row), flush=True)
-                results.append(row)
+                results.append(time_case(arms, model, rows, ctx_len, gen, copy_tbps))
+                print(json.dumps(results[-1]), flush=True)
     return results
 
 
@@ -122,8 +132,8 @@ def main() -> int:
     command = "python bench/decode_attention_h200.py" + (" --old OLD.py" if old else "")
     header = (
         f"# Decode attention vs byte floor (issue #22)\n\nDevice: {device}; {versions}. Command: `{command}` "
-        f"({time.time() - t0:.0f} s). Median µs per launch from a CUDA graph of 20 launches; floor = K+V bytes "
-        f"at {args.copy_tbps} TB/s copy bandwidth."
+        f"({time.time() - t0:.0f} s). Median µs per launch from a CUDA graph of 20 launches; "
+        f"floor = K+V bytes at {args.copy_tbps} TB/s copy bandwidth."
     )
     out = Path(args.out)
     payload = {"device": device, "versions": versions, "command": command, "results": results}

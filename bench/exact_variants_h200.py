@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from looptrace.engine.kernels import checks
+from looptrace.engine import kernel_checks as checks
 
 WIDTHS = {"ouro-1.4b": 2048, "huginn-0125": 5280}
 NORM_ROWS = (1, 2, 4, 8, 16, 64, 128, 512)
@@ -130,7 +130,7 @@ def render(results: dict, env: str, elapsed: float) -> str:
         "# Exact-kernel launch variants (issue #8)",
         "",
         f"{env}. Command: `python bench/exact_variants_h200.py` ({elapsed:.0f} s). GPU µs per call:",
-        "a CUDA graph of 20 calls replayed, divided by 20 (`kernels.checks.graph_time_us`). `equal`:",
+        "a CUDA graph of 20 calls replayed, divided by 20 (`engine.kernel_checks.graph_time_us`). `equal`:",
         f"outputs bitwise equal to the engine's eager op over input kinds {', '.join(CHECK_KINDS)}",
         "(RMSNorm) / random (others).",
         "",

@@ -28,8 +28,9 @@ import zlib
 
 import torch
 
+from looptrace.engine import kernel_checks as checks
 from looptrace.engine import kernels
-from looptrace.engine.kernels import checks, reduce_order
+from looptrace.engine.kernels import reduce_order
 
 MODELS = checks.MODELS
 BUCKETS = checks.BUCKETS

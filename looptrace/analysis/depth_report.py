@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 
 from looptrace.analysis.depth import PAPER_DECODE_TAU, ROLE_LABELS, ROLES
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def render(report: dict, fmt: str, *, by_depth: bool) -> str:
+    """The report as json, csv or the table text."""
+    if fmt == "json":
+        return json.dumps(report, indent=2, default=str)
+    if fmt == "csv":
+        return accuracy_csv(report) if by_depth else q90_csv(report)
+    return accuracy_text(report) if by_depth else analysis_text(report)
 
 
 def q90_csv(report: dict) -> str:

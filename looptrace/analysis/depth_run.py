@@ -87,6 +87,40 @@ class DepthRequest:
     validate: ValidateShape | None
 
 
+def check_loops(tau: float, **loops: int | None) -> None:
+    """tau in (0, 1); --s-ref / --s / --p are loop counts: named in the error, not as the exit.* setting."""
+    from looptrace.engine.config import LOOPS_MAX
+
+    D.check_tau(tau)
+    for name, value in loops.items():
+        if value is not None and not 1 <= value <= LOOPS_MAX:
+            raise D.DepthInputError(
+                f"--{name.replace('_', '-')} {value}: expected a loop count from 1 to {LOOPS_MAX}"
+            )
+
+
+def check_sizes(limit: int, shape: ValidateShape) -> None:
+    if limit < 0:
+        raise D.DepthInputError(f"--limit must be >= 0, got {limit}")
+    if min(shape.prompt_len, shape.answer_len, shape.requests, shape.repeats) < 1:
+        raise D.DepthInputError(
+            "--val-prompt-len, --val-answer-len, --val-requests and --repeats must be >= 1"
+        )
+
+
+def parse_depths(text: str) -> list[int]:
+    """--accuracy-by-depth: comma-separated loop counts."""
+    from looptrace.engine.config import LOOPS_MAX
+
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise D.DepthInputError(f"--accuracy-by-depth '{text}': expected comma-separated integers") from None
+    if not out or min(out) < 1 or max(out) > LOOPS_MAX:
+        raise D.DepthInputError(f"--accuracy-by-depth '{text}': expected loop counts from 1 to {LOOPS_MAX}")
+    return out
+
+
 def load_items(prompts: Path | None, limit: int, *, need_answer: bool) -> list:
     """The prompts file (default: the built-in evaluation set), its first `limit` items (0: all)."""
     from looptrace.assets import default_eval_set

@@ -128,16 +128,15 @@ def run_arm(
     finally:
         engine.detach(rec)
     tokens = {it.id: list(engine.requests[it.id].outputs) for it in items}
-    pert = getattr(engine, "perturbation", None)
+    pert = engine.perturbation
     perturb = (str(pert.place), pert.hits) if pert is not None else None
     return ArmRun(tokens, rec.tops, rec.digests, time.perf_counter() - t0, engine.stats.steps, perturb)
 
 
 def release(engine) -> None:
     """Drop what an engine registered on its (copied) model."""
-    pert = getattr(engine, "perturbation", None)
-    if pert is not None:
-        pert.remove()
+    if engine.perturbation is not None:
+        engine.perturbation.remove()
 
 
 def with_engine(factory: EngineFactory, cfg: EngineConfig, use: Callable[[Any], Any]) -> Any:

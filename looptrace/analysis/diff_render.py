@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from typing import Any
 
 from rich.console import Console, Group
@@ -19,6 +20,13 @@ STYLE = {
     "unchecked": "yellow",
     "untested": "yellow",
 }
+
+
+def render(data: dict[str, Any], fmt: str) -> str:
+    """The report as json, csv or the table text."""
+    if fmt == "json":
+        return json.dumps(data, indent=2, default=str)
+    return to_csv(data) if fmt == "csv" else to_text(data)
 
 
 def to_text(data: dict[str, Any]) -> str:

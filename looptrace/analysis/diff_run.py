@@ -43,8 +43,8 @@ class DiffRequest:
     recipe_a: str = "base"
     recipe_b: str | None = None  # None: recipe A
     model: str | None = None
-    a_sets: list[str] = field(default_factory=list)
-    b_sets: list[str] = field(default_factory=list)
+    a_sets: list[str] | None = field(default_factory=list)
+    b_sets: list[str] | None = field(default_factory=list)
     concurrency: int = 4  # requests outstanding at once (the batch window)
     prompt_len: int = 16
     max_tokens: int = 8
@@ -168,7 +168,7 @@ def _load(recipe: str, sets: list[str], flag: str):
     from looptrace.recipes import RecipeError, load_recipe
 
     try:
-        return load_recipe(recipe, list(sets))
+        return load_recipe(recipe, list(sets or []))
     except RecipeError as exc:
         msg = str(exc)
         raise RecipeError(flag + msg[len("--set") :] if msg.startswith("--set") else msg) from None
@@ -195,7 +195,7 @@ def _preflight_arms(factory, arms) -> tuple[dict[str, str], dict[str, str]]:
     the settings that have no effect on it (`engine.inactive_settings`)."""
 
     def facts(engine) -> tuple[dict[str, str], dict[str, str]]:
-        return dict(getattr(engine, "checked_rungs", {})), dict(getattr(engine, "inactive_settings", {}))
+        return dict(engine.checked_rungs), dict(engine.inactive_settings)
 
     checked: dict[str, str] = {}
     inactive: dict[str, str] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import sys
 from collections.abc import Iterator
@@ -49,6 +51,8 @@ def note(message: str, label: str = "note") -> None:
 _BAD_INPUT = (
     ("looptrace.build", "BuildInputError"),
     ("looptrace.analysis.diff_run", "DiffInputError"),
+    ("looptrace.analysis.depth", "DepthInputError"),
+    ("looptrace.train.evaluate", "EvalSetError"),
     ("looptrace.drive.workloads", "WorkloadError"),
     ("looptrace.engine.llm_engine", "EngineInputError"),
     ("looptrace.engine.model_config", "UnknownModelError"),
@@ -58,6 +62,8 @@ _BAD_INPUT = (
     ("looptrace.engine.config", "ConfigError"),
     ("looptrace.probes.session", "ProfileInputError"),
     ("looptrace.recipes", "RecipeError"),
+    ("looptrace.serve.server", "ServeOptionError"),
+    ("looptrace.output_files", "OutputError"),
 )
 
 
@@ -92,6 +98,50 @@ def interrupt_exit(what: str = "interrupted") -> Iterator[None]:
 def spinner(show: bool, text: str):
     """A transient Rich spinner on stderr (drawn only when stderr is a terminal), or nothing."""
     return err_console.status(text) if show else nullcontext()
+
+
+def fields_of(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The `options` (a command's parameters, by name) that dataclass `cls` has fields for."""
+    return {f.name: options[f.name] for f in dataclasses.fields(cls) if f.name in options}
+
+
+def pick(options: Any, names: str) -> dict[str, Any]:
+    """The options `names` (space-separated) of a command's options namespace, by name."""
+    return {name: vars(options)[name] for name in names.split()}
+
+
+def progress_bar(console: Console, *middle):
+    """A transient Rich progress bar on `console`: the task's description, the bar, `middle`, elapsed time."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), *middle, TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True)
+
+
+def require_extra(command: str, *modules: str) -> None:
+    """Exit 3 naming the first of `modules` that is missing: `command` needs the serve extra."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError as exc:
+        raise missing_extra(command, exc) from None
+
+
+def missing_extra(command: str, exc: ImportError) -> typer.Exit:
+    what = f"`looptrace {command}` needs the serve extra ({exc.name} is missing)"
+    return fail(f"{what}: pip install 'looptrace[serve]'", EXIT_NO_ENV)
+
+
+def check_roofline_device(name: str | None, option: str) -> None:
+    """An unknown roofline device name is bad input before any work."""
+    if name is None:
+        return
+    from looptrace.probes.roofline import device_for
+
+    try:
+        device_for(None, name)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
 
 
 def dumps(data: Any) -> str:

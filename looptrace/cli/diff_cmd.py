@@ -6,35 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgress
+from rich.progress import MofNCompleteColumn, TextColumn
 
-from looptrace.analysis.diff_render import to_csv, to_text
-from looptrace.cli.common import (
-    EXIT_CHECK_FAILED,
-    EXIT_CODES_HELP,
-    dumps,
-    err_console,
-    fail,
-    friendly_errors,
-    interrupt_exit,
-)
-from looptrace.cli.options import (
-    DeviceOpt,
-    DtypeOpt,
-    FormatOpt,
-    ModelOpt,
-    OutputFormat,
-    OutputOpt,
-    SeedOpt,
-    ThreadsOpt,
-    WeightsOpt,
-)
-from looptrace.cli.output import check_output_path, command_inputs, infer_format, write_output
+from looptrace.cli import common as c
+from looptrace.cli import options as o
+from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -55,96 +34,78 @@ A violated claim prints red and exits 1. --strict also requires bitwise-identica
 
 [bold]WORKLOAD[/]  --num-requests random prompts (or --prompts FILE.jsonl, in file order), submitted in the
 same order to both arms with at most -c outstanding; greedy decoding.
-""" + EXIT_CODES_HELP.replace("0 ok,", "0 ok (every claim holds), 1 a claim is violated,")
+""" + c.EXIT_CODES_HELP.replace("0 ok,", "0 ok (every claim holds), 1 a claim is violated,")
 
-SetsOpt = list[str] | None
-
-
-def _set_opt(flag: str, arm: str):
-    return typer.Option(flag, help=f"Override a setting of recipe {arm}: section.key=value (repeatable).")
+RecipeAArg = o.arg(str, help="Recipe A (name in recipes/ or a YAML path).")
+RecipeBArg = o.arg(str | None, help="Recipe B (default: recipe A).")
+ASetsOpt = o.opt(
+    list[str] | None, "--a-set", help="Override a setting of recipe A: section.key=value (repeatable)."
+)
+BSetsOpt = o.opt(
+    list[str] | None, "--b-set", help="Override a setting of recipe B: section.key=value (repeatable)."
+)
+ConcurrencyOpt = o.opt(int, "--concurrency", "-c", help="Requests outstanding at once (the batch window).")
+NumRequestsOpt = o.opt(int | None, help="Requests in all (default -c).")
+PromptsOpt = o.opt(Path | None, help="JSONL prompts instead of random ones.")
+BisectOpt = o.opt(bool, "--bisect", help="Find the setting(s) that make the arms diverge.")
+LocalizeOpt = o.opt(
+    str | None, help="Replay request ID (e.g. r0) alone with per-op capture; name the first op that differs."
+)
+AccuracyOpt = o.opt(
+    Path | None, help='Exact-match set, JSONL {"prompt", "answer"} (default: the built-in set, if any).'
+)
+StrictOpt = o.opt(bool, "--strict", help="R0/R1 also need bitwise-identical logits.")
 
 
 def diff(
-    recipe_a: Annotated[str, typer.Argument(help="Recipe A (name in recipes/ or a YAML path).")] = "base",
-    recipe_b: Annotated[
-        str | None, typer.Argument(help="Recipe B (default: recipe A).", show_default=False)
-    ] = None,
-    model: ModelOpt = None,
-    a_sets: Annotated[SetsOpt, _set_opt("--a-set", "A")] = None,
-    b_sets: Annotated[SetsOpt, _set_opt("--b-set", "B")] = None,
-    concurrency: Annotated[
-        int, typer.Option("--concurrency", "-c", help="Requests outstanding at once (the batch window).")
-    ] = 4,
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 16,
-    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 8,
-    num_requests: Annotated[int | None, typer.Option(help="Requests in all (default -c).")] = None,
-    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts instead of random ones.")] = None,
-    bisect: Annotated[
-        bool, typer.Option("--bisect", help="Find the setting(s) that make the arms diverge.")
-    ] = False,
-    localize: Annotated[
-        str | None,
-        typer.Option(
-            help="Replay request ID (e.g. r0) alone with per-op capture; name the first op that differs."
-        ),
-    ] = None,
-    accuracy: Annotated[
-        Path | None,
-        typer.Option(help='Exact-match set, JSONL {"prompt", "answer"} (default: the built-in set, if any).'),
-    ] = None,
-    strict: Annotated[
-        bool, typer.Option("--strict", help="R0/R1 also need bitwise-identical logits.")
-    ] = False,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    weights: WeightsOpt = None,
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = 1,
-    fmt: FormatOpt = None,
-    output: OutputOpt = None,
-    progress: Annotated[bool, typer.Option(help="Show progress on stderr (when it is a terminal).")] = True,
+    recipe_a: RecipeAArg = "base",
+    recipe_b: RecipeBArg = None,
+    model: o.ModelOpt = None,
+    a_sets: ASetsOpt = None,
+    b_sets: BSetsOpt = None,
+    concurrency: ConcurrencyOpt = 4,
+    prompt_len: o.PromptLenOpt = 16,
+    max_tokens: o.MaxTokensOpt = 8,
+    num_requests: NumRequestsOpt = None,
+    prompts: PromptsOpt = None,
+    bisect: BisectOpt = False,
+    localize: LocalizeOpt = None,
+    accuracy: AccuracyOpt = None,
+    strict: StrictOpt = False,
+    device: o.DeviceOpt = "auto",
+    dtype: o.DtypeOpt = "auto",
+    weights: o.WeightsOpt = None,
+    seed: o.SeedOpt = 0,
+    threads: o.ThreadsOpt = 1,
+    fmt: o.FormatOpt = None,
+    output: o.OutputOpt = None,
+    progress: o.ProgressOpt = True,
 ) -> None:
     """Run recipes A and B on identical requests; compare token streams and grade each differing setting's
     exactness rung (R0-R3)."""
-    with interrupt_exit():
-        fmt = infer_format(fmt, output)
-        with friendly_errors(), _memory_errors():
-            inputs = command_inputs(prompts, recipe_a, weights) + [(accuracy, "--accuracy")]
-            inputs += [(Path(r), "recipe B") for r in (recipe_b,) if r and Path(r).is_file()]
-            check_output_path(output, inputs=inputs)
-            from looptrace.analysis.diff_run import DiffRequest, execute, prepare
+    with c.interrupt_exit():
+        from looptrace.analysis.diff_run import DiffRequest
 
-            req = DiffRequest(
-                recipe_a=recipe_a,
-                recipe_b=recipe_b,
-                model=model,
-                a_sets=list(a_sets or []),
-                b_sets=list(b_sets or []),
-                concurrency=concurrency,
-                prompt_len=prompt_len,
-                max_tokens=max_tokens,
-                num_requests=num_requests,
-                prompts=prompts,
-                accuracy=accuracy,
-                bisect=bisect,
-                localize=localize,
-                strict=strict,
-                device=device,
-                dtype=dtype,
-                weights=weights,
-                seed=seed,
-                threads=threads,
-            )
-            setup = prepare(req)
-        show = progress and err_console.is_terminal
-        # A workload the device cannot hold shows while running.
-        with friendly_errors(), _memory_errors(), _progress(show, len(setup.items)) as on_progress:
-            data, ok = execute(setup, req, on_progress)
-        text = render(data, fmt)
-        with friendly_errors():
-            write_output(text, output, Console(width=140))
-        if not ok:
-            raise typer.Exit(EXIT_CHECK_FAILED)
+        _diff(DiffRequest(**c.fields_of(DiffRequest, locals())), infer_format(fmt, output), output, progress)
+
+
+def _diff(req, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None:
+    from looptrace.analysis.diff_render import render
+    from looptrace.analysis.diff_run import execute, prepare
+
+    inputs = command_inputs(req.prompts, req.recipe_a, req.weights) + [(req.accuracy, "--accuracy")]
+    inputs += [(Path(r), "recipe B") for r in (req.recipe_b,) if r and Path(r).is_file()]
+    with c.friendly_errors(), _memory_errors():
+        check_output(output, inputs=inputs)
+        setup = prepare(req)
+    # A workload the device cannot hold shows while running.
+    show = progress and c.err_console.is_terminal
+    with c.friendly_errors(), _memory_errors(), _progress(show, len(setup.items)) as on_progress:
+        data, ok = execute(setup, req, on_progress)
+    with c.friendly_errors():
+        write_output(render(data, fmt), output, Console(width=140))
+    if not ok:
+        raise typer.Exit(c.EXIT_CHECK_FAILED)
 
 
 @contextmanager
@@ -157,7 +118,7 @@ def _memory_errors() -> Iterator[None]:
     except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
         text = " ".join(str(exc).split()) or type(exc).__name__
         what = text.split(" GPU ")[0].rstrip(".")[:200]  # "CUDA out of memory. Tried to allocate 2.00 GiB"
-        raise fail(
+        raise c.fail(
             f"out of memory ({what}): lower -c, --prompt-len or --max-tokens, or the KV pool's share "
             "(--a-set/--b-set kv.gpu_memory_utilization=0.5)"
         ) from None
@@ -169,21 +130,6 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[str, int, int], None
     if not show:
         yield lambda what, done, total: None
         return
-    bar = RichProgress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("requests"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-    )
-    task = bar.add_task("starting", total=total)
-    with bar:
+    with c.progress_bar(c.err_console, MofNCompleteColumn(), TextColumn("requests")) as bar:
+        task = bar.add_task("starting", total=total)
         yield lambda what, done, total: bar.update(task, description=what, completed=done, total=total)
-
-
-def render(data: dict[str, Any], fmt: OutputFormat) -> str:
-    if fmt == OutputFormat.json:
-        return dumps(data)
-    return to_csv(data) if fmt == OutputFormat.csv else to_text(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -11,10 +12,6 @@ from typer.core import TyperGroup
 
 import looptrace
 from looptrace.cli.common import fail
-from looptrace.cli.profile_cmd import EPILOG as PROFILE_EPILOG
-from looptrace.cli.profile_cmd import profile
-from looptrace.cli.run_cmd import EPILOG as RUN_EPILOG
-from looptrace.cli.run_cmd import run
 
 try:  # Typer >= 0.20 vendors Click as typer._click; older releases use Click itself
     from typer._click.exceptions import ClickException
@@ -75,46 +72,33 @@ def main_callback(
     """looptrace: where does each token of a looped model go?"""
 
 
-app.command(epilog=PROFILE_EPILOG)(profile)
-app.command(epilog=RUN_EPILOG)(run)
+# (command name, module, function), in the order `looptrace --help` lists them. The modules' imports are
+# light: torch, fastapi, uvicorn, textual and matplotlib load inside the commands.
+COMMANDS = (
+    ("profile", "profile_cmd", "profile"),
+    ("run", "run_cmd", "run"),
+    ("serve", "serve_cmd", "serve"),
+    ("top", "top_cmd", "top"),
+    ("diff", "diff_cmd", "diff"),
+    ("depth", "depth_cmd", "depth"),  # issue #9: depth analysis and tiny-model training
+    ("train-tiny", "train_cmd", "train_tiny"),
+    ("bench", "bench_cmd", "bench"),  # issue #8: paired A/B benchmark
+)
 
 
-def _register_optional() -> None:
-    """Commands whose modules may pull heavier imports are attached here."""
+def _register() -> None:
+    for name, module_name, function in COMMANDS:
+        module = importlib.import_module(f"looptrace.cli.{module_name}")
+        app.command(name, epilog=module.EPILOG)(vars(module)[function])
     from looptrace.cli.trace_cmd import trace_app
     from looptrace.cli.trace_compare_cmd import EPILOG as TRACE_COMPARE_EPILOG
     from looptrace.cli.trace_compare_cmd import compare as trace_compare
 
     trace_app.command("compare", epilog=TRACE_COMPARE_EPILOG)(trace_compare)
     app.add_typer(trace_app, name="trace")
-    # serve/top: module imports are light; fastapi, uvicorn and textual load inside the commands.
-    from looptrace.cli.serve_cmd import EPILOG as SERVE_EPILOG
-    from looptrace.cli.serve_cmd import serve
-    from looptrace.cli.top_cmd import EPILOG as TOP_EPILOG
-    from looptrace.cli.top_cmd import top
-
-    app.command(epilog=SERVE_EPILOG)(serve)
-    app.command(epilog=TOP_EPILOG)(top)
-    from looptrace.cli.diff_cmd import EPILOG as DIFF_EPILOG
-    from looptrace.cli.diff_cmd import diff
-
-    app.command(epilog=DIFF_EPILOG)(diff)
-    # issue #9: depth analysis and tiny-model training (torch/numpy load inside the commands).
-    from looptrace.cli.depth_cmd import EPILOG as DEPTH_EPILOG
-    from looptrace.cli.depth_cmd import depth
-    from looptrace.cli.train_cmd import EPILOG as TRAIN_EPILOG
-    from looptrace.cli.train_cmd import train_tiny
-
-    app.command(epilog=DEPTH_EPILOG)(depth)
-    app.command("train-tiny", epilog=TRAIN_EPILOG)(train_tiny)
-    # issue #8: paired A/B benchmark (torch and matplotlib load inside the command).
-    from looptrace.cli.bench_cmd import EPILOG as BENCH_EPILOG
-    from looptrace.cli.bench_cmd import bench
-
-    app.command(epilog=BENCH_EPILOG)(bench)
 
 
-_register_optional()
+_register()
 
 
 def main() -> None:

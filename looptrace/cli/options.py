@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+
+def opt(kind: Any, *names: str, **settings: Any) -> Any:
+    """`Annotated[kind, typer.Option(*names, **settings)]`: an option type, on one line where it fits."""
+    return Annotated[kind, typer.Option(*names, **settings)]
+
+
+def arg(kind: Any, **settings: Any) -> Any:
+    """`Annotated[kind, typer.Argument(**settings)]`."""
+    return Annotated[kind, typer.Argument(**settings)]
 
 
 class OutputFormat(str, enum.Enum):
@@ -16,60 +26,47 @@ class OutputFormat(str, enum.Enum):
     csv = "csv"
 
 
-ModelOpt = Annotated[
+ModelOpt = opt(
     str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="Family (ouro, huginn, olmo: tiny preset on CPU, real shape on CUDA) or a preset name "
-        "(ouro-1.4b, ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny). "
-        "Default: ouro; with --weights, the checkpoint's family (a contradicting --model is an error).",
-        show_default=False,
-    ),
-]
-RecipeOpt = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name in recipes/ or a YAML path.")]
-SetOpt = Annotated[
+    "--model",
+    "-m",
+    help="Family (ouro, huginn, olmo: tiny preset on CPU, real shape on CUDA) or a preset name (ouro-1.4b, "
+    "ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny). Default: ouro; "
+    "with --weights, the checkpoint's family (a contradicting --model is an error).",
+)
+RecipeOpt = opt(str, "--recipe", "-r", help="Recipe name in recipes/ or a YAML path.")
+SetOpt = opt(
     list[str] | None,
-    typer.Option(
-        "--set", help="Override a recipe setting: section.key=value (repeatable).", show_default=False
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA if present), cpu, cuda, cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32.")]
-WeightsOpt = Annotated[
+    "--set",
+    help="Override a recipe setting: section.key=value (repeatable).",
+)
+DeviceOpt = opt(str, help="auto (CUDA if present), cpu, cuda, cuda:N.")
+DtypeOpt = opt(str, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32.")
+WeightsOpt = opt(
     Path | None,
-    typer.Option(
-        "--weights",
-        help="Local Hugging Face checkpoint directory (config.json + *.safetensors).",
-        show_default=False,
-    ),
-]
-SeedOpt = Annotated[int, typer.Option(help="Seed for random weights, prompts and sampling.")]
-FormatOpt = Annotated[
+    "--weights",
+    help="Local Hugging Face checkpoint directory (config.json + *.safetensors).",
+)
+SeedOpt = opt(int, help="Seed for random weights, prompts and sampling.")
+FormatOpt = opt(
     OutputFormat | None,
-    typer.Option(
-        "--format",
-        "-f",
-        help="Output format. Default: from the --output suffix (.json, .csv), else table.",
-        show_default=False,
-    ),
-]
-OutputOpt = Annotated[
+    "--format",
+    "-f",
+    help="Output format. Default: from the --output suffix (.json, .csv), else table.",
+)
+OutputOpt = opt(
     Path | None,
-    typer.Option(
-        "--output",
-        "-o",
-        help="Also write the output to this file (whole, atomically; a symlink is written through; "
-        "directories and devices are refused).",
-        show_default=False,
-    ),
-]
-ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch (1 is fastest for tiny models).")]
-
-RandomWeightsOpt = Annotated[
+    "--output",
+    "-o",
+    help="Also write the output to this file (whole, atomically; a symlink is written through; directories "
+    "and devices are refused).",
+)
+ThreadsOpt = opt(int, help="CPU threads for torch (1 is fastest for tiny models).")
+RandomWeightsOpt = opt(
     bool,
-    typer.Option(
-        "--random-weights",
-        help="Tiny presets on CPU: use seeded random weights instead of the packaged trained checkpoint.",
-    ),
-]
+    "--random-weights",
+    help="Tiny presets on CPU: use seeded random weights instead of the packaged trained checkpoint.",
+)
+ProgressOpt = opt(bool, help="Show progress on stderr (when it is a terminal).")
+PromptLenOpt = opt(int, help="Prompt tokens (random ids).")
+MaxTokensOpt = opt(int, help="Output tokens per request.")

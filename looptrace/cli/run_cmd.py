@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from types import SimpleNamespace
+from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import MofNCompleteColumn, TextColumn
 
 from looptrace.build import build_engine, check_seed, resolve_model, run_header
-from looptrace.cli.common import (
-    EXIT_CODES_HELP,
-    EXIT_INTERRUPTED,
-    UsageError,
-    err_console,
-    friendly_errors,
-    interrupt_exit,
-    note,
-    spinner,
-)
-from looptrace.cli.options import (
-    DeviceOpt,
-    DtypeOpt,
-    FormatOpt,
-    ModelOpt,
-    OutputFormat,
-    OutputOpt,
-    RecipeOpt,
-    SeedOpt,
-    SetOpt,
-    ThreadsOpt,
-    WeightsOpt,
-)
-from looptrace.cli.output import check_output_path, command_inputs, infer_format, write_output
+from looptrace.cli import common as c
+from looptrace.cli import options as o
+from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
 from looptrace.drive.run_workload import (
     WorkloadKind,
     check_fits,
@@ -72,36 +51,33 @@ given. The file is written whole and atomically, a symlink is written through, a
 device is refused before the run. Ctrl-C stops the run and reports what was measured so far.
 
 [bold]LEARN MORE[/]  recipes/base.yaml lists every setting --set can change.
-""" + EXIT_CODES_HELP.replace("missing", "missing (e.g. --device cuda without CUDA)")
+""" + c.EXIT_CODES_HELP.replace("missing", "missing (e.g. --device cuda without CUDA)")
 
 
-WorkloadOpt = Annotated[
+WorkloadOpt = o.opt(
     WorkloadKind | None,
-    typer.Option(help="Arrival pattern (default: burst; jsonl when --prompts is given).", show_default=False),
-]
-ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", "-c", help="Requests in the burst.")]
-PromptLenOpt = Annotated[int, typer.Option(help="Prompt tokens (random ids).")]
-MaxTokensOpt = Annotated[int, typer.Option(help="Output tokens per request.")]
-RateOpt = Annotated[float | None, typer.Option(help="Poisson arrivals per second.")]
-NumRequestsOpt = Annotated[int | None, typer.Option(help="Poisson: number of requests (default -c).")]
-SessionsOpt = Annotated[int, typer.Option(help="Sessions workload: concurrent sessions.")]
-TurnsOpt = Annotated[int, typer.Option(help="Sessions workload: turns per session.")]
-TurnPromptLenOpt = Annotated[int, typer.Option(help="Sessions workload: new user tokens per turn.")]
-PromptsOpt = Annotated[Path | None, typer.Option(help="JSONL prompts file (implies --workload jsonl).")]
-TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy.")]
-TopKOpt = Annotated[int, typer.Option(help="0 = off.")]
-TopPOpt = Annotated[float, typer.Option()]
-ProgressOpt = Annotated[bool, typer.Option(help="Show progress on stderr (when it is a terminal).")]
+    help="Arrival pattern (default: burst; jsonl when --prompts is given).",
+)
+ConcurrencyOpt = o.opt(int, "--concurrency", "-c", help="Requests in the burst.")
+RateOpt = o.opt(float | None, help="Poisson arrivals per second.")
+NumRequestsOpt = o.opt(int | None, help="Poisson: number of requests (default -c).")
+SessionsOpt = o.opt(int, help="Sessions workload: concurrent sessions.")
+TurnsOpt = o.opt(int, help="Sessions workload: turns per session.")
+TurnPromptLenOpt = o.opt(int, help="Sessions workload: new user tokens per turn.")
+PromptsOpt = o.opt(Path | None, help="JSONL prompts file (implies --workload jsonl).")
+TemperatureOpt = o.opt(float, help="0 = greedy.")
+TopKOpt = o.opt(int, help="0 = off.")
+TopPOpt = o.opt(float)
 
 
 def run(
-    model: ModelOpt = None,
-    recipe: RecipeOpt = "base",
-    sets: SetOpt = None,
+    model: o.ModelOpt = None,
+    recipe: o.RecipeOpt = "base",
+    sets: o.SetOpt = None,
     workload: WorkloadOpt = None,
     concurrency: ConcurrencyOpt = 8,
-    prompt_len: PromptLenOpt = 64,
-    max_tokens: MaxTokensOpt = 32,
+    prompt_len: o.PromptLenOpt = 64,
+    max_tokens: o.MaxTokensOpt = 32,
     rate: RateOpt = None,
     num_requests: NumRequestsOpt = None,
     sessions: SessionsOpt = 4,
@@ -111,151 +87,85 @@ def run(
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    weights: WeightsOpt = None,
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = 1,
-    fmt: FormatOpt = None,
-    output: OutputOpt = None,
-    progress: ProgressOpt = True,
+    device: o.DeviceOpt = "auto",
+    dtype: o.DtypeOpt = "auto",
+    weights: o.WeightsOpt = None,
+    seed: o.SeedOpt = 0,
+    threads: o.ThreadsOpt = 1,
+    fmt: o.FormatOpt = None,
+    output: o.OutputOpt = None,
+    progress: o.ProgressOpt = True,
 ) -> None:
     """Serve a workload on the reference engine; print throughput, TTFT/TPOT/ITL/E2EL, engine steps per
     token, KV capacity and CUDA-graph counters."""
-    with interrupt_exit():  # Ctrl-C outside the serving loop: exit 130, no traceback
-        _run(_RunArgs(**locals()))  # every option, by name (the dataclass lists the same fields)
+    with c.interrupt_exit():  # Ctrl-C outside the serving loop: exit 130, no traceback
+        _run(SimpleNamespace(**locals()))  # every option, by name
 
 
-@dataclass(frozen=True)
-class _RunArgs:
-    model: str | None
-    recipe: str
-    sets: list[str] | None
-    workload: WorkloadKind | None
-    concurrency: int
-    prompt_len: int
-    max_tokens: int
-    rate: float | None
-    num_requests: int | None
-    sessions: int
-    turns: int
-    turn_prompt_len: int
-    prompts: Path | None
-    temperature: float
-    top_k: int
-    top_p: float
-    device: str
-    dtype: str
-    weights: Path | None
-    seed: int
-    threads: int
-    fmt: OutputFormat | None
-    output: Path | None
-    progress: bool
-
-
-def _run(a: _RunArgs) -> None:
+def _run(a: SimpleNamespace) -> None:
     from looptrace.drive.benchmark import run_workload
     from looptrace.drive.metrics import summarize
     from looptrace.drive.run_report import render
     from looptrace.engine.request import SamplingParams
 
     fmt = infer_format(a.fmt, a.output)
-    progress = a.progress and err_console.is_terminal  # a pipe or a log file gets no bar remnants
+    progress = a.progress and c.err_console.is_terminal  # a pipe or a log file gets no bar remnants
     setup, wl = _prepare(a, progress)
     header = run_header(setup)
     header["workload"] = wl.describe()
-    for text in _notes(setup, a.concurrency):
-        note(text)
+    rows = setup.engine.cfg.scheduler.max_num_seqs
+    if a.concurrency > rows:
+        c.note(
+            f"batches hold at most {rows} rows (scheduler.max_num_seqs); "
+            f"pass --set scheduler.max_num_seqs={a.concurrency} to batch all {a.concurrency} requests"
+        )
     seed = a.seed if a.temperature else None
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=seed)
     record = _run_with_progress(run_workload, setup.engine, wl, params, progress)
     metrics = summarize(record)
     rejected = [r for r in record.requests if r.finish_reason == "rejected"]
     if rejected:
-        note(f"{len(rejected)} request(s) rejected: {rejected[0].error}")
+        c.note(f"{len(rejected)} request(s) rejected: {rejected[0].error}")
     data = report_data(header, setup.engine, metrics)
     if record.interrupted:
-        note(
+        c.note(
             f"reporting what was measured so far ({metrics.tokens_sampled} tokens, "
             f"{metrics.completed} request(s) completed, {metrics.interrupted_requests} in flight)",
             "interrupted",
         )
     text = render(data, fmt)
-    with friendly_errors():
+    with c.friendly_errors():
         write_output(text, a.output, Console(width=120))
     if record.interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(c.EXIT_INTERRUPTED)
 
 
-def _prepare(a: _RunArgs, progress: bool):
+def _prepare(a: SimpleNamespace, progress: bool):
     """Check the options, draw the workload and build an engine sized to it: (EngineSetup, workload)."""
-    with friendly_errors():
+    with c.friendly_errors():
         kind = resolve_workload(a.workload, a.prompts, a.rate, a.num_requests)
-        check_output_path(a.output, inputs=command_inputs(a.prompts, a.recipe, a.weights))
+        check_output(a.output, inputs=command_inputs(a.prompts, a.recipe, a.weights))
         check_seed(a.seed)
         if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-            raise UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        with spinner(progress, "preparing the workload and the engine"):
+            raise c.UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        with c.spinner(progress, "preparing the workload and the engine"):
             resolved = resolve_model(a.model, a.device, a.weights)
-            wl = make_workload(
-                kind,
-                concurrency=a.concurrency,
-                prompt_len=a.prompt_len,
-                max_tokens=a.max_tokens,
-                rate=a.rate,
-                num_requests=a.num_requests,
-                sessions=a.sessions,
-                turns=a.turns,
-                turn_prompt_len=a.turn_prompt_len,
-                prompts=a.prompts,
-                seed=a.seed,
-                vocab_size=resolved.spec.vocab_size,
-                tokenizer_dir=a.weights,
-            )
+            workload = c.pick(a, "concurrency prompt_len max_tokens rate num_requests sessions turns")
+            workload |= c.pick(a, "turn_prompt_len prompts seed")
+            wl = make_workload(kind, **workload, vocab_size=resolved.spec.vocab_size, tokenizer_dir=a.weights)
             check_workload_memory(kind, wl)
-            setup = _build(a, resolved, workload_max_len(wl))
+            engine = c.pick(a, "recipe sets device dtype seed threads")
+            setup = build_engine(resolved, **engine, max_model_len=workload_max_len(wl))
             check_fits(wl, setup.engine.max_model_len)
     return setup, wl
-
-
-def _build(a: _RunArgs, resolved, max_model_len: int):
-    return build_engine(
-        resolved,
-        recipe=a.recipe,
-        sets=a.sets,
-        device=a.device,
-        dtype=a.dtype,
-        seed=a.seed,
-        threads=a.threads,
-        max_model_len=max_model_len,
-    )
-
-
-def _notes(setup, concurrency: int) -> list[str]:
-    cfg = setup.engine.cfg.scheduler
-    out = []
-    if concurrency > cfg.max_num_seqs:
-        out.append(
-            f"batches hold at most {cfg.max_num_seqs} rows (scheduler.max_num_seqs); "
-            f"pass --set scheduler.max_num_seqs={concurrency} to batch all {concurrency} requests"
-        )
-    return out
 
 
 def _run_with_progress(run_workload, engine, wl, params, show: bool):
     if not show:
         return run_workload(engine, wl, params=params)
-    columns = (
-        TextColumn("[bold]serving"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("requests"),
-        TextColumn("{task.fields[tokens]} tokens"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task("run", total=wl.total_requests(), tokens=0)
+    columns = (MofNCompleteColumn(), TextColumn("requests"), TextColumn("{task.fields[tokens]} tokens"))
+    with c.progress_bar(c.err_console, *columns) as bar:
+        task = bar.add_task("serving", total=wl.total_requests(), tokens=0)
 
         def on_progress(done: int, total: int, tokens: int) -> None:
             bar.update(task, completed=done, total=total, tokens=tokens)

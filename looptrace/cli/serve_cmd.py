@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated
-
-import typer
+from types import SimpleNamespace
 
 from looptrace.build import build_engine, resolve_model
-from looptrace.cli.common import (
-    EXIT_CHECK_FAILED,
-    EXIT_NO_ENV,
-    UsageError,
-    err_console,
-    fail,
-    friendly_errors,
-)
-from looptrace.cli.options import (
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
-    RecipeOpt,
-    SeedOpt,
-    SetOpt,
-    ThreadsOpt,
-    WeightsOpt,
-)
+from looptrace.cli import common as c
+from looptrace.cli import options as o
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # = looptrace.serve.plumbing's (not imported: no serve extra needed)
 DEFAULT_DRAIN_TIMEOUT_S = 10.0  # = looptrace.serve.server's
@@ -57,59 +36,32 @@ unknown recipe, ...), 3 environment missing.
 """
 
 
-def _check_serving_options(
-    api_key: str | None, max_body_bytes: int, request_timeout: float, drain_timeout: float
-) -> None:
-    if api_key is not None and not api_key.strip():
-        raise UsageError("--api-key (or LOOPTRACE_API_KEY): empty")
-    if max_body_bytes < 1024:
-        raise UsageError(f"--max-body-bytes {max_body_bytes}: expected at least 1024")
-    for name, value in (("--request-timeout", request_timeout), ("--drain-timeout", drain_timeout)):
-        if not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{name} {value}: expected a number of seconds >= 0")
-
-
-def _missing_extra(exc: ImportError) -> typer.Exit:
-    return fail(
-        f"`looptrace serve` needs the serve extra ({exc.name} is missing): pip install 'looptrace[serve]'",
-        EXIT_NO_ENV,
-    )
-
-
-HostOpt = Annotated[str, typer.Option(help="Interface to bind (loopback unless told otherwise).")]
-PortOpt = Annotated[int, typer.Option(help="TCP port (0: any free port).")]
-TuiOpt = Annotated[bool, typer.Option("--tui", help="Run the live dashboard in this terminal.")]
-MaxModelLenOpt = Annotated[int, typer.Option(help="Longest prompt + completion (tokens) a request may need.")]
-ServedNameOpt = Annotated[
-    str | None, typer.Option(help="Model id clients send (default: the --model value).")
-]
-ProbeIntervalOpt = Annotated[
+HostOpt = o.opt(str, help="Interface to bind (loopback unless told otherwise).")
+PortOpt = o.opt(int, help="TCP port (0: any free port).")
+TuiOpt = o.opt(bool, "--tui", help="Run the live dashboard in this terminal.")
+MaxModelLenOpt = o.opt(int, help="Longest prompt + completion (tokens) a request may need.")
+ServedNameOpt = o.opt(str | None, help="Model id clients send (default: the --model value).")
+ProbeIntervalOpt = o.opt(
     float,
-    typer.Option(
-        help="Seconds between live profiler windows (0: off). A window pauses serving while the "
-        "profiler stops (about 0.3 s on CPU for ouro-tiny): off by default."
-    ),
-]
-ApiKeyOpt = Annotated[
+    help="Seconds between live profiler windows (0: off). A window pauses serving while the profiler stops "
+    "(about 0.3 s on CPU for ouro-tiny): off by default.",
+)
+ApiKeyOpt = o.opt(
     str | None,
-    typer.Option(
-        envvar="LOOPTRACE_API_KEY",
-        help="Require `Authorization: Bearer KEY` on /v1/* (401 otherwise); /health, /metrics open.",
-    ),
-]
-MaxBodyOpt = Annotated[int, typer.Option(help="Largest request body accepted (bytes); larger: 413.")]
-RequestTimeoutOpt = Annotated[
-    float, typer.Option(help="Abort a request (and free its KV) after this many seconds (0: never).")
-]
-DrainTimeoutOpt = Annotated[
-    float, typer.Option(help="On SIGTERM/SIGINT: seconds running requests may finish before they are ended.")
-]
+    envvar="LOOPTRACE_API_KEY",
+    help="Require `Authorization: Bearer KEY` on /v1/* (401 otherwise); /health, /metrics open.",
+)
+MaxBodyOpt = o.opt(int, help="Largest request body accepted (bytes); larger: 413.")
+RequestTimeoutOpt = o.opt(float, help="Abort a request (and free its KV) after this many seconds (0: never).")
+DrainTimeoutOpt = o.opt(
+    float, help="On SIGTERM/SIGINT: seconds running requests may finish before they are ended."
+)
 
 
 def serve(
-    model: ModelOpt = None,
-    recipe: RecipeOpt = "base",
-    sets: SetOpt = None,
+    model: o.ModelOpt = None,
+    recipe: o.RecipeOpt = "base",
+    sets: o.SetOpt = None,
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8000,
     tui: TuiOpt = False,
@@ -120,89 +72,48 @@ def serve(
     max_body_bytes: MaxBodyOpt = DEFAULT_MAX_BODY_BYTES,
     request_timeout: RequestTimeoutOpt = 0.0,
     drain_timeout: DrainTimeoutOpt = DEFAULT_DRAIN_TIMEOUT_S,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    weights: WeightsOpt = None,
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = 1,
+    device: o.DeviceOpt = "auto",
+    dtype: o.DtypeOpt = "auto",
+    weights: o.WeightsOpt = None,
+    seed: o.SeedOpt = 0,
+    threads: o.ThreadsOpt = 1,
 ) -> None:
     """Serve a looped model over an OpenAI-compatible HTTP API, with Prometheus metrics and a stats stream."""
-    _serve(_ServeArgs(**locals()))  # every option, by name (the dataclass lists the same fields)
+    _serve(SimpleNamespace(**locals()))  # every option, by name
 
 
-@dataclass(frozen=True)
-class _ServeArgs:
-    model: str | None
-    recipe: str
-    sets: list[str] | None
-    host: str
-    port: int
-    tui: bool
-    max_model_len: int
-    served_model_name: str | None
-    probe_interval: float
-    api_key: str | None
-    max_body_bytes: int
-    request_timeout: float
-    drain_timeout: float
-    device: str
-    dtype: str
-    weights: Path | None
-    seed: int
-    threads: int
-
-
-def _serve(a: _ServeArgs) -> None:
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import sse_starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise _missing_extra(exc) from None
+def _serve(a: SimpleNamespace) -> None:
+    c.require_extra("serve", "fastapi", "prometheus_client", "sse_starlette", "uvicorn")
     setup, sock = _engine_and_socket(a)
     server, name = _server(a, setup, sock)
-    server.notify = lambda msg: err_console.print(msg, markup=False, highlight=False, soft_wrap=True)
+    server.notify = lambda msg: c.err_console.print(msg, markup=False, highlight=False, soft_wrap=True)
     if a.tui:
         _serve_with_dashboard(server)
     else:
         _serve_headless(a, server, setup, name)
 
 
-def _engine_and_socket(a: _ServeArgs):
+def _engine_and_socket(a: SimpleNamespace):
     """Check the options, bind the port (a busy one fails fast), then build the engine."""
-    from looptrace.serve.server import BindError, bind_socket
+    from looptrace.serve.server import BindError, bind_socket, check_options
 
-    with friendly_errors():
-        if not 0 <= a.port <= 65535:
-            raise UsageError(f"--port {a.port}: expected 0..65535")
-        if a.max_model_len < 2:
-            raise UsageError(f"--max-model-len {a.max_model_len}: expected at least 2")
-        if not (math.isfinite(a.probe_interval) and a.probe_interval >= 0):
-            raise UsageError(f"--probe-interval {a.probe_interval}: expected a number >= 0")
-        _check_serving_options(a.api_key, a.max_body_bytes, a.request_timeout, a.drain_timeout)
+    with c.friendly_errors():
+        names = "port max_model_len probe_interval api_key max_body_bytes request_timeout drain_timeout"
+        check_options(**c.pick(a, names))
         try:
             sock = bind_socket(a.host, a.port)  # before the engine: a busy port fails fast
         except BindError as exc:
-            raise UsageError(str(exc)) from None
+            raise c.UsageError(str(exc)) from None
         try:
-            setup = build_engine(
-                resolve_model(a.model, a.device, a.weights),
-                recipe=a.recipe,
-                sets=a.sets,
-                device=a.device,
-                dtype=a.dtype,
-                seed=a.seed,
-                threads=a.threads,
-                max_model_len=a.max_model_len,
-            )
+            model = resolve_model(a.model, a.device, a.weights)
+            setup = build_engine(model, **c.pick(a, "recipe sets device dtype seed threads max_model_len"))
         except BaseException:
             sock.close()
             raise
     return setup, sock
 
 
-def _server(a: _ServeArgs, setup, sock):
+def _server(a: SimpleNamespace, setup, sock):
     """The HTTP server over the engine, and the model id clients send."""
     from looptrace.engine.tokenizer import load_tokenizer
     from looptrace.serve.server import build_server
@@ -227,9 +138,9 @@ def _server(a: _ServeArgs, setup, sock):
     return server, name
 
 
-def _serve_headless(a: _ServeArgs, server, setup, name: str) -> None:
+def _serve_headless(a: SimpleNamespace, server, setup, name: str) -> None:
     auth = "  API key required on /v1/*" if a.api_key else ""
-    err_console.print(
+    c.err_console.print(
         f"[bold]looptrace serve[/] {setup.engine.spec.name} (recipe {setup.recipe.name}) on {server.url}  "
         f"model id '{name}'{auth}  [dim](Ctrl-C to stop)[/]",
         highlight=False,
@@ -239,7 +150,7 @@ def _serve_headless(a: _ServeArgs, server, setup, name: str) -> None:
     server.notify(report.line(a.drain_timeout))
     if report.exit_code:
         msg = f"the engine died ({report.engine_error}); exiting so a supervisor can restart the server"
-        raise fail(msg, EXIT_CHECK_FAILED)
+        raise c.fail(msg, c.EXIT_CHECK_FAILED)
 
 
 def _serve_with_dashboard(server) -> None:
@@ -248,7 +159,7 @@ def _serve_with_dashboard(server) -> None:
         from looptrace.tui.sources import InProcessSource
     except ImportError as exc:
         server.loop.stop()
-        raise _missing_extra(exc) from None
+        raise c.missing_extra("serve", exc) from None
     server.start()
     try:
         LooptraceTop(InProcessSource(server.loop.snapshot, label=f"{server.url} (in-process)")).run()

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
-from looptrace.cli.common import EXIT_NO_ENV, UsageError, fail, friendly_errors
+from looptrace.cli.common import EXIT_NO_ENV, UsageError, fail, friendly_errors, require_extra
+from looptrace.cli.options import arg, opt
+from looptrace.cli.output import check_output
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -26,22 +25,17 @@ Exit codes: 0 ok, 2 bad input (unreachable URL, malformed replay file), 3 enviro
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-UrlArg = Annotated[str | None, typer.Argument(help="looptrace server URL.", show_default=DEFAULT_URL)]
-PrometheusOpt = Annotated[
-    str | None,
-    typer.Option(help="Watch a Prometheus endpoint (vLLM's /metrics) instead of a looptrace server."),
-]
-ReplayOpt = Annotated[Path | None, typer.Option(help="Replay a session recorded with --record.")]
-SpeedOpt = Annotated[float, typer.Option(help="Replay speed factor (0: as fast as possible).")]
-RecordOpt = Annotated[Path | None, typer.Option(help="Record every snapshot to this JSONL file.")]
-OnceOpt = Annotated[bool, typer.Option("--once", help="Print one snapshot as a table and exit.")]
-DiffOpt = Annotated[Path | None, typer.Option(help="A diff result JSON for the diff screen (d).")]
-IntervalOpt = Annotated[
-    float, typer.Option(help="Seconds between snapshots (--once: between its two, for tokens/s).")
-]
-ScreenshotOpt = Annotated[
-    Path | None, typer.Option(help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
-]
+UrlArg = arg(str | None, help="looptrace server URL.", show_default=DEFAULT_URL)
+PrometheusOpt = opt(
+    str | None, help="Watch a Prometheus endpoint (vLLM's /metrics) instead of a looptrace server."
+)
+ReplayOpt = opt(Path | None, help="Replay a session recorded with --record.")
+SpeedOpt = opt(float, help="Replay speed factor (0: as fast as possible).")
+RecordOpt = opt(Path | None, help="Record every snapshot to this JSONL file.")
+OnceOpt = opt(bool, "--once", help="Print one snapshot as a table and exit.")
+DiffOpt = opt(Path | None, help="A diff result JSON for the diff screen (d).")
+IntervalOpt = opt(float, help="Seconds between snapshots (--once: between its two, for tokens/s).")
+ScreenshotOpt = opt(Path | None, help="Save an SVG screenshot after a few snapshots and exit.", hidden=True)
 
 
 def top(
@@ -57,21 +51,12 @@ def top(
 ) -> None:
     """Live dashboard: throughput, TTFT/TPOT, requests by stage and loop, per-token probe counters, KV pool,
     CUDA graphs, prefix cache and prefill depth."""
-    try:
-        import httpx  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as exc:
-        raise fail(
-            f"`looptrace top` needs the serve extra ({exc.name} is missing): pip install 'looptrace[serve]'",
-            EXIT_NO_ENV,
-        ) from None
+    require_extra("top", "httpx", "prometheus_client")
     with friendly_errors():
         if len([x for x in (url, prometheus, replay) if x is not None]) > 1:
             raise UsageError("give one of URL, --prometheus URL or --replay FILE")
         if interval <= 0 or speed < 0:
             raise UsageError("--interval must be > 0 and --speed >= 0")
-        from looptrace.cli.output import check_output
-
         for path, opt in ((record, "--record"), (screenshot, "--screenshot")):
             check_output(path, opt, [(replay, "--replay"), (diff, "--diff")])  # writable, not an input
         diff_requests = _load_diff(diff)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import io
 import sys
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
 
 from looptrace.cli.common import UsageError, fail, interrupt_exit
-from looptrace.cli.options import OutputFormat
-from looptrace.cli.output import atomic_write_text, check_output, infer_format
+from looptrace.cli.options import OutputFormat, arg, opt
+from looptrace.cli.output import OutputError, atomic_write_text, check_output, infer_format
 
 EXAMPLES = """
 [bold]EXAMPLES[/bold]
@@ -79,10 +78,6 @@ class WindowChoice(str, Enum):
     all = "all"
 
 
-def _wrote(output: Path) -> None:
-    Console(stderr=True, highlight=False).print(f"wrote {output}")
-
-
 def emit(text: str, output: Path | None) -> None:
     """Text to stdout, or written whole and atomically to OUTPUT (trace analyze and trace compare)."""
     if output is None:
@@ -90,75 +85,53 @@ def emit(text: str, output: Path | None) -> None:
         return
     try:
         atomic_write_text(output, text)
-    except UsageError as exc:
+    except OutputError as exc:
         raise fail(str(exc)) from None
-    _wrote(output)
+    Console(stderr=True, highlight=False).print(f"wrote {output}")
 
 
-TraceArg = Annotated[Path, typer.Argument(help="Chrome/Kineto trace: .json or .json.gz.", show_default=False)]
-TokensOpt = Annotated[
-    Optional[int], typer.Option("--tokens", min=1, help="Output tokens in the window (per-token divisor).")
-]
-StepMarkerOpt = Annotated[
+TraceArg = arg(Path, help="Chrome/Kineto trace: .json or .json.gz.")
+TokensOpt = opt(Optional[int], "--tokens", min=1, help="Output tokens in the window (per-token divisor).")
+StepMarkerOpt = opt(
     Optional[str],
-    typer.Option(
-        "--step-marker",
-        help="user_annotation name prefix that marks one step (e.g. ProfilerStep#, execute_model); "
-        "without --tokens, tokens = its instances in the window. Default: lt.step#, else ProfilerStep#.",
-    ),
-]
-WindowOpt = Annotated[
+    "--step-marker",
+    help="user_annotation name prefix that marks one step (e.g. ProfilerStep#, execute_model); without "
+    "--tokens, tokens = its instances in the window. Default: lt.step#, else ProfilerStep#.",
+)
+WindowOpt = opt(
     WindowChoice,
-    typer.Option(
-        help="lt.window/decode or lt.window/prefill ranges, or the whole trace; auto: decode if any."
-    ),
-]
-TraceFormatOpt = Annotated[
+    help="lt.window/decode or lt.window/prefill ranges, or the whole trace; auto: decode if any.",
+)
+TraceFormatOpt = opt(
     Optional[OutputFormat],
-    typer.Option(
-        "--format",
-        help="Output format. Default: from the --output suffix (.json, .csv), else table.",
-        show_default=False,
-    ),
-]
-TraceOutputOpt = Annotated[
-    Optional[Path], typer.Option("--output", "-o", help="Write to PATH instead of stdout.")
-]
-TopOpt = Annotated[int, typer.Option(min=0, help="Kernels listed in each top-kernels table.")]
-CaptureOpt = Annotated[
+    "--format",
+    help="Output format. Default: from the --output suffix (.json, .csv), else table.",
+)
+TraceOutputOpt = opt(Optional[Path], "--output", "-o", help="Write to PATH instead of stdout.")
+TopOpt = opt(int, min=0, help="Kernels listed in each top-kernels table.")
+CaptureOpt = opt(
     Optional[Path],
-    typer.Option(
-        "--capture",
-        help="Capture-trace folder (execution_details.json + traces) that attributes graph-replayed "
-        "kernels. Default: capture_traces/ beside the trace, if present.",
-        show_default=False,
-    ),
-]
-PeakDeviceOpt = Annotated[
+    "--capture",
+    help="Capture-trace folder (execution_details.json + traces) that attributes graph-replayed kernels. "
+    "Default: capture_traces/ beside the trace, if present.",
+)
+PeakDeviceOpt = opt(
     Optional[str],
-    typer.Option(
-        help="Device for the roofline peaks (e.g. H100, MI300X). Default: the trace's.", show_default=False
-    ),
-]
-LoopsOpt = Annotated[
+    help="Device for the roofline peaks (e.g. H100, MI300X). Default: the trace's.",
+)
+LoopsOpt = opt(
     Optional[int],
-    typer.Option(
-        "--loops",
-        min=1,
-        help="Looped model: passes of its recurrent block per forward (traces without lt ranges; "
-        "see LOOPED MODELS).",
-        show_default=False,
-    ),
-]
-LayersPerLoopOpt = Annotated[
+    "--loops",
+    min=1,
+    help="Looped model: passes of its recurrent block per forward (traces without lt ranges; see LOOPED "
+    "MODELS).",
+)
+LayersPerLoopOpt = opt(
     Optional[int],
-    typer.Option(
-        "--layers-per-loop",
-        min=1,
-        help="Looped model: layers in its recurrent block (traces without lt ranges).",
-        show_default=False,
-    ),
-]
+    "--layers-per-loop",
+    min=1,
+    help="Looped model: layers in its recurrent block (traces without lt ranges).",
+)
 
 
 @trace_app.command(epilog=EXAMPLES)
@@ -178,47 +151,24 @@ def analyze(
     """Per-token counters (Table A4 shape), op categories and per-op roofline, kernel attribution by
     stage/op/layer and top kernels; vLLM, SGLang, Hugging Face and looptrace traces (CUDA and ROCm)."""
     with interrupt_exit():
-        options = _Options(tokens, step_marker, window, top, capture, device, loops, layers_per_loop)
-        _analyze(trace, options, infer_format(fmt, output), output)
+        # The analysis modules load here, not at import: `looptrace --help` and usage errors stay fast.
+        from looptrace.probes.capture import find_capture_dir
+        from looptrace.probes.compare import analyze_file
+        from looptrace.probes.events import TraceError
 
-
-@dataclass(frozen=True)
-class _Options:
-    tokens: int | None
-    step_marker: str | None
-    window: WindowChoice
-    top: int
-    capture: Path | None
-    device: str | None
-    loops: int | None = None
-    layers_per_loop: int | None = None
-
-
-def _analyze(trace: Path, o: _Options, fmt: OutputFormat, output: Path | None) -> None:
-    # The analysis modules load here, not at import: `looptrace --help` and usage errors stay fast.
-    from looptrace.probes.capture import find_capture_dir
-    from looptrace.probes.compare import trace_captures
-    from looptrace.probes.counters import analyze as analyze_trace
-    from looptrace.probes.events import TraceError, load_chrome_trace
-
-    try:
-        check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
-        loaded = load_chrome_trace(trace)
-        if not loaded.events:
-            raise TraceError(f"{trace}: no complete ('ph': 'X') events in the trace")
-        captures = trace_captures(trace, o.capture)
-        result = analyze_trace(
-            loaded, tokens=o.tokens, window=o.window.value, step_marker=o.step_marker, top=o.top,
-            captures=captures, device=o.device, loops=o.loops, layers_per_loop=o.layers_per_loop,
-        )  # fmt: skip
-    except (TraceError, UsageError) as exc:
-        raise fail(str(exc)) from None
-    header = {"trace": str(trace), "window": result.counters.window, "mode": result.counters.mode}
-    if captures is not None:
-        header["capture"] = str(o.capture or find_capture_dir(trace))
-    if result.device:
-        header["device"] = result.device
-    _render(result, header, fmt, output)
+        try:
+            check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
+            result, header, captures = analyze_file(
+                trace, capture, tokens=tokens, window=window.value, step_marker=step_marker, top=top,
+                device=device, loops=loops, layers_per_loop=layers_per_loop,
+            )  # fmt: skip
+        except (TraceError, UsageError, OutputError) as exc:
+            raise fail(str(exc)) from None
+        if captures is not None:
+            header["capture"] = str(capture or find_capture_dir(trace))
+        if result.device:
+            header["device"] = result.device
+        _render(result, header, infer_format(fmt, output), output)
 
 
 def _render(result, header: dict, fmt: OutputFormat, output: Path | None) -> None:

@@ -6,15 +6,12 @@ Thin: loading, the comparison rows and their tables live in looptrace.probes.com
 from __future__ import annotations
 
 import io
-import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
-import typer
-
-from looptrace.cli.common import UsageError, fail, interrupt_exit
-from looptrace.cli.options import OutputFormat
+from looptrace.cli.common import UsageError, check_roofline_device, dumps, fail, interrupt_exit
+from looptrace.cli.options import OutputFormat, arg, opt
 from looptrace.cli.trace_cmd import TraceOutputOpt, WindowChoice, emit
 
 EPILOG = """
@@ -38,9 +35,6 @@ are 0, "new" where only B has the row.
 """
 
 
-# --- command -----------------------------------------------------------------------------------------
-
-
 def _labels(text: str | None) -> tuple[str, str]:
     if text is None:
         return "A", "B"
@@ -50,52 +44,30 @@ def _labels(text: str | None) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def _check_device(device: str | None) -> None:
-    """An unknown --device name is bad input before any trace is read."""
-    if device is None:
-        return
-    from looptrace.probes.roofline import device_for
-
-    try:
-        device_for(None, device)
-    except ValueError as exc:
-        raise UsageError(f"--device: {exc}") from None
-
-
-SideArg = Annotated[Path, typer.Argument(help="Trace (.json/.json.gz) or saved `trace analyze` JSON report.")]
-OtherSideArg = Annotated[Path, typer.Argument(help="The other trace or report; ratios are B/A.")]
-LabelsOpt = Annotated[
-    Optional[str], typer.Option("--labels", help="Names of A and B, comma-separated (default: A,B).")
-]
-SideWindowOpt = Annotated[
-    WindowChoice, typer.Option(help="Window of a trace side (as `trace analyze`); auto: decode if any.")
-]
-RooflineDeviceOpt = Annotated[
-    Optional[str],
-    typer.Option("--device", help="Device for the roofline columns of a trace side (e.g. h200, mi300x)."),
-]
-CaptureAOpt = Annotated[
+SideArg = arg(Path, help="Trace (.json/.json.gz) or saved `trace analyze` JSON report.")
+OtherSideArg = arg(Path, help="The other trace or report; ratios are B/A.")
+LabelsOpt = opt(Optional[str], "--labels", help="Names of A and B, comma-separated (default: A,B).")
+SideWindowOpt = opt(WindowChoice, help="Window of a trace side (as `trace analyze`); auto: decode if any.")
+RooflineDeviceOpt = opt(
+    Optional[str], "--device", help="Device for the roofline columns of a trace side (e.g. h200, mi300x)."
+)
+CaptureAOpt = opt(
     Optional[Path],
-    typer.Option(
-        "--capture-a", help="Capture folder for A's graph replays (default: beside A).", show_default=False
-    ),
-]
-CaptureBOpt = Annotated[
+    "--capture-a",
+    help="Capture folder for A's graph replays (default: beside A).",
+)
+CaptureBOpt = opt(
     Optional[Path],
-    typer.Option(
-        "--capture-b", help="Capture folder for B's graph replays (default: beside B).", show_default=False
-    ),
-]
-ByLayerOpt = Annotated[bool, typer.Option("--by-layer", help="Op rows per layer (default: layers summed).")]
-TopRowsOpt = Annotated[
-    int, typer.Option(min=0, help="Op rows shown (0: all), by the larger GPU time of the two.")
-]
-CompareFormatOpt = Annotated[
+    "--capture-b",
+    help="Capture folder for B's graph replays (default: beside B).",
+)
+ByLayerOpt = opt(bool, "--by-layer", help="Op rows per layer (default: layers summed).")
+TopRowsOpt = opt(int, min=0, help="Op rows shown (0: all), by the larger GPU time of the two.")
+CompareFormatOpt = opt(
     Optional[OutputFormat],
-    typer.Option(
-        "--format", help="Output format. Default: from the -o suffix, else table.", show_default=False
-    ),
-]
+    "--format",
+    help="Output format. Default: from the -o suffix, else table.",
+)
 
 
 def compare(
@@ -112,35 +84,23 @@ def compare(
     output: TraceOutputOpt = None,
 ) -> None:
     """Two traces or reports side by side per op category and op, per token, with B/A ratios."""
-    with interrupt_exit():
-        sides = ((a, capture_a), (b, capture_b))
-        _compare(sides, labels, window.value, device, by_layer, top, fmt, output)
-
-
-def _compare(
-    sides: tuple[tuple[Path, Path | None], tuple[Path, Path | None]],
-    labels: str | None,
-    window: str,
-    device: str | None,
-    by_layer: bool,
-    top: int,
-    fmt: OutputFormat | None,
-    output: Path | None,
-) -> None:
-    from looptrace.cli.output import check_output, infer_format
+    from looptrace.cli.output import OutputError, check_output, infer_format
     from looptrace.probes.compare import compare_reports, load_side
     from looptrace.probes.events import TraceError
 
-    (a, cap_a), (b, cap_b) = sides
-    try:
-        check_output(output, inputs=[(a, "A"), (b, "B")])  # never replace an input with the comparison
-        names = _labels(labels)
-        _check_device(device)
-        (ra, sa), (rb, sb) = load_side(a, window, device, cap_a), load_side(b, window, device, cap_b)
-        data = compare_reports(ra, rb, names, (a, b), top or None, (sa, sb), by_layer)
-    except (TraceError, UsageError) as exc:
-        raise fail(str(exc)) from None
-    _render(data, infer_format(fmt, output), output)
+    with interrupt_exit():
+        try:
+            check_output(output, inputs=[(a, "A"), (b, "B")])  # never replace an input with the comparison
+            names = _labels(labels)
+            check_roofline_device(device, "--device")
+            sa, sb = (
+                load_side(a, window.value, device, capture_a),
+                load_side(b, window.value, device, capture_b),
+            )
+            data = compare_reports(sa[0], sb[0], names, (a, b), top or None, (sa[1], sb[1]), by_layer)
+        except (TraceError, UsageError, OutputError) as exc:
+            raise fail(str(exc)) from None
+        _render(data, infer_format(fmt, output), output)
 
 
 def _render(data: dict[str, Any], fmt: OutputFormat, output: Path | None) -> None:
@@ -150,7 +110,7 @@ def _render(data: dict[str, Any], fmt: OutputFormat, output: Path | None) -> Non
     from looptrace.probes.compare import render_tables, to_csv
 
     if fmt is OutputFormat.json:
-        text = json.dumps(data, indent=2, default=str) + "\n"
+        text = dumps(data) + "\n"
     elif fmt is OutputFormat.csv:
         text = to_csv(data)
     else:

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
 from looptrace.build import SEED_MAX
 from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
-from looptrace.cli.output import same_file
+from looptrace.cli.options import opt
+from looptrace.cli.output import output_dir, same_file
 
 META_FILE = "train_meta.json"  # looptrace.train.trainer.META_FILE (not imported: it loads torch)
 
@@ -44,21 +40,16 @@ class Family(str, enum.Enum):
     huginn = "huginn"
 
 
-FamilyOpt = Annotated[Family, typer.Option(help="Which tiny preset to train.")]
-OutOpt = Annotated[
-    Path | None,
-    typer.Option(help="Output directory (default: ./looptrace-tiny-<family>).", show_default=False),
-]
-ReplaceShippedOpt = Annotated[
+FamilyOpt = opt(Family, help="Which tiny preset to train.")
+OutOpt = opt(Path | None, help="Output directory (default: ./looptrace-tiny-<family>).")
+ReplaceShippedOpt = opt(
     bool,
-    typer.Option(
-        "--replace-shipped",
-        help="Write over the packaged checkpoint (looptrace/assets/<preset>) that the tiny presets load.",
-    ),
-]
-StepsOpt = Annotated[int | None, typer.Option(help="Optimizer steps (default: the shipped run's).")]
-TrainSeedOpt = Annotated[int, typer.Option(help="Seed (data, init, Huginn depth and noise).")]
-TrainThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (1 is faster on a busy machine).")]
+    "--replace-shipped",
+    help="Write over the packaged checkpoint (looptrace/assets/<preset>) that the tiny presets load.",
+)
+StepsOpt = opt(int | None, help="Optimizer steps (default: the shipped run's).")
+TrainSeedOpt = opt(int, help="Seed (data, init, Huginn depth and noise).")
+TrainThreadsOpt = opt(int, help="torch CPU threads (1 is faster on a busy machine).")
 
 
 def train_tiny(
@@ -82,12 +73,8 @@ def train_tiny(
             raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-2")
         shipped = ASSETS_DIR / preset
         target = _target(out, replace_shipped, shipped, family.value)
-        created = _prepare_dir(target)
-        try:
+        with output_dir(target, "--out", META_FILE, "train-tiny"):  # checked before training
             meta = _train(family.value, target, steps, seed, threads)
-        except BaseException:
-            _remove_created(created)
-            raise
     Console(stderr=True, highlight=False).print(
         Text(
             f"wrote {target}  ({meta['wall_time_s']} s on {threads} thread(s); teacher-forced exact match by "
@@ -109,34 +96,6 @@ def _target(out: Path | None, replace_shipped: bool, shipped: Path, family: str)
             "(without --out) to replace it"
         )
     return target
-
-
-def _prepare_dir(target: Path) -> list[Path]:
-    """Check (and create) the output directory before training; the directories it created."""
-    if target.exists() and not target.is_dir():
-        raise UsageError(f"--out {target}: exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not (target / META_FILE).is_file():
-        raise UsageError(
-            f"--out {target}: directory holds other files (no {META_FILE} of an earlier train-tiny); "
-            "choose a new or empty directory"
-        )
-    missing = [p for p in (target, *target.parents) if not p.exists()]
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=target, prefix=".looptrace-")  # writable, not just present
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        _remove_created(missing)
-        raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc})") from None
-    return missing
-
-
-def _remove_created(created: list[Path]) -> None:
-    """Remove the directories this run created, if still empty (innermost first)."""
-    for path in created:
-        with contextlib.suppress(OSError):
-            path.rmdir()
 
 
 def _train(family: str, target: Path, steps: int | None, seed: int, threads: int) -> dict:

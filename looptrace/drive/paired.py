@@ -227,8 +227,11 @@ def kv_bytes_per_arm(
     first engine built nearly everything and the second nothing. Here the same budget, less every arm's
     weights and a `reserve` (graphs, activations) per arm, is split evenly: equal bytes, so a layout that
     packs more tokens into the same bytes (ExactLoop's `packed`) keeps that advantage. `free` is measured
-    before any arm's weights are loaded."""
-    budget = free - (1.0 - utilization) * total - weight_bytes - arms * reserve
+    before any arm's weights are loaded. The engine's rule is `budget.cuda_kv_budget` (its own reserve
+    taken here per arm, after the weights)."""
+    from looptrace.engine.budget import cuda_kv_budget
+
+    budget = cuda_kv_budget(free, total, utilization, reserve=0) - weight_bytes - arms * reserve
     return max(0, int(budget // arms))
 
 

@@ -18,57 +18,12 @@ class WorkloadKind(str, enum.Enum):
     jsonl = "jsonl"
 
 
-def make_workload(
-    kind: WorkloadKind,
-    *,
-    concurrency: int,
-    prompt_len: int,
-    max_tokens: int,
-    rate: float | None,
-    num_requests: int | None,
-    sessions: int,
-    turns: int,
-    turn_prompt_len: int,
-    prompts: Path | None,
-    seed: int,
-    vocab_size: int,
-    tokenizer_dir: Path | None,
-):
-    """CLI options -> a Workload; the workload validates its own numbers (one-line WorkloadError)."""
-    from looptrace.drive import workloads as w
-    from looptrace.drive.workloads import WorkloadError
+def make_workload(kind: WorkloadKind, **options):
+    """CLI options -> a Workload: `workloads.make_workload`, the one constructor (imported here when
+    called, so that importing this module loads no numpy)."""
+    from looptrace.drive.workloads import make_workload as make
 
-    shared = dict(max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
-    if kind == WorkloadKind.burst:
-        return w.BurstWorkload(concurrency=concurrency, prompt_len=prompt_len, **shared)
-    if kind == WorkloadKind.poisson:
-        if rate is None:
-            raise WorkloadError("--workload poisson needs --rate (requests per second)")
-        count = concurrency if num_requests is None else num_requests
-        return w.PoissonWorkload(rate=rate, num_requests=count, prompt_len=prompt_len, **shared)
-    if kind == WorkloadKind.sessions:
-        return w.SessionWorkload(
-            num_sessions=sessions,
-            turns=turns,
-            first_prompt_len=prompt_len,
-            turn_prompt_len=turn_prompt_len,
-            **shared,
-        )
-    return _jsonl_workload(prompts, tokenizer_dir, max_tokens, vocab_size)
-
-
-def _jsonl_workload(prompts: Path | None, tokenizer_dir: Path | None, max_tokens: int, vocab_size: int):
-    from looptrace.drive.workloads import JsonlWorkload, WorkloadError
-    from looptrace.engine.tokenizer import load_tokenizer
-
-    if prompts is None:
-        raise WorkloadError("--workload jsonl needs --prompts FILE")
-    return JsonlWorkload(
-        path=prompts,
-        tokenizer=load_tokenizer(tokenizer_dir),
-        default_max_tokens=max_tokens,
-        vocab_size=vocab_size,
-    )
+    return make(kind, **options)
 
 
 def resolve_workload(

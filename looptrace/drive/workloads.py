@@ -309,3 +309,58 @@ class JsonlWorkload(Workload):
             raise self._fail(lineno, f"tokenizer failed ({type(e).__name__}: {detail})") from None
         # `tokenizers.Tokenizer.encode` returns an Encoding; its ids are what we want.
         return list(getattr(encoded, "ids", encoded))
+
+
+# The one constructor ---------------------------------------------------------------------------------
+WORKLOAD_KINDS = ("burst", "poisson", "sessions", "jsonl")
+
+
+def make_workload(
+    kind: str,
+    *,
+    concurrency: int,
+    prompt_len: int,
+    max_tokens: int,
+    seed: int,
+    vocab_size: int,
+    rate: float | None = None,
+    num_requests: int | None = None,
+    sessions: int | None = None,
+    turns: int | None = None,
+    turn_prompt_len: int | None = None,
+    prompts: Path | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Workload:
+    """Workload options (`looptrace run`'s, `looptrace bench`'s bursts) -> a Workload of `kind` (one of
+    WORKLOAD_KINDS; a `run_workload.WorkloadKind` compares equal to its name). The workload validates its
+    own numbers; a missing option of the kind is a one-line WorkloadError."""
+    shared = dict(max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
+    if kind == "burst":
+        return BurstWorkload(concurrency=concurrency, prompt_len=prompt_len, **shared)
+    if kind == "poisson":
+        if rate is None:
+            raise WorkloadError("--workload poisson needs --rate (requests per second)")
+        count = concurrency if num_requests is None else num_requests
+        return PoissonWorkload(rate=rate, num_requests=count, prompt_len=prompt_len, **shared)
+    if kind == "sessions":
+        return SessionWorkload(
+            num_sessions=sessions,
+            turns=turns,
+            first_prompt_len=prompt_len,
+            turn_prompt_len=turn_prompt_len,
+            **shared,
+        )
+    return _jsonl_workload(prompts, tokenizer_dir, max_tokens, vocab_size)
+
+
+def _jsonl_workload(prompts: Path | None, tokenizer_dir: Path | None, max_tokens: int, vocab_size: int):
+    from looptrace.engine.tokenizer import load_tokenizer
+
+    if prompts is None:
+        raise WorkloadError("--workload jsonl needs --prompts FILE")
+    return JsonlWorkload(
+        path=prompts,
+        tokenizer=load_tokenizer(tokenizer_dir),
+        default_max_tokens=max_tokens,
+        vocab_size=vocab_size,
+    )

@@ -2,14 +2,16 @@
 
 from looptrace.engine.config import EngineConfig
 from looptrace.engine.hooks import Observer, RequestEvent, StepInfo, StepResult
-from looptrace.engine.llm_engine import EngineInputError, LLMEngine, TokenOutput
+from looptrace.engine.llm_engine import LLMEngine
 from looptrace.engine.model_config import PRESETS, ModelSpec, resolve_preset
-from looptrace.engine.request import SamplingParams
+from looptrace.engine.plan import EnginePlan
+from looptrace.engine.request import EngineInputError, SamplingParams, TokenOutput
 
 __all__ = [
     "PRESETS",
     "EngineConfig",
     "EngineInputError",
+    "EnginePlan",
     "LLMEngine",
     "ModelSpec",
     "Observer",

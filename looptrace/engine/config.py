@@ -210,6 +210,9 @@ class KernelConfig:
     # Another reduction order (R3); the Triton kernel is batch invariant, so recipes that share it compare
     # bit for bit.
     attention: Literal["torch", "triton"] = field(default="triton", metadata=_meta("R3"))
+    # Beyond the paper: projections of at most 8 rows (decode) through a bandwidth-bound split-K Triton GEMV
+    # (`kernels/gemv.py`) instead of cuBLAS; another reduction order (R3), CUDA only.
+    gemv: bool = field(default=False, metadata=_meta("R3"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

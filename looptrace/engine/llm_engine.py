@@ -2,7 +2,9 @@
 
 The engine owns the request lifecycle: `_advance` is the one function that changes a request's stage and
 progress (admission, chunk done, prelude done, loop done, token sampled, finish/abort). The scheduler only
-decides and keeps queues; the runner only computes; exit policies only decide.
+decides and keeps queues; the runner only computes; exit policies only decide. What runs (decode mode,
+kernels, graph families) is resolved once into `engine.plan` (plan.py); each stage, and each decode mode
+of the RECURRENT stage, is one small strategy picked from a table at construction.
 
 engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu")
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
@@ -13,7 +15,6 @@ while engine.has_unfinished_requests():
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ import torch
 from looptrace.engine import kernels
 from looptrace.engine.config import ConfigError, EngineConfig, validate_config
 from looptrace.engine.depth_control import queue_age_p
-from looptrace.engine.exit_policy import make_exit_policy
 from looptrace.engine.hooks import (
     DepthEvent,
     HookDispatcher,
@@ -32,15 +32,36 @@ from looptrace.engine.hooks import (
     StepInfo,
     StepResult,
 )
-from looptrace.engine.kv_cache import LAYOUTS, BlockManager, KVPool, size_pool_blocks
+from looptrace.engine.kv_cache import BlockManager, KVPool, size_pool_blocks
 from looptrace.engine.layers import enable_exact_kernels, enable_fused_tails, enable_triton_attention
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
+from looptrace.engine.perturb import install_perturbation
+from looptrace.engine.plan import (
+    ASYNC_GATE,
+    ASYNC_WHOLE_TOKEN,
+    FUSED_LOOPS,
+    RECURRENT,
+    WHOLE_TOKEN,
+    PrefillDepth,
+    in_report_order,
+    resolve_plan,
+)
 from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
-from looptrace.engine.request import Request, SamplingParams, SamplingParamsError, Stage, reduce_seed
+from looptrace.engine.request import (  # EngineInputError, Event, TokenOutput: re-exported (old path)
+    Batch,
+    EngineInputError,
+    Event,
+    Request,
+    SamplingParams,
+    SamplingParamsError,
+    Stage,
+    TokenOutput,
+    reduce_seed,
+)
 from looptrace.engine.runner import ModelRunner, PendingRead
-from looptrace.engine.scheduler import ADMIT, Admission, Batch, Scheduler
+from looptrace.engine.scheduler import ADMIT, Admission, Scheduler
 from looptrace.engine.snapshot import EngineSnapshot, snapshot_engine
 from looptrace.engine.weights import create_model, init_random
 
@@ -70,10 +91,6 @@ def kernel_shapes(spec: ModelSpec) -> dict:
     }
 
 
-class EngineInputError(ValueError):
-    """A request or configuration the engine cannot serve (bad prompt, too long, bad setting)."""
-
-
 class StepError(RuntimeError):
     """A step's forward or its bookkeeping raised. A batched forward cannot be blamed on one row, so the
     requests of that step are finished with reason "error", their KV freed, before this is raised; the
@@ -84,23 +101,6 @@ class StepError(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.outputs: list[TokenOutput] = outputs or []
-
-
-class Event(enum.Enum):
-    """What just happened to a request (the input of `LLMEngine._advance`)."""
-
-    ADMITTED = "admitted"
-    CHUNK_DONE = "chunk_done"
-    PRELUDE_DONE = "prelude_done"
-    LOOP_DONE = "loop_done"
-    LOOPS_DONE = "loops_done"
-    TOKEN = "token"
-    DECODED = "decoded"  # whole-token step: prelude, every loop and the coda in one step
-    LOOP_SUBMITTED = "loop_submitted"  # async gate: a loop ran, its exit gate not yet read
-    TOKEN_SUBMITTED = "token_submitted"  # async decode: a whole token ran, the host has not read it yet
-    TOKEN_READ = "token_read"  # async decode: that token, read one step late
-    GATE_READ = "gate_read"  # async gate: the exit decision of an earlier loop
-    ABORTED = "aborted"
 
 
 PENDING_TOKEN = -1  # async decode: an output whose token the host has not read yet
@@ -126,22 +126,19 @@ class PendingTokens:
 
 
 @dataclass
-class TokenOutput:
-    request_id: str
-    token_id: int
-    finished: bool
-    finish_reason: str | None
-    exit_depth: int
-    logprob: float | None = None  # params.logprobs: the token's log-softmax of the raw logits
-    top_logprobs: list[tuple[int, float]] | None = None  # params.logprobs = k: the k most likely, descending
-
-
-@dataclass
 class EngineStats:
     steps: int = 0
     submissions: int = 0
     output_tokens: int = 0
     steps_by_stage: dict[str, int] = field(default_factory=dict)
+
+
+def _check_config(cfg: EngineConfig) -> None:
+    """Sections may have been changed after they were built: check the whole config again."""
+    try:
+        validate_config(cfg)
+    except ConfigError as exc:
+        raise EngineInputError(str(exc)) from None
 
 
 class LLMEngine:
@@ -154,144 +151,146 @@ class LLMEngine:
         dtype: torch.dtype,
         seed: int = 0,
     ) -> None:
-        try:  # sections may have been changed after they were built
-            validate_config(cfg)
-        except ConfigError as exc:
-            raise EngineInputError(str(exc)) from None
+        _check_config(cfg)
         self.model, self.spec, self.cfg = model, model.spec, cfg
         self.device, self.dtype, self.seed = device, dtype, seed
+        self.plan = resolve_plan(cfg, model.spec, device, device.type == "cuda" and kernels.available())
         # Rungs that a startup check on this device decides (config.rung_check == "device").
         self.checked_rungs: dict[str, str] = {}
         # Settings accepted but without effect on this device, and why (reported in run headers).
-        self.inactive_settings: dict[str, str] = {}
-        exact_on = cfg.kernels.exact and device.type == "cuda" and kernels.available()
-        if exact_on:
-            enable_exact_kernels(model)
-            kernels.warmup(device, specs=[kernel_shapes(model.spec)])  # compile before any capture
-        elif cfg.kernels.exact:
-            self.inactive_settings["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
-        wants_triton = cfg.kernels.attention == "triton"
-        self._triton_attention = wants_triton and device.type == "cuda" and kernels.available()
-        if self._triton_attention:
-            enable_triton_attention(model)
-        elif wants_triton:
-            self.inactive_settings["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
-        self._enable_fused_tails(exact_on)
-        if device.type != "cuda":
-            self.inactive_settings["cuda_graphs"] = "CUDA graphs run only on CUDA"
-        if cfg.kernels.fused_projections and fuse_model_projections(model):
-            exact = fused_gemm_is_exact(model.spec, device, dtype)
-            self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
-        spec = self.spec
-        self.max_loops = cfg.exit.max_loops or spec.default_loops
-        self.exit_policy = make_exit_policy(cfg.exit, self.max_loops, has_gate=spec.family == "ouro")
-        self.layout = LAYOUTS[cfg.kv.layout](spec, self.max_loops)
-        num_blocks = size_pool_blocks(
-            spec,
-            self.layout,
-            cfg.kv.block_size,
-            dtype,
-            device,
-            cfg.kv.num_blocks,
-            cfg.kv.cpu_pool_tokens,
-            cfg.kv.gpu_memory_utilization,
-        )
-        if num_blocks < self.layout.blocks_per_page:
-            raise EngineInputError(
-                f"kv.num_blocks={num_blocks} holds no page of {self.layout.blocks_per_page} blocks"
-            )
-        self.blocks = BlockManager(
-            self.layout, num_blocks, cfg.kv.block_size, cfg.kv.prefix_caching, cfg.kv.prefix_publication
-        )
-        self.pool = KVPool(spec, num_blocks, cfg.kv.block_size, dtype, device)
-        if cfg.kv.poison_freed_blocks:
-            self.blocks.on_freed = self.pool.poison
-        # The watermark is never admitted into, so a request must fit in the rest of the pool.
-        usable = (num_blocks - cfg.kv.watermark_blocks) // self.layout.blocks_per_page * cfg.kv.block_size
-        if usable < 1:
-            raise EngineInputError(
-                f"kv.watermark_blocks={cfg.kv.watermark_blocks} leaves no usable page "
-                f"in a pool of {num_blocks} blocks"
-            )
-        cap = min(self.blocks.capacity_tokens, usable)
-        self.max_model_len = min(cfg.scheduler.max_model_len or spec.max_position, spec.max_position, cap)
+        self.inactive_settings = self._apply_kernels()
+        self.exit_policy, self.layout = self.plan.exit_policy, self.plan.layout
+        self.blocks, self.pool = self._build_kv()
+        self.max_model_len = self._max_model_len()
         self.hooks = HookDispatcher()
-        self.noise = NOISE[cfg.noise](spec)
-        # Loop fusion: a decode row that cannot exit early runs all its loops in one submission.
-        self.fuse_loops = cfg.scheduler.loop_fusion and not self.exit_policy.can_exit_early
-        # Async gate readback: gate logits read one step late (only where a gate is read at all). Not on
-        # the shared layout: a speculative loop overwrites the token's one KV slot, which a rollback
-        # cannot restore (depth planes keep the exit loop's slot and copy it deeper).
-        self.async_gate = (
-            cfg.scheduler.async_gate
-            and self.exit_policy.needs_gate
-            and not self.fuse_loops
-            and self.layout.num_planes > 1
-        )
-        self._pending: PendingLoops | None = None
-        # Whole-token decode: a fused row's next token is one RECURRENT step (prelude, loops, coda inside).
-        self.whole_token = self.fuse_loops and cfg.scheduler.whole_token
-        self.decode_entry = Stage.RECURRENT if self.whole_token else Stage.PRELUDE
-        # Async decode: whole-token steps submitted before the previous step's tokens are read.
-        self.async_decode = self.whole_token and cfg.scheduler.async_decode
-        if cfg.scheduler.async_decode and not self.async_decode:
-            self.inactive_settings["scheduler.async_decode"] = "needs whole-token decode at a fixed depth"
-        self._pending_tokens: PendingTokens | None = None
-        self.scheduler = Scheduler(
-            cfg.scheduler,
-            self.blocks,
-            cfg.kv.watermark_blocks,
-            self.max_loops if self.fuse_loops else 1,
-            position_stage=self.decode_entry,
-        )
-        # One carried-state slot per request that may be active at once: admission caps them.
-        max_slots = cfg.scheduler.max_num_seqs
-        self.runner = ModelRunner(
-            model,
-            cfg,
-            self.layout,
-            self.blocks,
-            self.pool,
-            self.noise,
-            self.hooks,
-            device=device,
-            dtype=dtype,
-            max_loops=self.max_loops,
-            max_model_len=self.max_model_len,
-            max_slots=max_slots,
-        )
-        self.runner.metadata.torch_path = not self._triton_attention  # the Triton path needs no mask
-        self.runner.triton_attention = self._triton_attention
-        self.runner.async_decode = self.async_decode
-        self._init_depth()  # LoopDuet split depth (issue #9)
+        self.noise = NOISE[cfg.noise](self.spec)
+        self.scheduler = self._build_scheduler()
+        self._depth = PrefillDepth(self.plan.prefill_loops)  # LoopDuet split depth (issue #9)
+        self.runner = self._build_runner()
+        # One strategy per stage, RECURRENT's chosen by the plan's decode mode (unbound functions: no cycle).
+        self._stage_runs = {**self.STAGE_RUNS, Stage.RECURRENT: self.DECODE_MODES[self.plan.decode_mode]}
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._pending: PendingLoops | None = None  # async gate: a recurrent step's gates still unread
+        self._pending_tokens: PendingTokens | None = None  # async decode: a whole-token step's tokens unread
         self._early_exits: list[Request] = []
         self._rollbacks: list[Request] = []
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
         self._failures: list[tuple[str, str]] = []  # (request id, why) failed alone: see take_failures
-        from looptrace.engine.perturb import install_perturbation  # debug.perturb (test aid)
+        self.perturbation = install_perturbation(self, cfg.debug.perturb)  # debug.perturb (test aid)
 
-        self.perturbation = install_perturbation(self, cfg.debug.perturb)
-
-    def _enable_fused_tails(self, exact_on: bool) -> None:
-        """kernels.residual_norm / rope_kv_write: fused exact kernels built on `kernels.exact` (and the
-        Triton K/V write); inactive, with the reason, where those are off or the family has no such op."""
-        k = self.cfg.kernels
-        wanted = {"kernels.residual_norm": k.residual_norm, "kernels.rope_kv_write": k.rope_kv_write}
-        for name, on in wanted.items():
-            if not on:
-                continue
-            if not exact_on:
-                self.inactive_settings[name] = "needs kernels.exact active (CUDA with Triton)"
-            elif name == "kernels.rope_kv_write" and not self._triton_attention:
-                self.inactive_settings[name] = "needs the Triton attention path (kernels.attention=triton)"
-            elif not enable_fused_tails(
-                self.model,
+    def _apply_kernels(self) -> dict[str, str]:
+        """The plan's kernels applied to the model (exact ops compiled before any capture); returns the
+        inactive settings: the plan's, plus each fused tail the model family has no kernel for."""
+        plan, model = self.plan, self.model
+        if plan.exact_kernels:
+            enable_exact_kernels(model)
+            kernels.warmup(self.device, specs=[kernel_shapes(self.spec)])
+        if plan.triton_attention:
+            enable_triton_attention(model)
+        missing = {
+            name: f"no fused kernel for the {self.spec.family} family"
+            for name in plan.fused_tails
+            if not enable_fused_tails(
+                model,
                 residual_norm=name == "kernels.residual_norm",
                 rope_kv_write=name == "kernels.rope_kv_write",
-            ):
-                self.inactive_settings[name] = f"no fused kernel for the {self.spec.family} family"
+            )
+        }
+        if plan.fused_projections and fuse_model_projections(model):
+            exact = fused_gemm_is_exact(self.spec, self.device, self.dtype)
+            self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
+        if self.cfg.kernels.gemv and not kernels.apply_gemv(model, self.device):  # after the fusing
+            missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
+        return in_report_order({**plan.inactive_settings, **missing})
+
+    def _build_kv(self) -> tuple[BlockManager, KVPool]:
+        """The block manager and the pool, sized for this device (kv.num_blocks, or memory)."""
+        kv, spec, layout = self.cfg.kv, self.spec, self.layout
+        num_blocks = size_pool_blocks(
+            spec,
+            layout,
+            kv.block_size,
+            self.dtype,
+            self.device,
+            kv.num_blocks,
+            kv.cpu_pool_tokens,
+            kv.gpu_memory_utilization,
+        )
+        if num_blocks < layout.blocks_per_page:
+            raise EngineInputError(
+                f"kv.num_blocks={num_blocks} holds no page of {layout.blocks_per_page} blocks"
+            )
+        blocks = BlockManager(layout, num_blocks, kv.block_size, kv.prefix_caching, kv.prefix_publication)
+        pool = KVPool(spec, num_blocks, kv.block_size, self.dtype, self.device)
+        if kv.poison_freed_blocks:
+            blocks.on_freed = pool.poison
+        return blocks, pool
+
+    def _max_model_len(self) -> int:
+        """The longest context: the model's, the recipe's, and what the pool holds past the watermark
+        (which is never admitted into, so a request must fit in the rest of the pool)."""
+        kv, num_blocks = self.cfg.kv, self.blocks.pool_blocks
+        usable = (num_blocks - kv.watermark_blocks) // self.layout.blocks_per_page * kv.block_size
+        if usable < 1:
+            raise EngineInputError(
+                f"kv.watermark_blocks={kv.watermark_blocks} leaves no usable page "
+                f"in a pool of {num_blocks} blocks"
+            )
+        cap = min(self.blocks.capacity_tokens, usable)
+        limit = self.cfg.scheduler.max_model_len or self.spec.max_position
+        return min(limit, self.spec.max_position, cap)
+
+    def _build_scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.cfg.scheduler,
+            self.blocks,
+            self.cfg.kv.watermark_blocks,
+            self.plan.loops_per_decode_step,
+            position_stage=self.plan.decode_entry,
+        )
+
+    def _build_runner(self) -> ModelRunner:
+        # One carried-state slot per request that may be active at once: admission caps them.
+        return ModelRunner(
+            self.model,
+            self.cfg,
+            self.plan,
+            self.blocks,
+            self.pool,
+            self.noise,
+            self.hooks,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_slots=self.cfg.scheduler.max_num_seqs,
+            prefill_depth=self._depth,
+        )
+
+    # The plan's choices under the names clients read -----------------------------------------------------
+    @property
+    def max_loops(self) -> int:
+        return self.plan.max_loops
+
+    @property
+    def fuse_loops(self) -> bool:
+        return self.plan.fuse_loops
+
+    @property
+    def async_gate(self) -> bool:
+        return self.plan.async_gate
+
+    @property
+    def whole_token(self) -> bool:
+        return self.plan.whole_token
+
+    @property
+    def async_decode(self) -> bool:
+        return self.plan.async_decode
+
+    @property
+    def decode_entry(self) -> Stage:
+        return self.plan.decode_entry
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -388,6 +387,13 @@ class LLMEngine:
             return
         self._advance(req, Event.ABORTED)
 
+    def forget(self, request_id: str) -> None:
+        """Drop the record of a finished or aborted request (its outputs stay readable until then); an
+        unknown id is ignored. A request still running is kept: abort it first."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._pending_tokens is not None
 
@@ -409,7 +415,7 @@ class LLMEngine:
     @property
     def prefill_depth(self) -> int:
         """Core loops a prompt row runs now: P under split depth (`depth.*`), else every loop (S)."""
-        p = self.runner.prefill_loops
+        p = self._depth.loops
         return self.max_loops if p is None else p
 
     def num_waiting(self) -> int:
@@ -427,7 +433,7 @@ class LLMEngine:
                 return self._resolve_tokens(self._pending_tokens)
             return []
         label = self._label(batch)
-        if self._depth_on:
+        if self.plan.split_depth:
             self._pick_depth(label)
         self.stats.steps += 1
         self.stats.steps_by_stage[label] = self.stats.steps_by_stage.get(label, 0) + 1
@@ -475,20 +481,6 @@ class LLMEngine:
         kept = [o for o in outputs if o.request_id not in reqs]
         raise StepError(list(reqs), exc, kept) from exc
 
-    def _init_depth(self) -> None:
-        d = self.cfg.depth
-        self._depth_on = d.active
-        if not d.active:
-            return
-        s = self.max_loops
-        p = d.prefill_loops if d.prefill_loops is not None else s
-        if p > s:
-            raise EngineInputError(f"depth.prefill_loops={p} exceeds S = exit.max_loops = {s}")
-        self._p_max = min(d.p_max if d.p_max is not None else p, s)
-        if d.controller != "fixed" and d.p_min > self._p_max:
-            raise EngineInputError(f"depth.p_min={d.p_min} exceeds P_max={self._p_max}")
-        self.runner.prefill_loops = p
-
     def _pick_depth(self, stage: str) -> None:
         """Before each step: the queue-age controller sets P; observers get the (S, P) in force."""
         d, q = self.cfg.depth, None
@@ -500,9 +492,9 @@ class LLMEngine:
                 if not r.outputs and r.stage not in (Stage.WAITING, Stage.FINISHED)
             ]
             q = max(waiting, default=0.0)
-            self.runner.prefill_loops = queue_age_p(q, self._p_max, d.p_min, d.q_low, d.q_high)
+            self._depth.loops = queue_age_p(q, self.plan.p_max, d.p_min, d.q_low, d.q_high)
         if self.hooks.active:
-            now, p = time.perf_counter(), self.runner.prefill_loops
+            now, p = time.perf_counter(), self._depth.loops
             self.hooks.depth(DepthEvent(self.stats.steps + 1, now, p, self.max_loops, q, stage))
 
     def _schedule(self) -> Batch | None:
@@ -518,59 +510,94 @@ class LLMEngine:
             choice = self.scheduler.choose_after_admission()
         return self.scheduler.take(choice) if choice is not None else None
 
+    # Stage strategies: the runner computes, `_advance` applies each row's result --------------------------
     def _run(self, batch: Batch) -> list[TokenOutput]:
-        """The runner computes; `_advance` applies each row's result."""
-        if batch.stage == Stage.PREFILL:
-            self.runner.prefill(batch.spans)
-            for span in batch.spans:
-                self._advance(span.request, Event.CHUNK_DONE, chunk=span.length)
-        elif batch.stage == Stage.PRELUDE:
-            self.runner.prelude(batch.requests)
-            for req in batch.requests:
-                self._advance(req, Event.PRELUDE_DONE)
-        elif batch.stage == Stage.RECURRENT and self.async_decode and self._defers(batch):
-            pending = self.runner.whole_token(batch.requests, defer=True)
-            rows = [(req, len(req.outputs)) for req in batch.requests]
-            for req in batch.requests:
-                self._advance(req, Event.TOKEN_SUBMITTED)
-            self._pending_tokens = PendingTokens(pending, rows)
-        elif batch.stage == Stage.RECURRENT and self.whole_token:
-            outputs = []
-            if self._pending_tokens is not None:  # the phases below need every input token on the host
-                outputs = self._resolve_tokens(self._pending_tokens)
-            requests = [req for req in batch.requests if not req.is_finished]  # stopped just now: dropped
-            if not requests:
-                return outputs
-            tokens = self.runner.whole_token(requests)
-            return outputs + [self._advance(req, Event.DECODED, token=t) for req, t in zip(requests, tokens)]
-        elif batch.stage == Stage.RECURRENT and self.fuse_loops:
-            self.runner.recurrent_fused(batch.requests)
-            for req in batch.requests:
-                self._advance(req, Event.LOOPS_DONE)
-        elif batch.stage == Stage.RECURRENT and self.async_gate and not self.hooks.wants_hidden:
-            gate = self.runner.recurrent(batch.requests, True, defer=True)
-            for req in batch.requests:
-                self._advance(req, Event.LOOP_SUBMITTED)
-            self._pending = PendingLoops(gate, [(req, req.loops_done) for req in batch.requests])
-        elif batch.stage == Stage.RECURRENT:
-            if self._pending is not None:  # observers of hidden states see no speculative loop
-                self._resolve_gates(self._pending)
-            gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
-            self._early_exits = []
-            for i, req in enumerate(batch.requests):
-                self._advance(req, Event.LOOP_DONE, gate=gates[i] if gates is not None else None)
-            if self._early_exits:  # one batched plane copy for every row that left early
-                self.runner.finalize_exits(self._early_exits)
-        else:
-            tokens = self.runner.coda(batch.requests)
-            return [self._advance(req, Event.TOKEN, token=tok) for req, tok in zip(batch.requests, tokens)]
+        return self._stage_runs[batch.stage](self, batch)
+
+    def _run_prefill(self, batch: Batch) -> list[TokenOutput]:
+        self.runner.prefill(batch.spans)
+        for span in batch.spans:
+            self._advance(span.request, Event.CHUNK_DONE, chunk=span.length)
         return []
+
+    def _run_prelude(self, batch: Batch) -> list[TokenOutput]:
+        self.runner.prelude(batch.requests)
+        for req in batch.requests:
+            self._advance(req, Event.PRELUDE_DONE)
+        return []
+
+    def _run_coda(self, batch: Batch) -> list[TokenOutput]:
+        tokens = self.runner.coda(batch.requests)
+        return [self._advance(req, Event.TOKEN, token=tok) for req, tok in zip(batch.requests, tokens)]
+
+    def _async_whole_token(self, batch: Batch) -> list[TokenOutput]:
+        """Submit the token step before the previous one's tokens are read, where the batch allows it."""
+        if not self._defers(batch):
+            return self._whole_token(batch)
+        pending = self.runner.whole_token(batch.requests, defer=True)
+        rows = [(req, len(req.outputs)) for req in batch.requests]
+        for req in batch.requests:
+            self._advance(req, Event.TOKEN_SUBMITTED)
+        self._pending_tokens = PendingTokens(pending, rows)
+        return []
+
+    def _whole_token(self, batch: Batch) -> list[TokenOutput]:
+        outputs = []
+        if self._pending_tokens is not None:  # the phases below need every input token on the host
+            outputs = self._resolve_tokens(self._pending_tokens)
+        requests = [req for req in batch.requests if not req.is_finished]  # stopped just now: dropped
+        if not requests:
+            return outputs
+        tokens = self.runner.whole_token(requests)
+        return outputs + [self._advance(req, Event.DECODED, token=t) for req, t in zip(requests, tokens)]
+
+    def _fused_loops(self, batch: Batch) -> list[TokenOutput]:
+        self.runner.recurrent_fused(batch.requests)
+        for req in batch.requests:
+            self._advance(req, Event.LOOPS_DONE)
+        return []
+
+    def _async_gate(self, batch: Batch) -> list[TokenOutput]:
+        """One loop whose exit gates are read one step late; observers of hidden states see no
+        speculative loop, so under one the loop runs with its gates read at once."""
+        if self.hooks.wants_hidden:
+            return self._one_loop(batch)
+        gate = self.runner.recurrent(batch.requests, True, defer=True)
+        for req in batch.requests:
+            self._advance(req, Event.LOOP_SUBMITTED)
+        self._pending = PendingLoops(gate, [(req, req.loops_done) for req in batch.requests])
+        return []
+
+    def _one_loop(self, batch: Batch) -> list[TokenOutput]:
+        if self._pending is not None:  # observers of hidden states see no speculative loop
+            self._resolve_gates(self._pending)
+        gates = self.runner.recurrent(batch.requests, self.exit_policy.needs_gate)
+        self._early_exits = []
+        for i, req in enumerate(batch.requests):
+            self._advance(req, Event.LOOP_DONE, gate=gates[i] if gates is not None else None)
+        if self._early_exits:  # one batched plane copy for every row that left early
+            self.runner.finalize_exits(self._early_exits)
+        return []
+
+    STAGE_RUNS: dict[Stage, Callable[[LLMEngine, Batch], list[TokenOutput]]] = {
+        Stage.PREFILL: _run_prefill,
+        Stage.PRELUDE: _run_prelude,
+        Stage.CODA: _run_coda,
+    }
+    # plan.decode_mode -> how a RECURRENT batch runs
+    DECODE_MODES: dict[str, Callable[[LLMEngine, Batch], list[TokenOutput]]] = {
+        ASYNC_WHOLE_TOKEN: _async_whole_token,
+        WHOLE_TOKEN: _whole_token,
+        FUSED_LOOPS: _fused_loops,
+        ASYNC_GATE: _async_gate,
+        RECURRENT: _one_loop,
+    }
 
     def _defers(self, batch: Batch) -> bool:
         """Whether a whole-token batch can run without its tokens read first: one graph pass (the phases
         of a larger batch, or under a hidden-state observer, need every input token on the host)."""
         return (
-            len(batch.requests) <= self.cfg.scheduler.whole_token_max_rows
+            len(batch.requests) <= self.plan.whole_token_max_rows
             and not self.hooks.wants_hidden
             and not any(r.params.processes_logits for r in batch.requests)  # penalties read past tokens
         )
@@ -748,7 +775,7 @@ class LLMEngine:
 
     def _label(self, batch: Batch) -> str:
         """The step's stage name for observers and stats: `token` for a whole-token decode step."""
-        return "token" if self.whole_token and batch.stage == Stage.RECURRENT else batch.stage.value
+        return "token" if self.plan.whole_token and batch.stage == Stage.RECURRENT else batch.stage.value
 
     def _step_info(self, batch: Batch) -> StepInfo:
         loops = [r.loops_done for r in batch.requests] if batch.stage == Stage.RECURRENT else []

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from looptrace.engine.hooks import Observer, StepInfo, StepResult
+from looptrace.engine.request import EngineInputError
 
 STAGES = ("prefill", "prelude", "recurrent", "coda")
 ANY, NONE = "*", "-"
@@ -292,8 +293,6 @@ def install_perturbation(engine, spec: str | None) -> Perturbation | None:
     """Called by `LLMEngine.__init__`; raises the engine's one-line input error for a bad place."""
     if not spec:
         return None
-    from looptrace.engine.llm_engine import EngineInputError
-
     try:
         if engine.device.type == "cuda" and engine.cfg.cuda_graphs.enabled:
             raise PerturbSpecError("debug.perturb needs cuda_graphs.enabled=false on CUDA")

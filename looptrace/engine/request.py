@@ -1,4 +1,6 @@
-"""Request state: stages, sampling parameters and per-request progress (the scheduler's unit of work)."""
+"""Request-level types: stages, sampling parameters, per-request progress (the scheduler's unit of work),
+the events that move a request, its output tokens and the batches it runs in. Imports no other engine
+module, so every engine file (and `perturb`, which raises `EngineInputError`) can depend on it."""
 
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ def derive_seed(seed: int, index: int) -> int:
     return reduce_seed(seed + index)
 
 
+class EngineInputError(ValueError):
+    """A request or configuration the engine cannot serve (bad prompt, too long, bad setting)."""
+
+
 class SamplingParamsError(ValueError):
     """A sampling field out of its range; `param` names the field (the OpenAI error's `param`)."""
 
@@ -48,6 +54,23 @@ class Stage(str, enum.Enum):
     RECURRENT = "recurrent"  # one loop per engine step
     CODA = "coda"  # head (+ coda layers), sample
     FINISHED = "finished"
+
+
+class Event(enum.Enum):
+    """What just happened to a request (the input of `LLMEngine._advance`)."""
+
+    ADMITTED = "admitted"
+    CHUNK_DONE = "chunk_done"
+    PRELUDE_DONE = "prelude_done"
+    LOOP_DONE = "loop_done"
+    LOOPS_DONE = "loops_done"
+    TOKEN = "token"
+    DECODED = "decoded"  # whole-token step: prelude, every loop and the coda in one step
+    LOOP_SUBMITTED = "loop_submitted"  # async gate: a loop ran, its exit gate not yet read
+    TOKEN_SUBMITTED = "token_submitted"  # async decode: a whole token ran, the host has not read it yet
+    TOKEN_READ = "token_read"  # async decode: that token, read one step late
+    GATE_READ = "gate_read"  # async gate: the exit decision of an earlier loop
+    ABORTED = "aborted"
 
 
 @dataclass
@@ -175,3 +198,36 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.stage == Stage.FINISHED
+
+
+@dataclass
+class TokenOutput:
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+    exit_depth: int
+    logprob: float | None = None  # params.logprobs: the token's log-softmax of the raw logits
+    top_logprobs: list[tuple[int, float]] | None = None  # params.logprobs = k: the k most likely, descending
+
+
+@dataclass
+class PrefillSpan:
+    request: Request
+    start: int  # first prompt position of the chunk
+    length: int
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.start + self.length == len(self.request.prompt)
+
+
+@dataclass
+class Batch:
+    stage: Stage
+    requests: list[Request]
+    spans: list[PrefillSpan] = field(default_factory=list)  # PREFILL only
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.length for s in self.spans) if self.stage == Stage.PREFILL else len(self.requests)

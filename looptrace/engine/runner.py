@@ -17,17 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from looptrace.engine import kernels as K  # imports no Triton until a kernel runs
-from looptrace.engine.config import EngineConfig
+from looptrace.engine.config import EngineConfig, GraphConfig
 from looptrace.engine.cuda_graphs import GraphCache
 from looptrace.engine.hooks import HookDispatcher
-from looptrace.engine.kv_cache import BlockManager, KVLayout, KVPool
+from looptrace.engine.kv_cache import BlockManager, KVPool
 from looptrace.engine.layers import (
     META_CTX,
     META_FIXED,
@@ -41,144 +40,26 @@ from looptrace.engine.layers import (
     PackedRows,
 )
 from looptrace.engine.models import LoopedModel
-from looptrace.engine.request import Request
-from looptrace.engine.sampling import record_logprobs, sample
-from looptrace.engine.scheduler import PrefillSpan
-
-
-class Sampler(nn.Module):
-    op_kind = "sample"
-
-    def forward(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        return sample(logits, requests)
-
-
-class GateReadback(nn.Module):
-    """The exit gate's logits read back to the host after a recurrent step (the `gate` exit policy): one
-    device->host copy and one blocking sync per step on CUDA, as in the base engine."""
-
-    op_kind = "readback"
-
-    def forward(self, gate_logits: torch.Tensor, defer: bool = False) -> list[float] | PendingRead:
-        """The logits as a host list (blocking), or with `defer` a PendingRead read later."""
-        if not gate_logits.is_cuda:  # the same copy to a host buffer, so CPU profiles count it too
-            values = gate_logits.detach().to("cpu", torch.float32, copy=True).reshape(-1).tolist()
-            return PendingRead(values=values) if defer else values
-        host = torch.empty(gate_logits.numel(), dtype=torch.float32, pin_memory=True)
-        host.copy_(gate_logits.float().reshape(-1), non_blocking=True)
-        if defer:
-            event = torch.cuda.Event()
-            event.record()
-            return PendingRead(host=host, event=event)
-        torch.cuda.current_stream().synchronize()
-        return host.tolist()
-
-
-@dataclass
-class PendingRead:
-    """Values on their way to the host (async gate readback, async decode): read after the next
-    submission, when the GPU has usually finished the step that made them."""
-
-    host: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    values: list | None = None
-
-    @classmethod
-    def start(cls, values: torch.Tensor) -> PendingRead:
-        """A non-blocking copy into pinned memory (CUDA), or the values at once (CPU)."""
-        if not values.is_cuda:
-            return cls(values=values.tolist())
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host=host, event=event)
-
-    def result(self) -> list:
-        if self.values is None:
-            if not self.event.query():  # usually done: the GPU has moved on to the next step
-                self.event.synchronize()
-            self.values = self.host.tolist()
-        return self.values
-
-
-class StateInit(nn.Module):
-    """Initial recurrent state for Huginn/OLMo rows. `runs` lists the rows in order as runs of one request:
-    `(request, first position, rows)` (or `(request, rows)` where the positions are unknown). The noise
-    implementation decides what it uses: `sequential` one draw per run from the request's generator (in
-    processing order), `position_keyed` the request's seed and the positions (computed on the device)."""
-
-    op_kind = "state_init"
-
-    def __init__(self, noise) -> None:
-        super().__init__()
-        self.noise = noise
-        self.staging: HostStaging | None = None  # its own ring: per-row keys go up without a blocking copy
-
-    def forward(self, like: torch.Tensor, runs: list[tuple]) -> torch.Tensor:
-        runs = [r if len(r) == 3 else (r[0], None, r[1]) for r in runs]
-        if self.staging is None:
-            self.staging = HostStaging(like.device)
-        return self.noise.initial_state(like, runs, self.staging.to_device)
-
-
-class PlaneCopy(nn.Module):
-    """Early exit: copy one token slot (all core layers) from the exit plane into every deeper plane."""
-
-    op_kind = "kv_copy"
-
-    def __init__(self, pool: KVPool) -> None:
-        super().__init__()
-        self.pool = pool
-
-    def forward(self, copies: torch.Tensor) -> None:  # [n, 4]: src entry, src offset, dst entry, dst offset
-        self.pool.copy_slots(copies)
-
-
-class HostStaging:
-    """A ring of pinned host buffers for non-blocking H2D copies; an event per buffer guards reuse."""
-
-    def __init__(self, device: torch.device, ring: int = 8) -> None:
-        self.device, self.cuda = device, device.type == "cuda"
-        self.buffers: list[torch.Tensor | None] = [None] * ring
-        self.events: list[torch.cuda.Event | None] = [None] * ring
-        self.i = 0
-
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if not self.cuda:
-            return host
-        i, self.i = self.i, (self.i + 1) % len(self.buffers)
-        buf, ev = self.buffers[i], self.events[i]
-        if ev is not None and not ev.query():  # query first: a complete copy needs no blocking call
-            ev.synchronize()
-        if buf is None or buf.numel() < host.numel():
-            buf = torch.empty(max(host.numel(), 4096), dtype=host.dtype, pin_memory=True)
-            self.buffers[i] = buf
-        staged = buf[: host.numel()].view(host.shape)
-        staged.copy_(host)
-        out = staged.to(self.device, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.events[i] = ev
-        return out
-
-
-@dataclass
-class Row:
-    request: Request
-    pos: int
-    token: int = 0
+from looptrace.engine.plan import EnginePlan, PrefillDepth
+from looptrace.engine.request import PrefillSpan, Request
+from looptrace.engine.runner_parts import (  # PendingRead, Row: re-exported (old import path)
+    GateReadback,
+    HostStaging,
+    PendingRead,
+    PlaneCopy,
+    Row,
+    Sampler,
+    StateInit,
+)
+from looptrace.engine.sampling import record_logprobs
 
 
 class ModelRunner:
-    prefill_loops: int | None = None  # LoopDuet P for non-endpoint prompt rows (set by the engine); None: S
-
     def __init__(
         self,
         model: LoopedModel,
         cfg: EngineConfig,
-        layout: KVLayout,
+        plan: EnginePlan,
         blocks: BlockManager,
         pool: KVPool,
         noise,
@@ -186,26 +67,24 @@ class ModelRunner:
         *,
         device: torch.device,
         dtype: torch.dtype,
-        max_loops: int,
         max_model_len: int,
         max_slots: int,
+        prefill_depth: PrefillDepth,
     ) -> None:
-        self.model, self.cfg, self.layout, self.blocks, self.pool = model, cfg, layout, blocks, pool
+        self.model, self.cfg, self.plan, self.layout = model, cfg, plan, plan.layout
+        self.blocks, self.pool = blocks, pool
         self.spec = model.spec
         self.noise, self.hooks = noise, hooks
-        self.device, self.dtype, self.max_loops = device, dtype, max_loops
+        self.device, self.dtype, self.max_loops = device, dtype, plan.max_loops
+        # LoopDuet P for non-endpoint prompt rows, set by the engine's depth controller before each step.
+        self.prefill_depth = prefill_depth
         self.block_size = cfg.kv.block_size
         # On CUDA, decode rows always gather a full-width table so eager steps and graph replays run the
         # same shapes (and give the same bits); on CPU the batch's own width is enough.
         self.fixed_width = math.ceil(max_model_len / self.block_size) if device.type == "cuda" else None
-        h = self.spec.hidden_size
-        self.state_pool = torch.zeros(max_slots, h, dtype=dtype, device=device)
-        self.inject_pool = (
-            torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
-        )
-        self.free_slots = list(reversed(range(max_slots)))
-        self._prev_state: torch.Tensor | None = None
+        self._init_slots(max_slots)
         self.metadata = AttentionMetadata(self.block_size)
+        self.metadata.torch_path = not plan.triton_attention  # the Triton path needs no mask
         self.ops = nn.ModuleDict(
             dict(
                 metadata=self.metadata,
@@ -217,30 +96,47 @@ class ModelRunner:
         )
         self.staging = HostStaging(device)
         self.submissions = 0
-        self.recurrent_graphs: GraphCache | None = None
-        self.fused_graphs: GraphCache | None = None
-        self.coda_graphs: GraphCache | None = None
-        self.token_graphs: GraphCache | None = None
-        self.prefill_graphs: GraphCache | None = None
-        self.triton_attention = False  # set by the engine when the Triton attention path is on
+        # Copies of the plan's flags, not re-derived: a test may flip them to try a path on CPU.
+        self.triton_attention = plan.triton_attention
         self._no_blocks = torch.zeros((0, 2), dtype=torch.int64, device=device)  # per-row prefill attention
-        # scheduler.async_decode (set by the engine): each slot's last sampled token, written on the device
-        # by a whole-token step and read by the next one when the host does not know the token yet.
-        self.async_decode = False
-        self.token_buf = torch.zeros(max_slots, dtype=torch.int64, device=device)
-        if device.type == "cuda" and cfg.cuda_graphs.enabled:
-            mempool = torch.cuda.graph_pool_handle()
-            self.recurrent_graphs = GraphCache("recurrent", self._core_pass, cfg.cuda_graphs, mempool)
-            if cfg.scheduler.loop_fusion:
-                self.fused_graphs = GraphCache("recurrent_fused", self._fused_pass, cfg.cuda_graphs, mempool)
-            if cfg.cuda_graphs.coda:
-                self.coda_graphs = GraphCache("coda", self._coda_pass, cfg.cuda_graphs, mempool)
-            if cfg.cuda_graphs.prefill:
-                self.prefill_graphs = GraphCache("prefill", self._prefill_pass, cfg.cuda_graphs, mempool)
-            if cfg.scheduler.loop_fusion and cfg.scheduler.whole_token:
-                self.token_graphs = GraphCache("whole_token", self._token_pass, cfg.cuda_graphs, mempool)
+        self.async_decode = plan.async_decode  # whole-token rows may take their input from token_buf
+        graphs = self._graph_caches(plan.graphs, cfg.cuda_graphs)
+        self.recurrent_graphs: GraphCache | None = graphs.get("recurrent")
+        self.fused_graphs: GraphCache | None = graphs.get("recurrent_fused")
+        self.coda_graphs: GraphCache | None = graphs.get("coda")
+        self.token_graphs: GraphCache | None = graphs.get("whole_token")
+        self.prefill_graphs: GraphCache | None = graphs.get("prefill")
         self.last_graph_mode: str | None = None
         self.last_fallback: str | None = None
+
+    def _init_slots(self, max_slots: int) -> None:
+        """Carried recurrent state (and injection) per slot; one slot per request that may be active."""
+        h, dtype, device = self.spec.hidden_size, self.dtype, self.device
+        self.state_pool = torch.zeros(max_slots, h, dtype=dtype, device=device)
+        self.inject_pool = (
+            torch.zeros(max_slots, h, dtype=dtype, device=device) if self.spec.has_injection else None
+        )
+        self.free_slots = list(reversed(range(max_slots)))
+        self._prev_state: torch.Tensor | None = None
+        # scheduler.async_decode: each slot's last sampled token, written on the device by a whole-token
+        # step and read by the next one when the host does not know the token yet.
+        self.token_buf = torch.zeros(max_slots, dtype=torch.int64, device=device)
+
+    def _graph_caches(self, families: frozenset[str], cfg: GraphConfig) -> dict[str, GraphCache]:
+        """One cache per family the plan captures, all in one memory pool (none off CUDA)."""
+        if not families:
+            return {}
+        bodies = {
+            "recurrent": self._core_pass,
+            "recurrent_fused": self._fused_pass,
+            "coda": self._coda_pass,
+            "prefill": self._prefill_pass,
+            "whole_token": self._token_pass,
+        }
+        mempool = torch.cuda.graph_pool_handle()
+        return {
+            name: GraphCache(name, body, cfg, mempool) for name, body in bodies.items() if name in families
+        }
 
     # Carried-state slots ----------------------------------------------------------------------------------
     def take_slot(self) -> int:
@@ -414,9 +310,9 @@ class ModelRunner:
         ctx0 = self.metadata(
             raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
         )
-        if self.cfg.prefill.packed and self.triton_attention:
+        if self.plan.packed_prefill and self.triton_attention:
             ctx0.blocks = self._packed_blocks(spans, len(rows))
-        elif self.cfg.prefill.packed:
+        elif self.plan.packed_prefill:
             ctx0.packed = self._packed_rows(spans)
         ctx_of = {p: ctx0 if p == boundary else self.metadata.for_plane(raw_of[p], ctx0) for p in planes}
         tokens = raw_of[boundary][:, META_TOKEN]
@@ -430,7 +326,7 @@ class ModelRunner:
         if state is None:
             state = self.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
 
-        p_loops = self.prefill_loops  # LoopDuet split depth (S, P); None: uniform S
+        p_loops = self.prefill_depth.loops  # LoopDuet split depth (S, P); None: uniform S
         full = [i for i, r in enumerate(rows) if (r.request.request_id, r.pos) in self._endpoints]
         if p_loops is None or p_loops >= self.max_loops or len(full) == len(rows):
             state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
@@ -449,9 +345,9 @@ class ModelRunner:
         Triton path's packed blocks have a fixed count per row count)."""
         return (
             self.prefill_graphs is not None
-            and (self.prefill_loops is None or self.prefill_loops >= self.max_loops)
+            and (self.prefill_depth.loops is None or self.prefill_depth.loops >= self.max_loops)
             and not self.hooks.wants_hidden
-            and (self.triton_attention or not self.cfg.prefill.packed)
+            and (self.triton_attention or not self.plan.packed_prefill)
         )
 
     def _prefill_graphed(self, spans, rows, boundary: int, core_planes: list[int], planes: list[int]) -> None:
@@ -464,7 +360,7 @@ class ModelRunner:
             self._check(rows, boundary, "prelude")
         for plane in core_planes:  # history before each request's first row: the same for every loop
             self._check(rows, plane, "core")
-        packed = self.cfg.prefill.packed  # only on the Triton path here (`_prefill_graphable`)
+        packed = self.plan.packed_prefill  # only on the Triton path here (`_prefill_graphable`)
         blocks = self._packed_blocks(spans, len(rows)) if packed else self._no_blocks
         inputs: tuple = (raw, blocks)
         if self.spec.has_injection:
@@ -728,7 +624,7 @@ class ModelRunner:
 
         `defer` (scheduler.async_decode): the tokens come back as a PendingRead, read after the next
         submission; a row whose token the host does not know yet (-1) takes it from `token_buf`."""
-        if len(requests) > self.cfg.scheduler.whole_token_max_rows or self.hooks.wants_hidden:
+        if len(requests) > self.plan.whole_token_max_rows or self.hooks.wants_hidden:
             self.prelude(requests)
             self.recurrent_fused(requests)
             return self.coda(requests)

@@ -11,35 +11,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from looptrace.engine.config import SchedulerConfig
 from looptrace.engine.kv_cache import BlockManager
-from looptrace.engine.request import Request, Stage
+from looptrace.engine.request import Batch, PrefillSpan, Request, Stage
 
 DECODE_STAGES = (Stage.PRELUDE, Stage.RECURRENT, Stage.CODA)
-
-
-@dataclass
-class PrefillSpan:
-    request: Request
-    start: int  # first prompt position of the chunk
-    length: int
-
-    @property
-    def is_last_chunk(self) -> bool:
-        return self.start + self.length == len(self.request.prompt)
-
-
-@dataclass
-class Batch:
-    stage: Stage
-    requests: list[Request]
-    spans: list[PrefillSpan] = field(default_factory=list)  # PREFILL only
-
-    @property
-    def num_rows(self) -> int:
-        return sum(s.length for s in self.spans) if self.stage == Stage.PREFILL else len(self.requests)
 
 
 @dataclass

@@ -11,14 +11,32 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from looptrace.engine.request import Request, Stage
 
 if TYPE_CHECKING:
     from looptrace.engine.cuda_graphs import GraphCache
-    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.engine.kv_cache import BlockManager, KVLayout
+    from looptrace.engine.plan import EnginePlan
     from looptrace.engine.runner import ModelRunner
+
+
+class SnapshotSource(Protocol):
+    """What a snapshot reads of an engine (`LLMEngine` is one): typed here so this module need not import
+    the engine, which imports it."""
+
+    requests: Mapping[str, Request]
+    stats: Any  # EngineStats: steps, submissions, output_tokens, steps_by_stage
+    layout: KVLayout
+    blocks: BlockManager
+    runner: ModelRunner
+    plan: EnginePlan
+
+    @property
+    def prefill_depth(self) -> int: ...
+
+    def kv_blocks(self) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,7 @@ class EngineSnapshot:
         return dict(Counter(r.loop for r in self.requests))
 
 
-def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
+def snapshot_engine(engine: SnapshotSource) -> EngineSnapshot:
     requests = tuple(_request_view(r) for r in engine.requests.values() if r.stage != Stage.FINISHED)
     waiting = sum(r.stage == Stage.WAITING.value for r in requests)
     kv = _kv_snapshot(engine)
@@ -166,7 +184,7 @@ def snapshot_engine(engine: LLMEngine) -> EngineSnapshot:
         graphs=_graph_families(engine),
         prefix=_prefix_snapshot(engine, kv.cached_blocks),
         prefill_depth=int(engine.prefill_depth),
-        decode=_decode_mode(engine),
+        decode=_decode_mode(engine.plan),
     )
 
 
@@ -182,12 +200,12 @@ def _request_view(req: Request) -> RequestView:
     )
 
 
-def _step_counts(engine: LLMEngine) -> StepCounts:
+def _step_counts(engine: SnapshotSource) -> StepCounts:
     s = engine.stats
     return StepCounts(s.steps, s.submissions, s.output_tokens, dict(s.steps_by_stage))
 
 
-def _kv_snapshot(engine: LLMEngine) -> KVSnapshot:
+def _kv_snapshot(engine: SnapshotSource) -> KVSnapshot:
     kv, layout, block_size = engine.kv_blocks(), engine.layout, engine.blocks.block_size
     tokens_per_plane = kv["request_blocks"] // layout.blocks_per_page * block_size
     planes = []
@@ -205,7 +223,7 @@ def _kv_snapshot(engine: LLMEngine) -> KVSnapshot:
     )
 
 
-def _graph_families(engine: LLMEngine) -> tuple[GraphFamily, ...]:
+def _graph_families(engine: SnapshotSource) -> tuple[GraphFamily, ...]:
     caches = _graph_caches(engine.runner)
     return tuple(_graph_family(name, cache) for name, cache in caches if cache is not None)
 
@@ -234,7 +252,7 @@ def _graph_family(name: str, cache: GraphCache) -> GraphFamily:
     )
 
 
-def _prefix_snapshot(engine: LLMEngine, cached_blocks: int) -> PrefixCacheSnapshot:
+def _prefix_snapshot(engine: SnapshotSource, cached_blocks: int) -> PrefixCacheSnapshot:
     blocks = engine.blocks
     return PrefixCacheSnapshot(
         enabled=blocks.prefix_caching,
@@ -245,11 +263,11 @@ def _prefix_snapshot(engine: LLMEngine, cached_blocks: int) -> PrefixCacheSnapsh
     )
 
 
-def _decode_mode(engine: LLMEngine) -> DecodeMode:
+def _decode_mode(plan: EnginePlan) -> DecodeMode:
     return DecodeMode(
-        max_loops=engine.max_loops,
-        fuse_loops=bool(engine.fuse_loops),
-        whole_token=bool(engine.whole_token),
-        async_gate=bool(engine.async_gate),
-        async_decode=bool(engine.async_decode),
+        max_loops=plan.max_loops,
+        fuse_loops=plan.fuse_loops,
+        whole_token=plan.whole_token,
+        async_gate=plan.async_gate,
+        async_decode=plan.async_decode,
     )

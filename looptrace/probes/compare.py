@@ -66,14 +66,6 @@ def _load_report(path: Path) -> dict[str, Any]:
     return data
 
 
-def _supported_kwargs(fn: Any, wanted: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments `fn` accepts (trace analysis gains options over time; pass what it takes)."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in wanted.items() if k in params and v is not None}
-
-
 def load_side(
     path: Path, window: str, device: str | None, capture: Path | None = None
 ) -> tuple[dict[str, Any], str]:
@@ -82,18 +74,25 @@ def load_side(
     capture_traces/ folder beside it (as `trace analyze` does)."""
     if REPORT_SCHEMA_PREFIX in _peek(path):  # a saved report names its schema in its first line
         return _load_report(path), "report"
+    from looptrace.probes.report import to_dict
+
+    result, header, _ = analyze_file(path, capture, window=window, device=device)
+    return to_dict(result, header), "trace"
+
+
+def analyze_file(path: Path, capture: Path | None, **options: Any) -> tuple[Any, dict[str, Any], list | None]:
+    """`trace analyze` of the trace at `path` (`options`: looptrace.probes.counters.analyze's): the
+    analysis, its header and the capture graphs used (None: none); raises TraceError."""
     from looptrace.probes.counters import analyze
     from looptrace.probes.events import load_chrome_trace
-    from looptrace.probes.report import to_dict
 
     trace = load_chrome_trace(path)
     if not trace.events:
         raise TraceError(f"{path}: no complete ('ph': 'X') events in the trace")
     captures = trace_captures(path, capture)
-    kwargs = _supported_kwargs(analyze, {"window": window, "device": device, "captures": captures})
-    result = analyze(trace, **kwargs)
+    result = analyze(trace, captures=captures, **options)
     header = {"trace": str(path), "window": result.counters.window, "mode": result.counters.mode}
-    return to_dict(result, header), "trace"
+    return result, header, captures
 
 
 def trace_captures(path: Path, folder: Path | None) -> list[Any] | None:

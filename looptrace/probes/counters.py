@@ -56,7 +56,9 @@ from looptrace.probes import categories as cats
 from looptrace.probes import classify as cl
 from looptrace.probes import steps as st
 from looptrace.probes.capture import HOW_TO_RECORD, CapturedGraph, attribute_replay, pick_graph
+from looptrace.probes.context import NONE, Context
 from looptrace.probes.events import Trace, TraceError, TraceEvent, enclosing_chains
+from looptrace.probes.loops import detect_loops
 from looptrace.probes.opstats import (
     CategoryRow,
     KernelOp,
@@ -91,7 +93,6 @@ DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#", *st.OLD_STEP_MARKERS)  # e
 WINDOW_CHOICES = ("auto", "decode", "prefill", "all")
 GRAPH_OP = "graph"  # kernel of a graph replay with no finer range
 OTHER_OP = "other"  # eager kernel outside every lt.op range
-NONE = "-"
 
 ANNOTATION_CAT = "user_annotation"
 DEVICE_CATS = frozenset({cl.KERNEL_CAT, cl.MEMCPY_CAT, cl.MEMSET_CAT, cl.SYNC_CAT})
@@ -301,18 +302,6 @@ class SiteStat:
     stage: str
     op: str
     count: int
-
-
-@dataclass(frozen=True)
-class Context:
-    """Innermost lt.* ranges around a host position."""
-
-    stage: str = NONE
-    loop: int | None = None
-    layer: str | None = None  # e.g. "core3"
-    role: str = NONE  # e.g. "core"
-    op: str | None = None
-    op_range: TraceEvent | None = None  # the lt.op range instance (for per-call factors)
 
 
 def context_of(chain: Sequence[TraceEvent]) -> Context:
@@ -698,7 +687,6 @@ def _foreign_contexts(
     where a looped pattern repeats within a step, stage/loop/layer/role from `loops.detect_loops` (the
     one call site; kernels grouped by engine step, in launch order). Also the note on what was found."""
     ctx = [Context(op=k.category, layer=None if k.layer is None else f"layer{k.layer}") for k in kops]
-    from looptrace.probes.loops import detect_loops  # here: `loops` imports this module
 
     groups: dict[int, list[int]] = defaultdict(list)
     starts = [s.event.ts for s in steps]

@@ -48,7 +48,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from looptrace.probes import categories as cats
-from looptrace.probes.counters import NONE, Context
+from looptrace.probes.context import NONE, Context
 
 RECURRENT, PRELUDE, CODA, SAMPLE = "recurrent", "prelude", "coda", "sample"
 _INDEX_RE = re.compile(r"(\d+)$")

@@ -50,6 +50,13 @@ def _engine_table(side: dict[str, Any]) -> Table:
     return t
 
 
+def render(sides: list[dict[str, Any]], fmt: str, compare: bool) -> str:
+    """The text report (a --compare cut short before side B's decode window finished: side A alone)."""
+    from looptrace.probes.profile_run import is_comparison
+
+    return render_compare(sides, fmt) if is_comparison(sides, compare) else render_single(sides[0], fmt)
+
+
 def render_single(side: dict[str, Any], fmt: str) -> str:
     from looptrace.probes.report import counters_table, group_table, report_renderables, to_csv
 

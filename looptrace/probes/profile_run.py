@@ -32,6 +32,31 @@ class ProfileEngines:
     threads: int
 
 
+def check_options(level: str, concurrency: int, prompt_len: int, decode_steps: int | None) -> None:
+    """The window options and the windows' prompts within host memory, before anything is built."""
+    from looptrace.probes.ranges import LEVELS
+    from looptrace.probes.session import ProfileInputError
+
+    if level not in LEVELS:
+        raise ProfileInputError(f"--level '{level}': expected one of {', '.join(LEVELS)}")
+    if concurrency < 1 or prompt_len < 1 or (decode_steps is not None and decode_steps < 1):
+        raise ProfileInputError("--concurrency, --prompt-len and --decode-steps must be >= 1")
+    check_prompts_memory(concurrency, prompt_len)
+
+
+def sides_to_run(recipe: str | None, sets, compare, a_set, b_set) -> list[tuple[str, list[str]]]:
+    """The (recipe, overrides) of each side (--compare A B: both), each loaded once to fail before any
+    profiling."""
+    from looptrace.recipes import load_recipe
+
+    if compare is None:
+        return [(recipe or "base", list(sets or []))]
+    runs = [(name, list(sets or []) + list(extra or [])) for name, extra in zip(compare, (a_set, b_set))]
+    for name, overrides in runs:  # both sides valid before any profiling
+        load_recipe(name, overrides)
+    return runs
+
+
 def check_prompts_memory(concurrency: int, prompt_len: int) -> None:
     """The windows' random prompts within host memory, before any engine (issue #23: huge -c hung)."""
     from looptrace.engine.budget import check_memory, workload_needs
@@ -73,6 +98,37 @@ def profile_side(
     _release(setup)
     header.update(label=label, concurrency=cfg.concurrency, prompt_len=cfg.prompt_len, level=cfg.level)
     return _side(header, result, roofline)
+
+
+def profile_sides(
+    runs: list[tuple[str, list[str]]],
+    cfg,
+    engines: ProfileEngines,
+    trace: Path | None,
+    peak: str | None,
+    status: Status,
+) -> tuple[list[dict[str, Any]], bool]:
+    """Profile each (recipe, overrides); the first side writes --trace. A Ctrl-C keeps the sides (and
+    windows) that finished and skips the rest; with nothing finished it propagates."""
+    from looptrace.output_files import atomic_path
+
+    sides: list[dict[str, Any]] = []
+    for i, (name, overrides) in enumerate(runs):
+        try:
+            if i == 0 and trace is not None:
+                with atomic_path(trace, "--trace") as tmp:
+                    side = profile_side(name, overrides, cfg, engines, tmp, peak, status)
+                side["header"]["trace"] = str(trace)
+            else:
+                side = profile_side(name, overrides, cfg, engines, None, peak, status)
+        except KeyboardInterrupt:
+            if not sides:
+                raise
+            return sides, True
+        sides.append(side)
+        if side["interrupted"]:
+            return sides, True
+    return sides, False
 
 
 def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, Any]:

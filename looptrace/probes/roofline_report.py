@@ -346,7 +346,7 @@ def decode_roofline(
 def _device(trace: Trace, engine: Any, override: str | None) -> DevicePeak | None:
     """The trace's deviceProperties (Kineto writes them on CUDA), else torch's name of the engine's GPU."""
     found = device_for(trace.device_properties, override)
-    if found is None and getattr(engine.device, "type", "cpu") == "cuda":
+    if found is None and engine.device.type == "cuda":
         import torch
 
         props = torch.cuda.get_device_properties(engine.device)

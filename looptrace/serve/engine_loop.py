@@ -449,7 +449,7 @@ class EngineLoop:
     def _forget(self, rid: str) -> None:
         # The engine keeps finished requests in `requests`; a server must not grow without bound.
         with contextlib.suppress(Exception):
-            self.engine.requests.pop(rid, None)
+            self.engine.forget(rid)
 
     def _step(self) -> None:
         from looptrace.engine.llm_engine import StepError

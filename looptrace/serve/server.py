@@ -19,6 +19,7 @@ supervisor to restart the server.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import socket
 import sys
@@ -37,6 +38,36 @@ DEAD_LINGER_S = 1.0  # after the engine died: keep answering 503 this long, then
 
 class BindError(OSError):
     pass
+
+
+class ServeOptionError(ValueError):
+    """A server option out of range (one line naming the `looptrace serve` flag)."""
+
+
+def check_options(
+    *,
+    port: int,
+    max_model_len: int,
+    probe_interval: float,
+    api_key: str | None,
+    max_body_bytes: int,
+    request_timeout: float,
+    drain_timeout: float,
+) -> None:
+    """`looptrace serve`'s numbers, before the port is bound and the engine built (errors name the flag)."""
+    if not 0 <= port <= 65535:
+        raise ServeOptionError(f"--port {port}: expected 0..65535")
+    if max_model_len < 2:
+        raise ServeOptionError(f"--max-model-len {max_model_len}: expected at least 2")
+    if not (math.isfinite(probe_interval) and probe_interval >= 0):
+        raise ServeOptionError(f"--probe-interval {probe_interval}: expected a number >= 0")
+    if api_key is not None and not api_key.strip():
+        raise ServeOptionError("--api-key (or LOOPTRACE_API_KEY): empty")
+    if max_body_bytes < 1024:
+        raise ServeOptionError(f"--max-body-bytes {max_body_bytes}: expected at least 1024")
+    for name, value in (("--request-timeout", request_timeout), ("--drain-timeout", drain_timeout)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ServeOptionError(f"{name} {value}: expected a number of seconds >= 0")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

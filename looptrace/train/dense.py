@@ -52,9 +52,9 @@ class DenseCausalAttention(nn.Module):
 def make_dense(model: LoopedModel) -> LoopedModel:
     """Swap every `paged` attention submodule for the dense one (in place; no parameter changes)."""
     for module in list(model.modules()):
-        paged = getattr(module, "paged", None)
-        if isinstance(paged, PagedAttention):
-            module.paged = DenseCausalAttention(paged)
+        for name, child in list(module.named_children()):
+            if name == "paged" and isinstance(child, PagedAttention):
+                module.paged = DenseCausalAttention(child)
     return model
 
 

@@ -46,8 +46,7 @@ def read_items(path: Path, *, need_answer: bool = False) -> list[EvalItem]:
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """The trained models see BOS first (tokenizer.json adds none itself)."""
     ids = list(tokenizer.encode(text))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [bos, *ids] if bos is not None else ids
+    return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids
 
 
 def generate_texts(

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from looptrace.cli import bench_cmd
 from looptrace.cli.main import app
 from looptrace.cli.options import OutputFormat
-from looptrace.drive import benchmark
+from looptrace.drive import bench_report, bench_run, benchmark
 from tests.cli.test_run_cli import assert_one_line_error
 
 runner = CliRunner()
@@ -123,9 +122,9 @@ def test_real_run_plot_and_renderings(tiny_run) -> None:
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
     assert "ouro-tiny 16/4 measured" in svg  # the series label
     assert not [p for p in out.iterdir() if p.name.startswith(".looptrace-")]  # no temp files left
-    table = bench_cmd.render(data, OutputFormat.table)
+    table = bench_report.render(data, OutputFormat.table)
     assert "ouro-tiny:16/4@2" in table and "B/A [per round]" in table and "mean [min-max]" in table
-    rows = list(csv.DictReader(io.StringIO(bench_cmd.render(data, OutputFormat.csv))))
+    rows = list(csv.DictReader(io.StringIO(bench_report.render(data, OutputFormat.csv))))
     assert [r["metric"] for r in rows] == ["output_tok_s", "ttft_p50_ms", "tpot_p50_ms"]
     assert float(rows[0]["a_mean"]) == pytest.approx(data["cells"][0]["stats"]["a"]["output_tok_s"]["mean"])
     assert rows[0]["kept_runs"] == "2" and rows[0]["paper_ratio"] == ""
@@ -195,7 +194,7 @@ class FakeBackend:
 
 
 def test_interrupt_writes_completed_cells(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(bench_cmd, "EngineBackend", lambda plan: FakeBackend(plan, interrupt_cell=2))
+    monkeypatch.setattr(bench_run, "EngineBackend", lambda plan: FakeBackend(plan, interrupt_cell=2))
     out = tmp_path / "partial.json"
     result = invoke(
         "--cell", "ouro-tiny:16/4@1,2,4", "--device", "cpu", "-o", out, "--plot", tmp_path / "p.png"
@@ -211,7 +210,7 @@ def test_interrupt_writes_completed_cells(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_interrupt_before_any_cell_writes_nothing(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(bench_cmd, "EngineBackend", lambda plan: FakeBackend(plan, interrupt_cell=1))
+    monkeypatch.setattr(bench_run, "EngineBackend", lambda plan: FakeBackend(plan, interrupt_cell=1))
     out = tmp_path / "none.json"
     result = invoke("--cell", "ouro-tiny:16/4@1", "--device", "cpu", "-o", out)
     assert result.exit_code == 130 and "nothing written" in result.stderr
@@ -220,7 +219,7 @@ def test_interrupt_before_any_cell_writes_nothing(tmp_path: Path, monkeypatch) -
 
 def test_paper_numbers_beside_table2_cells(monkeypatch) -> None:
     # A Table 2 shape given as --cell (allowed on CPU; the fake backend builds nothing).
-    monkeypatch.setattr(bench_cmd, "EngineBackend", lambda plan: FakeBackend(plan))
+    monkeypatch.setattr(bench_run, "EngineBackend", lambda plan: FakeBackend(plan))
     result = invoke("--cell", "ouro-1.4b:512/128@8", "--device", "cpu", "--no-progress")
     assert result.exit_code == 0, result.output
     assert "paper 339.9" in result.stdout and "paper 657.4" in result.stdout and "paper 1.93" in result.stdout
@@ -236,7 +235,7 @@ def _cuda_plan(b_sets: list[str]):
 
     from looptrace.drive.paired import Cell
 
-    return bench_cmd.Plan(
+    return bench_run.Plan(
         cells=[Cell("ouro-1.4b", 512, 128, 8)],
         runs=3,
         recipes={"a": "base", "b": "exactloop"},
@@ -260,7 +259,7 @@ def test_cuda_arms_get_equal_kv_bytes(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * GIB, 140 * GIB))
     plan = _cuda_plan([])
-    sets = bench_cmd.EngineBackend(plan)._pool_sets(plan.cells[0])
+    sets = bench_run.EngineBackend(plan)._pool_sets(plan.cells[0])
     spec = PRESETS["ouro-1.4b"]
     block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 2  # block 16, bf16
     weights = 2 * 2 * 1_434_652_673  # two arms' bf16 weights (parameter count of ouro-1.4b)
@@ -273,20 +272,20 @@ def test_cuda_arms_get_equal_kv_bytes(monkeypatch) -> None:
         assert 0 <= budget - blocks[arm] * block_bytes < per_page * block_bytes  # equal bytes, to a page
     # An arm that sizes its own pool keeps it.
     plan = _cuda_plan(["kv.gpu_memory_utilization=0.4"])
-    assert set(bench_cmd.EngineBackend(plan)._pool_sets(plan.cells[0])) == {"a"}
+    assert set(bench_run.EngineBackend(plan)._pool_sets(plan.cells[0])) == {"a"}
 
 
 def test_cuda_without_room_for_two_arms(monkeypatch) -> None:
     import torch
-    import typer
 
     from looptrace.drive.paired import GIB
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 140 * GIB))
     plan = _cuda_plan([])
-    with pytest.raises(typer.Exit) as exc:
-        bench_cmd.EngineBackend(plan)._pool_sets(plan.cells[0])
-    assert exc.value.exit_code == 2
+    from looptrace.drive.paired import BenchInputError
+
+    with pytest.raises(BenchInputError, match="leave no KV memory"):
+        bench_run.EngineBackend(plan)._pool_sets(plan.cells[0])
 
 
 # --- --from: render a saved run, measure nothing ----------------------------------------------------------
@@ -296,12 +295,12 @@ def test_from_renders_a_saved_run_without_measuring(tiny_run, tmp_path: Path, mo
     def no_engines(plan):
         raise AssertionError("--from must not build an engine")
 
-    monkeypatch.setattr(bench_cmd, "EngineBackend", no_engines)
+    monkeypatch.setattr(bench_run, "EngineBackend", no_engines)
     result = invoke(
         "--from", out / "bench.json", "-o", tmp_path / "again.csv", "--plot", tmp_path / "again.svg"
     )
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "again.csv").read_text() == bench_cmd.render(data, OutputFormat.csv) + "\n"
+    assert (tmp_path / "again.csv").read_text() == bench_report.render(data, OutputFormat.csv) + "\n"
     assert "ouro-tiny 16/4 measured" in (tmp_path / "again.svg").read_text()
     table = invoke("--from", out / "bench.json")
     assert table.exit_code == 0 and "ouro-tiny:16/4@2" in table.stdout
@@ -322,13 +321,17 @@ def test_table2_cells_run_both_arms_with_64_graphs(monkeypatch) -> None:
     # The paper's Table 2 setting; the device is faked (prepare builds no engine), --set still wins.
     import torch
 
-    monkeypatch.setattr(bench_cmd, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(bench_run, "resolve_device", lambda device: torch.device("cuda"))
     args = dict(a_sets=None, b_sets=None, model="ouro", cell=None, runs=3, device="cuda", dtype="auto")
     args.update(seed=0, threads=1, random_weights=False, output=None, plot=None)
-    plan = bench_cmd.prepare("base", "exactloop", sets=None, cells="table2:ouro", **args)
+    plan = bench_run.prepare(
+        bench_run.BenchRequest("base", "exactloop", sets=None, cells="table2:ouro", **args)
+    )
     assert plan.shared == ["cuda_graphs.max_graphs=64"]
     assert {arm: rec.config.cuda_graphs.max_graphs for arm, rec in plan.loaded.items()} == {"a": 64, "b": 64}
-    plan = bench_cmd.prepare("base", "exactloop", sets=["cuda_graphs.max_graphs=8"], cells="table2", **args)
+    plan = bench_run.prepare(
+        bench_run.BenchRequest("base", "exactloop", sets=["cuda_graphs.max_graphs=8"], cells="table2", **args)
+    )
     assert plan.loaded["a"].config.cuda_graphs.max_graphs == 8
 
 
@@ -363,7 +366,7 @@ def test_runs_report_graph_fallbacks_by_graph_and_reason() -> None:
     step over cuda_graphs.max_batch_size counts `prefill/oversized_batch`)."""
     from types import SimpleNamespace
 
-    from looptrace.cli.bench_cmd import _graph_totals
+    from looptrace.drive.bench_run import _graph_totals
 
     counters = {
         "whole_token": {"captures": 1, "replays": 9, "fallbacks": 0, "fallback_reasons": {}},

@@ -362,10 +362,10 @@ def test_ctrl_c_before_serving_exits_130_without_traceback(monkeypatch, tmp_path
 def test_progress_bar_on_a_terminal_for_json_output(monkeypatch) -> None:
     from rich.console import Console
 
-    from looptrace.cli import run_cmd
+    from looptrace.cli import common
 
     buf = io.StringIO()
-    monkeypatch.setattr(run_cmd, "err_console", Console(file=buf, force_terminal=True, width=100))
+    monkeypatch.setattr(common, "err_console", Console(file=buf, force_terminal=True, width=100))
     result = runner.invoke(app, ["run", *FAST[:-1], "--format", "json"])  # FAST minus --no-progress
     assert result.exit_code == 0, result.output
     json.loads(result.stdout)  # the bar never mixes into stdout

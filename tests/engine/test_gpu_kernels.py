@@ -24,7 +24,7 @@ KINDS = ("random", "wide", "tiny", "large", "ties", "exp-edge")
 
 def _run(make_case):
     """All input kinds x {eager, graph} for one (kernel, model, rows); returns the failures."""
-    from looptrace.engine.kernels import checks
+    from looptrace.engine import kernel_checks as checks
 
     gen = torch.Generator(device="cuda").manual_seed(20260)
     failures = []
@@ -134,7 +134,7 @@ def test_calibrate_keeps_one_kernel_form():
 def test_importing_engine_and_kernels_does_not_import_triton():
     code = (
         "import sys, looptrace.engine, looptrace.engine.layers, looptrace.engine.kernels as k;"
-        "from looptrace.engine.kernels import reduce_order, checks;"
+        "from looptrace.engine.kernels import reduce_order; from looptrace.engine import kernel_checks;"
         "k.use_exact(1, False); assert 'triton' not in sys.modules, 'triton imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

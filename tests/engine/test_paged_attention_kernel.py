@@ -8,7 +8,10 @@ and prints one JSON line; each test reads its entry.
 
 GPU (`gpu` marker): bf16 at the Ouro (16/16/128) and Huginn (55/55/96) shapes and a GQA shape, R in
 {1, 8, 64, 300}, contexts up to 700: float64 reference, SDPA, batch invariance bitwise, CUDA-graph replay ==
-eager bitwise, write_kv exact.
+eager bitwise, write_kv exact. Split-KV segments (issue #22, `EDGE_CONTEXTS`): contexts at the segment edges
+(64, 1024, 1025) and beyond 1,024 keys (multi-tile segments: 1500, 4100) against float64 and SDPA; the same
+request bitwise equal alone and at several positions inside batches of 1/8/64 rows with other contexts and
+a wider table; graph replay == eager with contexts moved across the edges.
 """
 
 from __future__ import annotations
@@ -372,3 +375,135 @@ def test_gpu_write_kv_exact(shape):
     gen = torch.Generator().manual_seed(11)
     for layer_id in (0, 2):
         assert write_kv_case(pa, 40, 3, kv_heads, dim, torch.bfloat16, "cuda", gen, layer_id)
+
+
+# ------------------------------------------------------------------ GPU: split-KV segments (issue #22)
+
+# Contexts at and across the segment rules (`paged_attention.segment_keys`, 64-key tiles, at most 16
+# segments): one tile (63, 64, 65), exactly 16 one-tile segments (1024), the first two-tile segments (1025),
+# multi-tile segments (1500: 2 x 64 keys each; 4100: 5 tiles each, a ragged last segment) and a padding row.
+EDGE_CONTEXTS = (63, 64, 65, 1024, 1025, 1500, 4100, 1, 0)
+
+
+def _context_case(shape, ctx_list, seed, num_layers=2, layer_id=1, spare_pages=8):
+    """Inputs for the given contexts (distinct pages per row, table width of the longest row + 3)."""
+    heads, kv_heads, dim = GPU_SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    width = math.ceil(max(ctx_list) / BS) + 3
+    pool_blocks = sum(math.ceil(c / BS) for c in ctx_list) + spare_pages
+    kc, vc = make_pool(pool_blocks, num_layers, kv_heads, dim, torch.bfloat16, "cuda", gen)
+    tables = make_tables(ctx_list, width, pool_blocks, num_layers, gen, "cuda")
+    ctx = torch.tensor(ctx_list, device="cuda")
+    q = torch.randn(len(ctx_list), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    return q, kc, vc, tables, ctx, layer_id, dim**-0.5, pool_blocks, num_layers
+
+
+def test_edge_contexts_cover_the_segment_rules():
+    from looptrace.engine.kernels import paged_attention as pa
+
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    segs = {c: (pa.segment_count(c), pa.segment_keys(c)) for c in EDGE_CONTEXTS if c}
+    assert segs[64] == (1, 64) and segs[65] == (2, 64) and segs[1024] == (16, 64)
+    assert segs[1025] == (9, 128) and segs[1500] == (12, 128) and segs[4100] == (13, 320)
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_long_and_segment_edge_contexts_match_references(shape):
+    from looptrace.engine.kernels import paged_attention as pa
+
+    q, kc, vc, tables, ctx, layer_id, scale, _, _ = _context_case(shape, list(EDGE_CONTEXTS), seed=41)
+    out = pa.paged_attention(q, kc, vc, tables, ctx, layer_id, scale)
+    ref = reference(q, kc, vc, tables, ctx, layer_id, scale)
+    for r, c in enumerate(EDGE_CONTEXTS):  # per row, so a failure names the context
+        assert torch.allclose(out[r].double(), ref[r], atol=2e-3, rtol=8e-3), (c, max_err(out[r], ref[r]))
+    ref_sdpa = sdpa(q, kc, vc, tables, ctx, layer_id, scale)
+    assert torch.allclose(out.float(), ref_sdpa.float(), atol=2e-2, rtol=2e-2), max_err(out, ref_sdpa)
+    assert (out[ctx == 0] == 0).all()
+    assert poisoned_padding_equal(pa, q, kc, vc, tables, ctx, layer_id, scale)
+
+
+def _embedded(q, tables, ctx, r, batch, at, gen, pool_blocks, num_layers, extra_width):
+    """A batch of `batch` rows holding row r of (q, tables, ctx) at index `at`; the other rows read random
+    pages with random contexts up to the table width (wider than row r's table by `extra_width`)."""
+    width = tables.shape[1] + extra_width
+    other_q = torch.randn((batch, *q.shape[1:]), generator=gen).to(q.device, q.dtype)
+    other_tab = (torch.randint(0, pool_blocks, (batch, width), generator=gen) * num_layers).to(q.device)
+    other_ctx = torch.randint(0, width * BS + 1, (batch,), generator=gen).to(q.device)
+    other_q[at], other_ctx[at] = q[r], ctx[r]
+    other_tab[at] = widen(tables[r : r + 1], extra_width)[0]
+    return other_q, other_tab, other_ctx
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_request_is_bitwise_the_same_alone_and_in_batches_of_1_8_64(shape):
+    """The R0 claim of the split-KV kernel: a request's output does not depend on the batch it is in (its
+    position, the batch size, the batch-mates' contexts and the table width)."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    contexts = [c for c in EDGE_CONTEXTS if c]
+    q, kc, vc, tables, ctx, layer_id, scale, blocks, layers = _context_case(shape, contexts, seed=42)
+    gen = torch.Generator().manual_seed(43)
+    bad = []
+    for r, c in enumerate(contexts):
+        n = math.ceil(c / BS)
+        alone = pa.paged_attention(
+            q[r : r + 1], kc, vc, tables[r : r + 1, :n], ctx[r : r + 1], layer_id, scale
+        )
+        for batch in (1, 8, 64):
+            for at in sorted({0, batch // 2, batch - 1}):
+                bq, btab, bctx = _embedded(q, tables, ctx, r, batch, at, gen, blocks, layers, 5)
+                out = pa.paged_attention(bq, kc, vc, btab, bctx, layer_id, scale)
+                if not torch.equal(out[at], alone[0]):
+                    bad.append((c, batch, at))
+    assert bad == []
+
+
+@gpu
+@pytest.mark.parametrize("rows", (1, 8, 64))
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_graph_replay_equals_eager_across_segment_edges(shape, rows):
+    """One graph captured at a 4,100-key table width; replays with contexts moved across the segment edges
+    (1 .. 4,100 keys: one to thirteen segments, one to five tiles each) == eager, bitwise."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    base = [EDGE_CONTEXTS[i % len(EDGE_CONTEXTS)] for i in range(rows)]
+    q, kc, vc, tables, ctx, layer_id, scale, blocks, layers = _context_case(shape, base, seed=44 + rows)
+    gen = torch.Generator().manual_seed(45)
+    s_q, s_tab, s_ctx = q.clone(), tables.clone(), ctx.clone()
+
+    def step():
+        return pa.paged_attention(s_q, kc, vc, s_tab, s_ctx, layer_id, scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s_out = step()
+    width_keys = tables.shape[1] * BS
+    for trial in range(3):
+        s_q.normal_()
+        s_tab.copy_((torch.randint(0, blocks, tables.shape, generator=gen) * layers).to("cuda"))
+        edges = torch.tensor(EDGE_CONTEXTS)[torch.randint(0, len(EDGE_CONTEXTS), (rows,), generator=gen)]
+        s_ctx.copy_((edges + torch.randint(-1, 2, (rows,), generator=gen)).clamp(0, width_keys).to("cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(s_out.clone(), step()), trial
+
+
+def test_segment_slots_cover_every_context_a_table_holds():
+    """The grid's segment slots are the most segments of any row that fits the table. The count is not
+    monotonic in the context (1,024 keys: 16 segments; 1,025: 9), so slots from the table's own width
+    alone (70 pages = 1,120 keys -> 9) left a 1,000-key row's segments 9..15 unrun on the H200: no
+    combine, and its ticket counter never back to zero."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    assert pa.segment_count(1000) == 16 and pa.segment_slots(70, BS) == 16
+    for width in range(1, 300):
+        most = max(pa.segment_count(c) for c in range(1, width * BS + 1))
+        assert pa.segment_slots(width, BS) >= most, width

@@ -20,12 +20,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-EAGER_ROWS_THRESHOLD = 256
-# Query rows per program of the packed prefill kernel (a tl.dot needs >= 16). A program reads its request's
-# keys once per block, so bigger blocks read the K/V cache fewer times: H200, Huginn 512-token prompts,
-# bench/results/attention_h200.md (16 rows was the first choice).
-PACKED_BLOCK_ROWS = 64
-
+from looptrace.engine.kernels._constants import EAGER_ROWS_THRESHOLD, PACKED_BLOCK_ROWS
 
 _graph_warmup = False  # set while a CUDA graph's eager warm-up runs (see graph_warmup)
 
@@ -139,6 +134,17 @@ def packed_blocks(lengths: list[int], count: int, block_rows: int = PACKED_BLOCK
     return out
 
 
+def apply_gemv(model: torch.nn.Module, device: torch.device | str) -> int:
+    """`kernels.gemv`: every bias-free projection of `model` through the Triton GEMV for inputs of at most
+    8 rows (`gemv.apply_gemv`); returns how many were switched. Off CUDA or without Triton: 0, the model
+    untouched and Triton not imported (the engine then records the setting as inactive)."""
+    if torch.device(device).type != "cuda" or not available():
+        return 0
+    from looptrace.engine.kernels import gemv
+
+    return gemv.apply_gemv(model)
+
+
 def write_kv(k, v, k_cache, v_cache, write_entry, write_offset, layer_id: int) -> None:
     """K and V of every row into the paged cache, one launch (`paged_attention.write_kv`)."""
     from looptrace.engine.kernels import paged_attention as pa
@@ -220,6 +226,7 @@ def warmup(device: torch.device | str = "cuda", specs=()) -> None:
 
 __all__ = [
     "EAGER_ROWS_THRESHOLD",
+    "apply_gemv",
     "available",
     "calibrate",
     "graph_warmup",

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from looptrace.engine.kernels import PACKED_BLOCK_ROWS
+from looptrace.engine.kernels._constants import PACKED_BLOCK_ROWS
 from looptrace.engine.kernels._fences import triton
 from looptrace.engine.kernels.paged_attention import prepare
 

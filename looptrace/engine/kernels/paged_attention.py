@@ -24,8 +24,9 @@ per-(row, head) counter, after a barrier so the whole program's stores are relea
 that draws the last ticket reads all partials back (`.cg` loads, from L2), combines them over the 16
 partial slots in one fixed order (max; weights `exp2(m_s - max)`; weighted sums; empty slots add exact
 zeros), writes the output and resets the counter to zero for the next launch. The counters are a
-persistent zeroed buffer per device (`_tickets`), so the launch needs no memset; launches on one stream
-never overlap, which is what makes sharing it safe (concurrent launches on two streams would not be).
+persistent zeroed buffer per device (`_scratch.tickets`, shared with the GEMV), so the launch needs no
+memset; launches on one stream never overlap, which is what makes sharing it safe (concurrent launches on
+two streams would not be).
 head_dim is covered by two power-of-two tiles where it splits so (`head_split`: Huginn's 96 = 64 + 32, no
 padded lanes), else by one tile padded with masks. Keys past `ctx` are masked on load, so table entries of
 pages `p >= ceil(ctx / bs)` (the -1 padding) and their pages are never read; a row with `ctx == 0` (a
@@ -59,6 +60,7 @@ import os
 import torch
 
 from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._scratch import tickets as _tickets
 
 tl = triton.language
 
@@ -69,7 +71,6 @@ MAX_SEGMENTS = 16
 NUM_WARPS = 4
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}  # every buffer ever handed out stays alive (graphs)
 
 
 def segment_keys(ctx: int) -> int:
@@ -320,25 +321,17 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
     return q, tables, out, strides, shape
 
 
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """`count` zeroed int32 segment counters on `device`; the kernel leaves them zero again. A buffer is
-    never freed (captured graphs keep using its address); a new, larger one is made outside capture, or
-    inside a capture for that graph alone (then its zeroing is captured too)."""
-    buffers = _TICKETS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= count:
-        return buffers[-1]
-    fresh = torch.zeros(
-        max(count, 2 * buffers[-1].numel() if buffers else 0), dtype=torch.int32, device=device
-    )
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return fresh  # graph-pool memory: not kept for later launches
-    buffers.append(fresh)
-    return fresh
-
-
 def segment_slots(table_width: int, page: int) -> int:
-    """Grid size over segments: the most segments a row of `table_width` pages can have."""
-    return segment_count(table_width * page) if table_width else 1
+    """Grid size over segments: the most segments any row that fits a table of `table_width` pages can have.
+
+    Not `segment_count(table_width * page)`: the count is not monotonic in the context (1,024 keys are 16
+    one-tile segments, 1,025 keys 9 two-tile ones), so a row of 1,000 keys in a 70-page table needs 16
+    slots where 1,120 keys would need 9. With too few slots a row's last segments never ran, its ticket
+    never reached the combine and the counter stayed off zero for every later launch (the H200's first
+    GPU run: batch-invariance and graph-replay failures, then every GEMV test in the same process, which
+    shares the counters)."""
+    keys = table_width * page
+    return min(MAX_SEGMENTS, -(-keys // BLOCK_N)) if table_width else 1
 
 
 def paged_attention(

@@ -27,6 +27,7 @@ from looptrace.engine.models.base import LoopedModel
 class OuroAttention(nn.Module):
     op_kind = "attention"
     rope_kv_write = False  # kernels.rope_kv_write: RoPE of q and k and the K/V cache write, one kernel
+    fused_linear = staticmethod(F.linear)  # the fused q/k/v GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
         super().__init__()
@@ -48,7 +49,7 @@ class OuroAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         nh, kvh, d = self.shape
         if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
-            q, k, v = F.linear(x, self.qkv).split([nh * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = self.fused_linear(x, self.qkv).split([nh * d, kvh * d, kvh * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
@@ -65,6 +66,7 @@ class OuroAttention(nn.Module):
 class OuroMLP(nn.Module):
     op_kind = "mlp"
     exact = False  # kernels.exact
+    fused_linear = staticmethod(F.linear)  # the fused gate/up GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -79,7 +81,7 @@ class OuroMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            gate, up = self.fused_linear(x, self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.exact and exact_kernels_on(x.shape[0]):

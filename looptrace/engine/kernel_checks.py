@@ -1,6 +1,9 @@
 """Bitwise checks of the exact kernels against the engine's eager ops (shared by the GPU tests and
 `bench/kernels_h200.py`). Imports torch and the engine layers only; Triton loads on the first exact call.
 
+It sits in `looptrace/engine/`, above both floors it compares: the kernels (`engine/kernels/`) and the
+layers (`engine/layers.py`) whose eager ops are the reference; a kernel module never imports the layers.
+
 A *case* is one (kernel, model, row count, input kind): `eager()` runs the engine's eager op, `exact()` the
 fused kernel, both on the same static inputs, so `exact` can also be captured in a CUDA graph.
 """

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue #22 on the H200, in parts that each fit one device call (results under $OUT):
+#   bash bench/h200_issue22.sh attention   split-KV attention GPU tests, its timings beside the kernel it
+#                                          replaced (bench/paged_attention_45c1321.py, made here with
+#                                          `git show 45c1321:looptrace/engine/kernels/paged_attention.py`),
+#                                          diff base exactloop (tiny presets), profile --compare base
+#                                          exactloop at Ouro-1.4B batch 1 prompt 512
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
+LOG="$OUT/logs.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
+if [ "$1" = attention ]; then
+  timeout 240 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py -p no:cacheprovider 2>&1 \
+    | tail -15 > "$OUT/gpu_tests_split_kv_h200.txt"; tail -3 "$OUT/gpu_tests_split_kv_h200.txt"
+  timeout 150 python3 bench/decode_attention_h200.py --old bench/paged_attention_45c1321.py --out "$OUT" >> "$LOG" 2>&1
+  echo "attention exit $?"; head -40 "$OUT/decode_attention_h200.md"
+  for m in ouro-tiny huginn-tiny; do
+    timeout 80 python3 -m looptrace diff base exactloop --model "$m" --device cuda --format json \
+      -o "$OUT/diff_${m}_h200.json" 2>> "$LOG"; echo "diff $m exit $?"
+  done
+  timeout -s INT 150 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare base exactloop \
+    -o "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -B2 -A14 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" | head -34
+fi
+if [ "$1" = full ]; then
+  # The fence check, the kernels' GPU tests, the GEMV and attention timings, then the fast recipe.
+  timeout 60 python3 bench/diag_splitkv.py 2>&1 | tee "$OUT/diag_splitkv.txt"
+  timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py tests/engine/test_gemv_kernel.py \
+    -p no:cacheprovider --tb=line 2>&1 | tail -40 > "$OUT/gpu_tests_issue22_h200.txt"; tail -4 "$OUT/gpu_tests_issue22_h200.txt"
+  timeout 110 python3 bench/gemv_h200.py --budget-s 75 --out "$OUT" > "$OUT/gemv_log.txt" 2>&1; echo "gemv exit $?"
+  timeout 50 python3 bench/decode_attention_h200.py --old bench/paged_attention_45c1321.py --out "$OUT" >> "$LOG" 2>&1
+  echo "attention exit $?"
+  timeout -s INT 140 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -A5 "GPU busy vs idle" "$OUT/profile_compare_fast_ouro-1.4b_c1_p512.txt" | head -7
+  timeout 60 python3 -m looptrace diff exactloop fast --model ouro-tiny --device cuda --format json \
+    -o "$OUT/diff_exactloop_fast_ouro-tiny_h200.json" 2>> "$LOG"; echo "diff fast exit $?"
+  cat "$OUT/gemv_log.txt" >> "$LOG"; rm -f "$OUT/gemv_log.txt"
+fi
+tail -5 "$LOG"

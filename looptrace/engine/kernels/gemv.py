@@ -1,0 +1,311 @@
+"""Bandwidth-bound GEMV for decode: `y = x @ W.T` for a few rows (M <= 8) in Triton (R3: `kernels.gemv`).
+
+Why: at decode batch 1-8 a projection reads its whole weight once and does almost no arithmetic, so the
+time floor is `N * K * 2` bytes at the copy bandwidth (H200: 4.28 TB/s). cuBLAS reaches about 46-58 % of it on
+Ouro's chain (issue #22); a GEMV that keeps every SM streaming W can get close to the floor.
+
+Design (`_gemv_kernel`):
+- Grid `(cdiv(N, BLOCK_N), SPLIT_K)`: program (n, s) owns output columns `n*BLOCK_N ...` and the K range
+  of split s (`K_TILES` tiles of `BLOCK_K`). Where N / BLOCK_N alone gives too few programs for the 132 SMs
+  (o_proj and down_proj: 2048 columns), K is split too (`split_for`).
+- All M rows of x are handled by one program, so W is read exactly once. x is tiny (M * K * 2 bytes) and stays
+  in L1/L2.
+- Loads along K are contiguous runs of BLOCK_K bf16 (K contiguous in W and x, pointers 16-byte aligned, K a
+  multiple of 16): Triton emits 16-byte vector loads. `EVEN_K` (K a whole number of tiles, every split full)
+  drops the K mask.
+- Products: `DOT=True` runs `tl.dot(W_tile, x_tile.T)` on tensor cores with x padded to 16 rows (bf16 x bf16
+  products are exact in fp32, accumulation in fp32; the padding rows cost tensor-core cycles, which are
+  nowhere near the limit here); `DOT=False` multiplies on CUDA cores in fp32 and reduces with `tl.sum`
+  (M == 1: an elementwise fp32 accumulator, reduced once after the K loop). The tile table picks one.
+- Split-K reduction, deterministic (no float atomics): each split stores its fp32 partial `[M, BLOCK_N]` in a
+  scratch buffer, then takes a ticket (an `acq_rel` atomic add on the column block's int32 counter, after a
+  barrier so all its stores are released with it). The program that draws the last ticket reads the
+  SPLIT_K partials back from L2 (`.cg`) and adds them in split order 0, 1, ..., SPLIT_K - 1 (the same
+  order whoever is last), rounds once to bf16, stores y and resets the counter to zero for the next launch.
+  The counters are one persistent zeroed buffer per device (`_scratch.tickets`, shared with the paged
+  attention kernel: launches on one stream never overlap and each leaves them zero).
+- CUDA graphs: no host syncs, the grid depends only on (M, N, K), the partial scratch is a plain
+  `torch.empty` per call (graph-pool memory under capture) and the ticket buffer is allocated outside
+  capture on first use (`warmup` or the graph's eager warm-up).
+
+Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
+fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,
+which may depend on M; a row's result is therefore not claimed to be independent of the batch size.
+
+`linear(x, w, b)` is the drop-in for `F.linear`: the Triton GEMV for bias-free bf16 CUDA inputs of at most
+`MAX_ROWS` rows, `F.linear` otherwise. `apply_gemv(model)` points every bias-free projection of a model at it
+(nn.Linear modules and the modules' fused projections, `fused_linear`). Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._scratch import tickets
+
+tl = triton.language
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+MAX_ROWS = 8  # rows up to which `linear` takes the GEMV (decode); above it the GEMM is compute-bound
+SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
+TARGET_PROGRAMS = 4 * SMS
+MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int | None = None  # None: as many splits as reach TARGET_PROGRAMS (see `split_for`)
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = False
+
+
+# Tile table: first entry whose (N range, K range, M range) holds the shape wins; ranges are inclusive.
+# The M = 1 rows are the fastest candidate per shape measured on the H200 (bench/results/gemv_h200.md:
+# Ouro-1.4B's decode chain 3.97 ms against cuBLAS's 4.11 ms). At M >= 2 no candidate measured beat cuBLAS
+# (the tensor-core path reads W once but runs at 36-76 % of copy bandwidth): the entry below is the best
+# of them, kept so `fast` runs one kernel family; tuning it is open work.
+DEFAULT = TileConfig(block_n=32, block_k=128)  # M = 1, K = 2048-5632, N <= 8191: Ouro's qkv, o, down
+_WIDE = TileConfig(block_n=32, block_k=256)  # lm_heads, Huginn's fc: 94-98 % of copy bandwidth
+_LONG_ROWS = TileConfig(block_n=16, block_k=512, num_stages=2)
+TILE_TABLE: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int], TileConfig], ...] = (
+    ((1, 1 << 30), (1, 1 << 30), (2, MAX_ROWS), TileConfig(block_n=64, block_k=128, dot=True)),
+    ((32768, 1 << 30), (1, 1 << 30), (1, 1), _WIDE),
+    ((8192, 32767), (1, 1 << 30), (1, 1), _LONG_ROWS),  # Ouro gate_up, Huginn qkv
+    ((4096, 8191), (5000, 6000), (1, 1), _LONG_ROWS),  # Huginn o (not Ouro down: N 2048)
+    ((1, 8191), (12000, 1 << 30), (1, 1), _LONG_ROWS),  # Huginn down
+)
+
+
+# What `bench/gemv_h200.py` tries next to the table's choice (the GPU tests check each of them too).
+CANDIDATES = (
+    TileConfig(block_n=64, block_k=128),
+    TileConfig(block_n=32, block_k=256),
+    TileConfig(block_n=32, block_k=128),
+    TileConfig(block_n=16, block_k=512, num_stages=2),
+    TileConfig(block_n=64, block_k=128, dot=True),
+    TileConfig(block_n=128, block_k=128, num_warps=8, dot=True),
+    TileConfig(block_n=32, block_k=256, num_stages=4, dot=True),
+)
+
+
+def pick_config(m: int, n: int, k: int) -> TileConfig:
+    for (n_lo, n_hi), (k_lo, k_hi), (m_lo, m_hi), cfg in TILE_TABLE:
+        if n_lo <= n <= n_hi and k_lo <= k <= k_hi and m_lo <= m <= m_hi:
+            return cfg
+    return DEFAULT
+
+
+def split_for(n: int, k: int, cfg: TileConfig) -> tuple[int, int]:
+    """(SPLIT_K, K_TILES): splits of K and BLOCK_K tiles per split. Without a fixed `split_k`: as many splits
+    as bring the grid to TARGET_PROGRAMS, each at least MIN_TILES_PER_SPLIT tiles; never an empty split."""
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    blocks = triton.cdiv(n, cfg.block_n)
+    want = cfg.split_k or max(1, min(triton.cdiv(TARGET_PROGRAMS, blocks), k_tiles // MIN_TILES_PER_SPLIT))
+    if cfg.split_k is None:  # a split count within 2x that divides the tiles: every split full, no K mask
+        most = max(1, k_tiles // MIN_TILES_PER_SPLIT)
+        divisors = [s for s in range(1, most + 1) if k_tiles % s == 0 and want <= 2 * s <= 4 * want]
+        want = min(divisors, key=lambda s: (abs(s - want) / want, -s), default=want)
+    per_split = triton.cdiv(k_tiles, max(1, want))
+    return triton.cdiv(k_tiles, per_split), per_split
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _load_x(x_ptr, stride_xm, k, kmask, M: tl.constexpr, M_PAD: tl.constexpr):
+    """x rows 0..M-1 at columns k as a `[M_PAD, BLOCK_K]` tile (rows past M: 0)."""
+    rows = tl.arange(0, M_PAD)
+    mask = (rows < M)[:, None] & kmask[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, K: tl.constexpr,
+                   M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
+    """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first."""
+    acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    acc_1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M == 1 on CUDA cores: reduced after the loop
+    cols = tl.arange(0, M_PAD)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    for t in range(K_TILES):
+        k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if DOT:
+            x = _load_x(x_ptr, stride_xm, k, kmask, M, M_PAD)
+            if INTERPRETED:  # the interpreter's dot reads bf16 as raw integers: the same sums in fp32
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        elif M == 1:
+            # x as a 1-D row: it takes the column layout of w directly (a [1, K] tile would go through
+            # shared memory every iteration)
+            x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            acc_1 += w.to(tl.float32) * x0[None, :]
+        else:
+            wf = w.to(tl.float32)
+            for m in tl.static_range(M):
+                xm = tl.load(x_ptr + m * stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
+                part = tl.sum(wf * xm[None, :], axis=1)
+                acc = tl.where((cols == m)[None, :], acc + part[:, None], acc)
+    if not DOT and M == 1:
+        acc = tl.where((cols == 0)[None, :], tl.sum(acc_1, axis=1)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _combine(part_ptr, y_ptr, stride_ym, n, nmask, N, M: tl.constexpr, M_PAD: tl.constexpr,
+             SPLIT_K: tl.constexpr):  # fmt: skip
+    """Sum of the SPLIT_K partials of columns n in split order (fixed: whoever runs it), stored to y."""
+    cols = tl.arange(0, M_PAD)
+    mask = nmask[:, None] & (cols < M)[None, :]
+    offs = cols[None, :] * N + n[:, None]
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(y_ptr + cols[None, :] * stride_ym + n[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_xm", "stride_ym"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride_wn, stride_ym,
+                 K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    acc = _split_product(
+        x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, M, M_PAD, BLOCK_N,
+        BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION,
+    )  # fmt: skip
+    cols = tl.arange(0, M_PAD)
+    mask = nmask[:, None] & (cols < M)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + cols[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + cols[None, :] * N + n[:, None], acc, mask=mask)
+        tl.debug_barrier()  # all of this program's stores happen before its ticket releases them
+        if tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to finish
+            _combine(part_ptr, y_ptr, stride_ym, n, nmask, N, M, M_PAD, SPLIT_K)
+            tl.store(ticket_ptr + pid_n, 0)  # every split has drawn: ready for the next launch
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig | None = None) -> torch.Tensor:
+    """`x @ weight.T` for `x [..., K]` with at most MAX_ROWS rows and `weight [N, K]` (K contiguous); the
+    result has x's dtype and shape `[..., N]`. fp32 accumulation. `cfg` overrides the tile table."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with K contiguous")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
+    cfg = cfg or pick_config(m, n, k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split, per_split = split_for(n, k, cfg)
+    blocks = triton.cdiv(n, cfg.block_n)
+    even_k = k % cfg.block_k == 0 and split * per_split == triton.cdiv(k, cfg.block_k)
+    scratch = (split, m, n) if split > 1 else (1,)  # one split stores y directly: no partials, no ticket
+    partials = torch.empty(scratch, dtype=torch.float32, device=x.device)
+    counters = tickets(x.device, blocks if split > 1 else 1)
+    _gemv_kernel[(blocks, split)](
+        x2, weight, y, partials, counters, n, x2.stride(0), weight.stride(0), y.stride(0),
+        K=k, M=m, M_PAD=16 if cfg.dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, K_TILES=per_split, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y.reshape(*lead, n)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The GEMV's domain: bias-free, bf16 on CUDA, 1..MAX_ROWS rows, weight with K contiguous."""
+    return (
+        bias is None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and weight.stride(-1) == 1
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with the Triton GEMV where it applies (`supported`), e.g. every decode projection."""
+    if supported(x, weight, bias):
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def apply_gemv(model: nn.Module) -> int:
+    """Route every bias-free projection of `model` through `linear`; returns how many were switched.
+
+    nn.Linear modules (LMHead, Adapter included) get `linear` as their instance `forward` (the weight is
+    read at call time, so fused or tied weights stay what they are); modules with a `fused_linear` attribute
+    (Ouro's attention and MLP, which call `self.fused_linear(x, self.qkv)` for their concatenated weights)
+    get it set to `linear`. Linears with a bias (Ouro's exit gate, N = 1) keep `F.linear`. On CPU tensors
+    `linear` is `F.linear`, so the model computes exactly what it did; call it once, after
+    `fuse_projections`.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is None:
+            module.forward = types.MethodType(_linear_forward, module)
+            count += 1
+        if hasattr(module, "fused_linear"):
+            module.fused_linear = linear
+            count += 1
+    return count
+
+
+def warmup(device: torch.device | str, shapes, rows=range(1, MAX_ROWS + 1)) -> None:
+    """Compile the GEMV for every `(N, K)` in `shapes` and row count, outside graph capture."""
+    for n, k in shapes:
+        w = torch.zeros(n, k, dtype=torch.bfloat16, device=device)
+        for m in rows:
+            gemv(torch.zeros(m, k, dtype=torch.bfloat16, device=device), w)
+    torch.cuda.synchronize(device)
+
+
+__all__ = [
+    "CANDIDATES",
+    "MAX_ROWS",
+    "TILE_TABLE",
+    "TileConfig",
+    "apply_gemv",
+    "gemv",
+    "linear",
+    "pick_config",
+    "split_for",
+    "supported",
+    "warmup",
+]
