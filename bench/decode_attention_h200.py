@@ -99,6 +99,97 @@ def run(old, copy_tbps: float) -> list[dict]:
     return results
 
 
+SWEEP_SHAPES = (
+    ("ouro-1.4b", 1, 640),
+    ("ouro-1.4b", 1, 2112),
+    ("ouro-1.4b", 8, 640),
+    ("ouro-1.4b", 32, 640),
+    ("ouro-1.4b", 64, 640),
+    ("ouro-1.4b", 32, 2112),
+    ("huginn-0125", 1, 640),
+    ("huginn-0125", 32, 2112),
+    ("huginn-0125", 64, 2112),
+)
+
+
+def sweep_configs():
+    """Tiles x warps x the shortest segment; num_stages stays 1 (the key loop's loads are gathers through
+    the page table, which Triton's pipeliner leaves alone: stages 2 compiles to the same loads)."""
+    from looptrace.engine.kernels.paged_attention import SplitConfig
+
+    out = []
+    for block, warps in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
+        for min_tiles in (1, 2, 4):
+            if block * min_tiles <= 512:
+                out.append(SplitConfig(block_n=block, num_warps=warps, min_tiles=min_tiles))
+    out += [SplitConfig(block_n=64, max_segments=8), SplitConfig(block_n=128, max_segments=8)]
+    return out
+
+
+def sweep(copy_tbps: float, budget_s: float) -> list[dict]:
+    """Every split config at each SWEEP_SHAPES case, configs interleaved within a case; a config that
+    fails to compile is recorded as such."""
+    from looptrace.engine.kernel_checks import graph_time_us
+    from looptrace.engine.kernels import paged_attention as pa
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    t0, rows_out = time.time(), []
+    configs = sweep_configs()
+    for model, rows, ctx_len in SWEEP_SHAPES:
+        q, k, v, tables, ctx, scale = case_inputs(model, rows, ctx_len, gen)
+        ref = pa.paged_attention(q, k, v, tables, ctx, 1, scale).float()
+        for cfg in configs:
+            if time.time() - t0 > budget_s:
+                break
+            row = {
+                "model": model,
+                "rows": rows,
+                "ctx": ctx_len,
+                "cfg": cfg.__dict__,
+                "floor_us": floor_us(model, rows, ctx_len, copy_tbps),
+            }
+            try:
+                out = pa.paged_attention(q, k, v, tables, ctx, 1, scale, cfg)
+                row["max_abs_vs_default"] = float((out.float() - ref).abs().max())
+                args = (q, k, v, tables, ctx, 1, scale, cfg)
+                row["us"] = graph_time_us(lambda args=args: pa.paged_attention(*args))
+            except Exception as exc:  # noqa: BLE001 - a config Triton cannot build is a result, not a crash
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            rows_out.append(row)
+        print(f"swept {model} {rows}x{ctx_len} ({time.time() - t0:.0f} s)", flush=True)
+    return rows_out
+
+
+def render_sweep(rows: list[dict], header: str) -> str:
+    """Per config: µs at each shape and the mean of time/floor over the shapes (lower is better)."""
+    shapes = list(dict.fromkeys((r["model"], r["rows"], r["ctx"]) for r in rows))
+    by_cfg: dict[str, dict] = {}
+    for r in rows:
+        c = r["cfg"]
+        key = f"b{c['block_n']} w{c['num_warps']} min{c['min_tiles']} max{c['max_segments']}"
+        by_cfg.setdefault(key, {})[(r["model"], r["rows"], r["ctx"])] = r
+    names = [f"{m.split('-')[0]} {n}x{c}" for m, n, c in shapes]
+    lines = [
+        header,
+        "",
+        "| config | " + " | ".join(names) + " | mean x floor |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    scored = []
+    for key, cells in by_cfg.items():
+        ok = [cells[s] for s in shapes if s in cells and "us" in cells[s]]
+        score = sum(c["us"] / c["floor_us"] for c in ok) / len(ok) if len(ok) == len(shapes) else float("inf")
+        scored.append((score, key, cells))
+    for score, key, cells in sorted(scored, key=lambda t: t[0]):
+        vals = [f"{cells[s]['us']:.1f}" if s in cells and "us" in cells[s] else "err" for s in shapes]
+        lines.append(f"| {key} | " + " | ".join(vals) + f" | {score:.2f} |")
+    floors = [
+        f"{next(r['floor_us'] for r in rows if (r['model'], r['rows'], r['ctx']) == s):.1f}" for s in shapes
+    ]
+    lines.append("| floor µs | " + " | ".join(floors) + " | 1 |")
+    return "\n".join(lines) + "\n"
+
+
 def render(results: list[dict], header: str) -> str:
     old = "old_us" in results[0]
     lines = [header, "", "| model | rows | ctx | segments | floor µs | split-KV µs | bw % |"
@@ -118,6 +209,8 @@ def main() -> int:
     parser.add_argument("--old", help="a saved copy of the previous paged_attention.py to time beside")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--copy-tbps", type=float, default=4.28)
+    parser.add_argument("--sweep", action="store_true", help="time every split config (SplitConfig) instead")
+    parser.add_argument("--budget-s", type=float, default=240)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
@@ -125,6 +218,17 @@ def main() -> int:
     import triton
 
     t0 = time.time()
+    if args.sweep:
+        rows = sweep(args.copy_tbps, args.budget_s)
+        header = (
+            f"# Decode attention split configs (issue #22)\n\nDevice: {torch.cuda.get_device_name()}; "
+            f"torch {torch.__version__}, Triton {triton.__version__}. Command: "
+            f"`python bench/decode_attention_h200.py --sweep` ({time.time() - t0:.0f} s). Median µs per "
+            f"launch (CUDA graph of 20); floor = K+V bytes at {args.copy_tbps} TB/s."
+        )
+        (Path(args.out) / "attention_sweep_h200.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "attention_sweep_h200.md").write_text(render_sweep(rows, header))
+        return 0
     old = load_module(args.old) if args.old else None
     results = run(old, args.copy_tbps)
     device = torch.cuda.get_device_name()

@@ -5,6 +5,7 @@
 #                                          `git show 45c1321:looptrace/engine/kernels/paged_attention.py`),
 #                                          diff base exactloop (tiny presets), profile --compare base
 #                                          exactloop at Ouro-1.4B batch 1 prompt 512
+#   bash bench/h200_issue22.sh explore     the attention split-config sweep, the L2-prefetch token bench
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -22,6 +23,15 @@ if [ "$1" = attention ]; then
   timeout -s INT 150 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare base exactloop \
     -o "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
   grep -B2 -A14 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" | head -34
+fi
+if [ "$1" = explore ]; then
+  # Split-config sweep of the decode attention; L2 prefetch of the next weight in a synthetic Ouro token.
+  timeout 200 python3 bench/decode_attention_h200.py --sweep --budget-s 170 --out "$OUT" >> "$LOG" 2>&1
+  echo "sweep exit $?"; head -40 "$OUT/attention_sweep_h200.md"
+  timeout 150 python3 bench/l2_prefetch_h200.py --rows 1 --out "$OUT" >> "$LOG" 2>&1; echo "l2 r1 exit $?"
+  cat "$OUT/l2_prefetch_h200_r1.md"
+  timeout 90 python3 bench/l2_prefetch_h200.py --rows 8 --only "cublas,cublas+pf1 p8 32K,gemv,gemv+pf1 p8 32K" \
+    --out "$OUT" >> "$LOG" 2>&1; echo "l2 r8 exit $?"; cat "$OUT/l2_prefetch_h200_r8.md"
 fi
 if [ "$1" = full ]; then
   # The fence check, the kernels' GPU tests, the GEMV and attention timings, then the fast recipe.

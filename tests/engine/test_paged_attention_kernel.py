@@ -168,6 +168,13 @@ def write_kv_case(pa, num_blocks, num_layers, kv_heads, dim, dtype, device, gen,
 # ------------------------------------------------------------------------------ CPU (Triton interpreter)
 
 
+def _splits():
+    from looptrace.engine.kernels.paged_attention import SplitConfig
+
+    return (SplitConfig(block_n=32, min_tiles=2), SplitConfig(block_n=128, num_warps=8),
+            SplitConfig(block_n=32, max_segments=4, min_tiles=3))  # fmt: skip
+
+
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
     from looptrace.engine.kernels import paged_attention as pa
@@ -201,6 +208,10 @@ def _cpu_checks() -> dict:
             poisoned_padding_equal(pa, q, kc, vc, tables, ctx, layer_id, scale),
             None,
         ]
+        # other split policies the bench sweeps (`SplitConfig`): the same attention, another tiling
+        args = (q, kc, vc, tables, ctx, layer_id, scale)
+        errs = [max_err(pa.paged_attention(*args, c), ref) for c in _splits()]
+        res[f"{name}_other_splits"] = [max(errs) < 2e-6, errs]
     res["write_kv_d96"] = [write_kv_case(pa, 12, 3, 2, 96, torch.float32, "cpu", gen, 2), None]
     res["write_kv_d128_layer0"] = [write_kv_case(pa, 12, 1, 3, 128, torch.float32, "cpu", gen, 0), None]
     # write then read: a row attends to the key it just wrote (the engine's per-layer order).
@@ -247,6 +258,12 @@ def test_interpreted_padding_rows_are_zero(cpu_results, case):
 def test_interpreted_batch_invariance(cpu_results, case):
     ok, bad = cpu_results[f"{case}_batch_invariant"]
     assert ok, f"rows {bad} differ alone / in another batch / with a wider table"
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_interpreted_other_split_configs_match_float64(cpu_results, case):
+    ok, errs = cpu_results[f"{case}_other_splits"]
+    assert ok, f"max abs errors {errs}"
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
@@ -503,7 +520,10 @@ def test_segment_slots_cover_every_context_a_table_holds():
     combine, and its ticket counter never back to zero."""
     from looptrace.engine.kernels import paged_attention as pa
 
-    assert pa.segment_count(1000) == 16 and pa.segment_slots(70, BS) == 16
-    for width in range(1, 300):
-        most = max(pa.segment_count(c) for c in range(1, width * BS + 1))
-        assert pa.segment_slots(width, BS) >= most, width
+    assert pa.segment_count(1000, pa.SplitConfig()) == 16 and pa.segment_slots(70, BS, pa.SplitConfig()) == 16
+    configs = [pa.DEFAULT_SPLIT, pa.SplitConfig(), pa.SplitConfig(block_n=128, min_tiles=2),
+               pa.SplitConfig(block_n=32, max_segments=8, min_tiles=4)]  # fmt: skip
+    for cfg in configs:
+        for width in range(1, 200):
+            counts = [pa.segment_count(c, cfg) for c in range(1, width * BS + 1)]
+            assert pa.segment_slots(width, BS, cfg) == max(counts), (cfg, width)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -68,19 +69,38 @@ tl = triton.language
 # functions of R or nb. 64-key segments give Ouro's 640-key decode row 10 segments per head (160 programs).
 BLOCK_N = 64
 MAX_SEGMENTS = 16
+MIN_SEGMENT_TILES = 1
 NUM_WARPS = 4
+NUM_STAGES = 1
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
-def segment_keys(ctx: int) -> int:
+@dataclass(frozen=True)
+class SplitConfig:
+    """The kernel's compile-time split policy. One config serves every launch of a process (the
+    determinism contract: never chosen from R or nb); `bench/decode_attention_h200.py --sweep` times others.
+    `min_tiles`: a segment holds at least this many tiles (fewer, longer segments: less partial traffic
+    and fewer programs at large batch, less parallelism for one short row)."""
+
+    block_n: int = BLOCK_N
+    max_segments: int = MAX_SEGMENTS
+    min_tiles: int = MIN_SEGMENT_TILES
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+DEFAULT_SPLIT = SplitConfig()
+
+
+def segment_keys(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
     """Keys per segment of a row with `ctx` keys (the kernel's `_segment_keys`, for tests and the bench)."""
-    tiles = -(-ctx // BLOCK_N)
-    return max(1, -(-tiles // MAX_SEGMENTS)) * BLOCK_N
+    tiles = -(-ctx // cfg.block_n)
+    return max(cfg.min_tiles, -(-tiles // cfg.max_segments)) * cfg.block_n
 
 
-def segment_count(ctx: int) -> int:
-    return -(-ctx // segment_keys(ctx))
+def segment_count(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
+    return -(-ctx // segment_keys(ctx, cfg))
 
 
 def head_split(dim: int) -> tuple[int, int]:
@@ -94,9 +114,9 @@ def head_split(dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr):
+def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr):
     tiles = tl.cdiv(tl.cdiv(ctx, BLOCK), MAX_SEGS)
-    return tl.maximum(tiles, 1) * BLOCK
+    return tl.maximum(tiles, MIN_TILES) * BLOCK
 
 
 @triton.jit
@@ -118,16 +138,20 @@ def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i,
     kmask = pos < end  # end <= ctx  =>  page < ceil(ctx / PAGE): padding entries are never loaded
     entry = tl.load(tab + pos // PAGE, mask=kmask, other=0).to(tl.int64)
     rows = entry * stride_e + (pos % PAGE) * stride_s
-    s = tl.sum(q_a[None, :] * _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM), axis=1)
+    # K and V are both requested before any math: one memory round trip per tile, not two
+    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM)
+    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM)
+    s = tl.sum(q_a[None, :] * k_a, axis=1)
     if D_B > 0:
-        s += tl.sum(q_b[None, :] * _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM), axis=1)
+        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
+        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
+        s += tl.sum(q_b[None, :] * k_b, axis=1)
     s = tl.where(kmask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile holds at least one key
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)  # masked keys: exactly 0
-    acc_a = acc_a * alpha + tl.sum(p[:, None] * _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM), axis=0)
+    acc_a = acc_a * alpha + tl.sum(p[:, None] * v_a, axis=0)
     if D_B > 0:
-        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
         acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b, axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     return m_new, l_i, acc_a, acc_b
@@ -231,10 +255,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  layer_id, qk_scale, stride_qr, stride_qh, stride_e, stride_s, stride_kh, stride_t, stride_c,
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                 MAX_SEGS: tl.constexpr):  # fmt: skip
+                 MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr):  # fmt: skip
     part, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     ctx = tl.load(ctx_ptr + row * stride_c)
-    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS)
+    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     parts = tl.cdiv(ctx, seg_keys)
     if part < tl.maximum(parts, 1):  # segment 0 of a ctx-0 row writes its zeros
         q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
@@ -321,7 +345,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
     return q, tables, out, strides, shape
 
 
-def segment_slots(table_width: int, page: int) -> int:
+def segment_slots(table_width: int, page: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
     """Grid size over segments: the most segments any row that fits a table of `table_width` pages can have.
 
     Not `segment_count(table_width * page)`: the count is not monotonic in the context (1,024 keys are 16
@@ -330,8 +354,12 @@ def segment_slots(table_width: int, page: int) -> int:
     never reached the combine and the counter stayed off zero for every later launch (the H200's first
     GPU run: batch-invariance and graph-replay failures, then every GEMV test in the same process, which
     shares the counters)."""
-    keys = table_width * page
-    return min(MAX_SEGMENTS, -(-keys // BLOCK_N)) if table_width else 1
+    if not table_width:
+        return 1
+    tiles = -(-table_width * page // cfg.block_n)
+    # the count rises with ctx up to max_segments one-min_tiles segments (ctx = max_segments * min_tiles
+    # tiles), then never exceeds max_segments: the most any held context has
+    return min(cfg.max_segments, -(-tiles // cfg.min_tiles))
 
 
 def paged_attention(
@@ -342,6 +370,7 @@ def paged_attention(
     ctx_lens: torch.Tensor,
     layer_id: int,
     scale: float,
+    cfg: SplitConfig = DEFAULT_SPLIT,
 ) -> torch.Tensor:
     """Attention of every row over its own pages; returns `[R, H * D]` in q's dtype.
 
@@ -355,7 +384,7 @@ def paged_attention(
     rows, heads, dim = q.shape
     if rows == 0:
         return out
-    slots = segment_slots(tables.shape[1], shape["PAGE"])
+    slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
     scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
     max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
@@ -364,8 +393,8 @@ def paged_attention(
     _attn_kernel[(slots, heads, rows)](
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
-        **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=BLOCK_N, MAX_SEGS=MAX_SEGMENTS,
-        num_warps=NUM_WARPS, num_stages=1,
+        **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
+        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -416,6 +445,8 @@ def write_kv(
 
 __all__ = [
     "BLOCK_N",
+    "DEFAULT_SPLIT",
+    "SplitConfig",
     "MAX_SEGMENTS",
     "NUM_WARPS",
     "head_split",
