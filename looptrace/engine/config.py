@@ -213,6 +213,10 @@ class KernelConfig:
     # Beyond the paper: projections of at most 8 rows (decode) through a bandwidth-bound split-K Triton GEMV
     # (`kernels/gemv.py`) instead of cuBLAS; another reduction order (R3), CUDA only.
     gemv: bool = field(default=False, metadata=_meta("R3"))
+    # Beyond the paper: inside CUDA graphs, each projection first prefetches the next projection's weight
+    # into L2 on a side stream (`kernels/l2_prefetch.py`, Hopper bulk prefetch), so it streams while the
+    # latency-bound kernels between GEMMs run. Moves bytes, not values (R0); CUDA only.
+    l2_prefetch: bool = field(default=False, metadata=_meta("R0"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

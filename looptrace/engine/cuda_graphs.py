@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looptrace.engine.config import GraphConfig
-from looptrace.engine.kernels import graph_warmup
+from looptrace.engine.kernels import graph_warmup, join_prefetches
 
 # Fallback reasons (reported per step and in the counters)
 OVERSIZED = "oversized_batch"
@@ -119,5 +119,6 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*static)
+            join_prefetches()  # kernels.l2_prefetch's side stream must rejoin before the capture ends
         self.counters.captures += 1
         return _Entry(graph, static, tuple(outputs))

@@ -202,6 +202,8 @@ class LLMEngine:
             self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
         if self.cfg.kernels.gemv and not kernels.apply_gemv(model, self.device):  # after the fusing
             missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
+        if self.cfg.kernels.l2_prefetch and not kernels.apply_l2_prefetch(model, self.device):  # wraps gemv
+            missing["kernels.l2_prefetch"] = "the L2 prefetch runs only on CUDA with Triton"
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _build_kv(self) -> tuple[BlockManager, KVPool]:

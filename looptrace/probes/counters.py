@@ -782,6 +782,12 @@ def _mismatch(names: tuple, bodies: dict[tuple, list[Context]]) -> str:
     return f"{len(names)} kernels vs body {len(key)}, first difference at #{first}: {ours!r} vs {theirs!r}"
 
 
+# `kernels.l2_prefetch` issues these on a side stream only while a graph is captured: the eager graph body
+# has none of them, so they are left out of the body match and counted as their own op.
+PREFETCH_KERNELS = frozenset({"_prefetch_kernel"})
+PREFETCH_OP = "l2_prefetch"
+
+
 def _attribute_replays(
     kernels: list[tuple[TraceEvent, Position]],
     kernel_ctx: list[Context],
@@ -801,6 +807,13 @@ def _attribute_replays(
     example = ""
     for idx in replays.values():
         idx.sort(key=lambda i: kernels[i][0].ts)
+        for i in idx:  # side-stream hints with no eager counterpart: an op of their own
+            if kernels[i][0].name in PREFETCH_KERNELS:
+                launch = kernel_ctx[i]
+                ctx[i] = Context(launch.stage, launch.loop, None, NONE, PREFETCH_OP)
+        idx = [i for i in idx if kernels[i][0].name not in PREFETCH_KERNELS]
+        if not idx:
+            continue
         names = tuple(kernels[i][0].name for i in idx)
         if names not in matched:  # replays of one graph repeat one sequence: align it once
             matched[names] = _match_body(names, bodies)

@@ -350,6 +350,25 @@ def test_replay_with_an_extra_kernel_is_aligned_to_its_body(kt) -> None:
     assert any("1 aligned" in n for n in a.notes)
 
 
+def test_replay_prefetch_kernels_are_their_own_op_and_the_rest_still_matches(kt) -> None:
+    """`kernels.l2_prefetch` adds a side-stream `_prefetch_kernel` before each GEMM of a captured graph,
+    never in its eager body: 3 extra kernels in 5 would fail the body match (slack 8 covers them here,
+    but a whole token has 384 per 990), so they are set apart and the rest matches exactly."""
+    with kt.range("lt.window/decode"), kt.range("lt.stage/recurrent"), kt.range("lt.loop/0"):
+        kt.graph_launch(kt.tick(), ["pow", "_prefetch_kernel", "gemv", "_prefetch_kernel", "gemv"] * 10)
+    with kt.range("lt.graph/whole_token/1"):
+        for _ in range(10):
+            with kt.range("lt.op/norm"):
+                kt.launch("pow", kt.tick())
+            with kt.range("lt.op/mlp"):
+                kt.launch("gemv", kt.tick())
+                kt.launch("gemv", kt.tick())
+    a = analyze(parse_chrome_trace(kt.to_dict()), tokens=1)
+    by_op = {s.key: s.kernels for s in a.breakdown.by_op}
+    assert by_op == {("norm",): 10, ("mlp",): 20, ("l2_prefetch",): 20}
+    assert any("1 exact" in n for n in a.notes)
+
+
 def test_event_query_is_a_poll_not_a_blocking_sync(kt) -> None:
     """CUPTI reports an `Event Sync` activity for cudaEventQuery (H200, CUDA 13); it never blocks."""
     with kt.range("lt.window/decode"):

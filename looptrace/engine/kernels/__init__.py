@@ -13,6 +13,7 @@ than the eager kernels they replace at small row counts.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -145,6 +146,26 @@ def apply_gemv(model: torch.nn.Module, device: torch.device | str) -> int:
     return gemv.apply_gemv(model)
 
 
+def apply_l2_prefetch(model: torch.nn.Module, device: torch.device | str) -> bool:
+    """`kernels.l2_prefetch`: each projection captured in a CUDA graph first prefetches the next one's
+    weight into L2 on a side stream (`l2_prefetch.apply_l2_prefetch`). Off CUDA or without Triton: False,
+    the model untouched and Triton not imported."""
+    if torch.device(device).type != "cuda" or not available():
+        return False
+    from looptrace.engine.kernels import l2_prefetch
+
+    l2_prefetch.apply_l2_prefetch(model, device)
+    return True
+
+
+def join_prefetches() -> None:
+    """Fold the prefetch side streams back into the capture stream (before a capture ends); a no-op
+    unless `kernels.l2_prefetch` is in use (the module is then loaded)."""
+    module = sys.modules.get("looptrace.engine.kernels.l2_prefetch")
+    if module is not None:
+        module.join_all()
+
+
 def write_kv(k, v, k_cache, v_cache, write_entry, write_offset, layer_id: int) -> None:
     """K and V of every row into the paged cache, one launch (`paged_attention.write_kv`)."""
     from looptrace.engine.kernels import paged_attention as pa
@@ -227,10 +248,12 @@ def warmup(device: torch.device | str = "cuda", specs=()) -> None:
 __all__ = [
     "EAGER_ROWS_THRESHOLD",
     "apply_gemv",
+    "apply_l2_prefetch",
     "available",
     "calibrate",
     "graph_warmup",
     "is_capturing",
+    "join_prefetches",
     "paged_attn",
     "residual_rms_norm",
     "rms_norm",

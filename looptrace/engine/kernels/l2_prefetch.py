@@ -13,7 +13,11 @@ system may drop. Importing this module imports Triton.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from looptrace.engine.kernels._fences import triton
 
@@ -64,4 +68,97 @@ def prefetch_l2(t: torch.Tensor, programs: int = 8, chunk: int = 32768, lanes: i
                                   num_warps=max(1, lanes // 32))  # fmt: skip
 
 
-__all__ = ["prefetch_l2"]
+# ------------------------------------------------------------------------------------------ the model
+
+MIN_BYTES = 1 << 20  # smaller weights (Ouro's exit gate) stay in L2 anyway: not worth a launch
+MAX_ROWS = 256  # decode: up to here a projection is bound by its weight bytes, not by its arithmetic
+_ACTIVE: weakref.WeakSet[WeightPrefetcher] = weakref.WeakSet()
+
+
+class WeightPrefetcher:
+    """Before projection i, prefetch the weight of the projection that came after it last time.
+
+    The successor of each weight is learnt from the calls themselves (the eager warm-ups before a capture
+    run the same sequence), so no model code names an order. Prefetches are issued only while a CUDA graph
+    is being captured, for at most MAX_ROWS rows: on a forked side stream, which `join` folds back into the
+    capture before it ends (`cuda_graphs.GraphCache` calls `join_all`). Eager calls only record."""
+
+    def __init__(self, device: torch.device, issue: Callable[[torch.Tensor], None] | None = None,
+                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing):  # fmt: skip
+        self.device, self.capturing = device, capturing
+        self.issue = issue or self._on_side_stream
+        self.next_of: dict[int, torch.Tensor] = {}
+        self.previous: int | None = None
+        self.side: torch.cuda.Stream | None = None
+        self.pending = False
+        self.issued = 0
+
+    def before(self, weight: torch.Tensor, x: torch.Tensor) -> None:
+        if weight.numel() * weight.element_size() < MIN_BYTES:
+            return
+        key = weight.data_ptr()
+        if self.previous is not None and self.previous != key:
+            self.next_of[self.previous] = weight
+        self.previous = key
+        upcoming = self.next_of.get(key)
+        if upcoming is None or x.numel() > MAX_ROWS * x.shape[-1] or not self.capturing():
+            return
+        self.issue(upcoming)
+        self.issued += 1
+
+    def _on_side_stream(self, weight: torch.Tensor) -> None:
+        """Fork a side stream from the current one (inside a capture: a parallel branch of the graph)."""
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            prefetch_l2(weight)
+        self.pending = True
+
+    def join(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self.pending = False
+
+
+def join_all() -> None:
+    """Fold every side stream with prefetches back into the current stream (the end of a capture)."""
+    for prefetcher in list(_ACTIVE):
+        prefetcher.join()
+
+
+def _wrap_linear(module: nn.Linear, prefetcher: WeightPrefetcher) -> None:
+    inner = module.forward  # the class's forward, or the GEMV's instance forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        prefetcher.before(module.weight, x)
+        return inner(x)
+
+    module.forward = forward
+
+
+def _wrap_fused(module: nn.Module, prefetcher: WeightPrefetcher) -> None:
+    inner = module.fused_linear
+
+    def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        prefetcher.before(weight, x)
+        return inner(x, weight, bias)
+
+    module.fused_linear = fused_linear
+
+
+def apply_l2_prefetch(model: nn.Module, device: torch.device | str) -> WeightPrefetcher:
+    """Wrap every bias-free projection of `model` (nn.Linear forwards, whatever they are now, e.g. the
+    GEMV's, and the modules' `fused_linear`) so that each call first prefetches its successor's weight.
+    The wrapped call computes exactly what it did (R0). Call once, after `fuse_projections`/`apply_gemv`."""
+    prefetcher = WeightPrefetcher(torch.device(device))
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is None:
+            _wrap_linear(module, prefetcher)
+        if hasattr(module, "fused_linear"):
+            _wrap_fused(module, prefetcher)
+    _ACTIVE.add(prefetcher)  # weak: the model's wrappers keep it alive, and it dies with them
+    return prefetcher
+
+
+__all__ = ["MAX_ROWS", "WeightPrefetcher", "apply_l2_prefetch", "join_all", "prefetch_l2"]
