@@ -25,21 +25,24 @@ if [ "$1" = attention ]; then
   grep -B2 -A14 "┃ run" "$OUT/profile_compare_ouro-1.4b_c1_p512.txt" | head -34
 fi
 if [ "$1" = explore ]; then
-  # Split-config sweep of the decode attention; L2 prefetch of the next weight in a synthetic Ouro token,
-  # then in the engine (profile --compare exactloop vs exactloop + kernels.l2_prefetch); diff exactloop
-  # fast at real shape (token agreement of the R3 GEMV).
-  timeout 60 python3 -m pytest -n 0 -m gpu tests/engine/test_l2_prefetch.py -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG"
-  timeout 130 python3 bench/decode_attention_h200.py --sweep --budget-s 100 --out "$OUT" >> "$LOG" 2>&1
+  # One call (the device is scarce): GPU tests of the changed kernels; the attention split-config sweep;
+  # the L2-prefetch token bench; profile --compare exactloop fast (fast = exactloop + gemv + l2_prefetch);
+  # diff exactloop fast at real shape; bench exactloop vs fast at the Ouro C = 1, 8, 32 cells.
+  timeout 60 python3 -m pytest -n 0 -m gpu tests/engine/test_l2_prefetch.py tests/engine/test_paged_attention_kernel.py \
+    -p no:cacheprovider 2>&1 | tail -4 | tee -a "$LOG"
+  timeout 95 python3 bench/decode_attention_h200.py --sweep --budget-s 70 --out "$OUT" >> "$LOG" 2>&1
   echo "sweep exit $?"; head -40 "$OUT/attention_sweep_h200.md"
-  timeout 100 python3 bench/l2_prefetch_h200.py --rows 1 \
-    --only "cublas,cublas+pf1 p8 32K,cublas+pf2 p8 32K,cublas+pf1 p32 16K,gemv,gemv+pf1 p8 32K" \
-    --out "$OUT" >> "$LOG" 2>&1; echo "l2 r1 exit $?"; cat "$OUT/l2_prefetch_h200_r1.md"
-  timeout -s INT 150 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop exactloop \
-    --b-set kernels.l2_prefetch=true -o "$OUT/profile_compare_l2_prefetch_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
-  echo "profile exit $?"; grep -A5 "GPU busy vs idle" "$OUT/profile_compare_l2_prefetch_ouro-1.4b_c1_p512.txt"
-  timeout -s INT 100 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
+  timeout 70 python3 bench/l2_prefetch_h200.py --rows 1 --only "cublas,cublas+pf1 p8 32K,gemv,gemv+pf1 p8 32K" \
+    --out "$OUT" >> "$LOG" 2>&1; echo "l2 r1 exit $?"; cat "$OUT/l2_prefetch_h200_r1.md"; rm -f "$OUT/l2_prefetch_h200_r1.json"
+  timeout -s INT 130 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+  echo "profile exit $?"; grep -A5 "GPU busy vs idle" "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt"
+  timeout -s INT 60 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
     --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" 2>> "$LOG"
   echo "diff fast exit $?"
+  timeout -s INT "${BENCH_TIMEOUT:-170}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
+    --runs 2 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench exit $?"; grep "B/A" "$LOG" | tail -4
 fi
 if [ "$1" = full ]; then
   # The fence check, the kernels' GPU tests, the GEMV and attention timings, then the fast recipe.
