@@ -133,7 +133,7 @@ def test_split_for_fills_the_gpu_without_empty_splits():
 # ------------------------------------------------------------------------------------ toggle and recipe
 
 
-def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
+def test_fast_recipe_is_exactloop_plus_the_r3_gemv_and_the_l2_prefetch():
     from dataclasses import asdict
 
     from looptrace.engine.config import toggle_rung
@@ -141,10 +141,13 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
 
     fast, exact = load_recipe("fast").config, load_recipe("exactloop").config
     assert fast.kernels.gemv and not exact.kernels.gemv
+    assert fast.kernels.l2_prefetch and not exact.kernels.l2_prefetch
     a, b = asdict(fast), asdict(exact)
-    a["kernels"].pop("gemv")
-    b["kernels"].pop("gemv")
+    for key in ("gemv", "l2_prefetch"):
+        a["kernels"].pop(key)
+        b["kernels"].pop(key)
     assert a == b
+    assert toggle_rung("kernels.l2_prefetch", False, True) == "R0"
     assert toggle_rung("kernels.gemv", False, True) == "R3"
 
 
