@@ -44,6 +44,30 @@ if [ "$1" = explore ]; then
     --runs 2 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -4
 fi
+if [ "$1" = final ]; then
+  # After the sweep: the chosen split configs' GPU tests and timings beside the pre-split kernel
+  # (bench/paged_attention_45c1321.py, copied in by the caller), diff base exactloop (ouro-tiny), both
+  # batch-1 profile compares, exactloop vs fast at the Ouro cells, then Table 2 (base vs exactloop) until
+  # the time runs out (SIGINT keeps the completed cells).
+  timeout 90 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py tests/engine/test_gemv_kernel.py \
+    -p no:cacheprovider 2>&1 | tail -4 > "$OUT/gpu_tests_final_h200.txt"; cat "$OUT/gpu_tests_final_h200.txt"
+  timeout 40 python3 bench/decode_attention_h200.py --old bench/paged_attention_45c1321.py --out "$OUT" >> "$LOG" 2>&1
+  echo "attention exit $?"; rm -f "$OUT/decode_attention_h200.json"
+  timeout 40 python3 -m looptrace diff base exactloop --model ouro-tiny --device cuda 2>&1 | tail -2 | tee -a "$LOG"
+  for pair in "base exactloop" "exactloop fast"; do
+    name=$(echo "$pair" | tr ' ' _)
+    timeout -s INT 70 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare $pair \
+      -o "$OUT/profile_compare_${name}_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+    echo "profile $pair exit $?"; grep -A5 "GPU busy vs idle" "$OUT/profile_compare_${name}_ouro-1.4b_c1_p512.txt"
+  done
+  timeout -s INT 75 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 2 \
+    --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench fast exit $?"
+  timeout -s INT "${TABLE2_TIMEOUT:-165}" python3 -m looptrace bench --cell ouro:512/128@1,8,32,64 \
+    --cell huginn:512/64@32,64,1,8 --cell ouro:2048/64@8,32 --runs 2 --set cuda_graphs.max_graphs=64 \
+    --format json -o "$OUT/bench_table2.json" 2>> "$LOG"
+  echo "table2 exit $?"; grep "B/A" "$LOG" | tail -14
+fi
 if [ "$1" = full ]; then
   # The fence check, the kernels' GPU tests, the GEMV and attention timings, then the fast recipe.
   timeout 60 python3 bench/diag_splitkv.py 2>&1 | tee "$OUT/diag_splitkv.txt"

@@ -396,8 +396,9 @@ def test_gpu_write_kv_exact(shape):
 
 # ------------------------------------------------------------------ GPU: split-KV segments (issue #22)
 
-# Contexts at and across the segment rules (`paged_attention.segment_keys`, 64-key tiles, at most 16
-# segments): one tile (63, 64, 65), exactly 16 one-tile segments (1024), the first two-tile segments (1025),
+# Contexts at and across the segment rules (`paged_attention.segment_keys`; Ouro: 32-key tiles, segments of
+# at least 2 tiles, Huginn: 64-key one-tile segments; at most 16): one segment (63, 64), two (65), exactly
+# 16 shortest segments (1024), the first longer segments (1025),
 # multi-tile segments (1500: 2 x 64 keys each; 4100: 5 tiles each, a ragged last segment) and a padding row.
 EDGE_CONTEXTS = (63, 64, 65, 1024, 1025, 1500, 4100, 1, 0)
 
@@ -422,7 +423,9 @@ def test_edge_contexts_cover_the_segment_rules():
         pytest.skip("triton not importable")
     segs = {c: (pa.segment_count(c), pa.segment_keys(c)) for c in EDGE_CONTEXTS if c}
     assert segs[64] == (1, 64) and segs[65] == (2, 64) and segs[1024] == (16, 64)
-    assert segs[1025] == (9, 128) and segs[1500] == (12, 128) and segs[4100] == (13, 320)
+    assert segs[1025] == (11, 96) and segs[1500] == (16, 96) and segs[4100] == (15, 288)
+    huginn = pa.split_for_head(96)  # 64-key one-tile segments: the same edges
+    assert [pa.segment_count(c, huginn) for c in (64, 65, 1024, 1025)] == [1, 2, 16, 9]
 
 
 @gpu

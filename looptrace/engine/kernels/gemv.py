@@ -53,7 +53,11 @@ from looptrace.engine.kernels._scratch import tickets
 tl = triton.language
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-MAX_ROWS = 8  # rows up to which `linear` takes the GEMV (decode); above it the GEMM is compute-bound
+MAX_ROWS = 8  # rows the kernel takes (decode); above it the GEMM is compute-bound
+# Rows up to which `linear` routes to the GEMV: measured on the H200, it beats cuBLAS only at one row
+# (Ouro's token chain 5.62 vs 5.98 ms, bench/results/issue22/l2_prefetch_h200_r1.md; at 2-8 rows every
+# tile candidate was slower, gemv_h200.md), so fast keeps cuBLAS from two rows on.
+ROUTE_ROWS = 1
 SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
 TARGET_PROGRAMS = 4 * SMS
 MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
@@ -253,8 +257,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with the Triton GEMV where it applies (`supported`), e.g. every decode projection."""
-    if supported(x, weight, bias):
+    """`F.linear` with the Triton GEMV where it applies (`supported`) and pays (at most ROUTE_ROWS rows)."""
+    if x.numel() <= ROUTE_ROWS * x.shape[-1] and supported(x, weight, bias):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
 
@@ -299,6 +303,7 @@ def warmup(device: torch.device | str, shapes, rows=range(1, MAX_ROWS + 1)) -> N
 __all__ = [
     "CANDIDATES",
     "MAX_ROWS",
+    "ROUTE_ROWS",
     "TILE_TABLE",
     "TileConfig",
     "apply_gemv",

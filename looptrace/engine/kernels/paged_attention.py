@@ -7,8 +7,9 @@ copy per layer). Addressing is the engine's *entry* addressing (`layers.AttnCont
 block_size, kv_heads, head_dim]`; a row's table holds entry bases and layer l reads entry `base + l`.
 
 Kernel design (`_attn_kernel`, split-KV decode): a row's keys are cut into *segments* of
-`segment_keys(ctx)` keys, a whole number of `BLOCK_N = 64`-key tiles: one tile per segment up to
-`MAX_SEGMENTS * BLOCK_N` keys, then as many tiles per segment as keep the count at `MAX_SEGMENTS = 16`
+`segment_keys(ctx)` keys, a whole number of `BLOCK_N`-key tiles (a `SplitConfig` per head size, chosen by
+an H200 sweep: Ouro 32-key tiles and segments of at least 2, Huginn 64-key one-tile segments): the shortest
+segments up to 16 of them, then as many tiles per segment as keep the count at `MAX_SEGMENTS = 16`
 (the bound keeps the scratch at `R * H * 16` partials whatever the table width: Ouro's 65,536 positions
 would otherwise need 1,024 segments per row). Grid `(segment slots, H, R)`, one program per (segment, query
 head, row), kv head `head // (H // KVH)` (GQA: both target models are MHA, where nothing is read twice):
@@ -67,10 +68,11 @@ tl = triton.language
 
 # Keys per tile, the segment bound and warps: constants of the kernel (the determinism contract), never
 # functions of R or nb. 64-key segments give Ouro's 640-key decode row 10 segments per head (160 programs).
-BLOCK_N = 64
+# (The defaults below are Ouro's 128-wide heads; `SPLIT_BY_HEAD_DIM` holds the others.)
+BLOCK_N = 32
 MAX_SEGMENTS = 16
-MIN_SEGMENT_TILES = 1
-NUM_WARPS = 4
+MIN_SEGMENT_TILES = 2
+NUM_WARPS = 2
 NUM_STAGES = 1
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -90,7 +92,17 @@ class SplitConfig:
     num_stages: int = NUM_STAGES
 
 
+# The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
+# 2 warps and segments of at least 2 tiles had the lowest mean time/floor at Ouro's 128-wide heads (2.26x,
+# against 3.15x for the 64-key, 4-warp kernel before it; 32 x 640: 54.5 vs 90.4 µs); at Huginn's 96-wide
+# heads 64-key tiles with 2 warps and one-tile segments were best. One config per head size: a constant of
+# the model, so every request, batch and recipe of a model runs the same binary (the R0 contract).
 DEFAULT_SPLIT = SplitConfig()
+SPLIT_BY_HEAD_DIM = {96: SplitConfig(block_n=64, min_tiles=1, num_warps=2)}
+
+
+def split_for_head(dim: int) -> SplitConfig:
+    return SPLIT_BY_HEAD_DIM.get(dim, DEFAULT_SPLIT)
 
 
 def segment_keys(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
@@ -370,7 +382,7 @@ def paged_attention(
     ctx_lens: torch.Tensor,
     layer_id: int,
     scale: float,
-    cfg: SplitConfig = DEFAULT_SPLIT,
+    cfg: SplitConfig | None = None,
 ) -> torch.Tensor:
     """Attention of every row over its own pages; returns `[R, H * D]` in q's dtype.
 
@@ -384,6 +396,7 @@ def paged_attention(
     rows, heads, dim = q.shape
     if rows == 0:
         return out
+    cfg = cfg or split_for_head(dim)
     slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
     scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
@@ -452,5 +465,6 @@ __all__ = [
     "head_split",
     "paged_attention",
     "segment_keys",
+    "split_for_head",
     "write_kv",
 ]
