@@ -268,7 +268,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                  MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr):  # fmt: skip
-    part, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
     ctx = tl.load(ctx_ptr + row * stride_c)
     seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     parts = tl.cdiv(ctx, seg_keys)
@@ -403,7 +403,7 @@ def paged_attention(
     max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
     d_a, d_b = head_split(dim)
     del shape["D_PAD"]
-    _attn_kernel[(slots, heads, rows)](
+    _attn_kernel[(rows, heads, slots)](
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
