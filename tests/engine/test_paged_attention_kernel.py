@@ -212,6 +212,14 @@ def _cpu_checks() -> dict:
         args = (q, kc, vc, tables, ctx, layer_id, scale)
         errs = [max_err(pa.paged_attention(*args, c), ref) for c in _splits()]
         res[f"{name}_other_splits"] = [max(errs) < 2e-6, errs]
+        # a step too big for one launch's scratch runs in row slices: the same bits
+        slots = pa.segment_slots(width, BS, pa.split_for_head(dim))
+        saved, pa.SCRATCH_BYTES = pa.SCRATCH_BYTES, 2 * heads * slots * (dim + 2) * 4  # 2 rows per launch
+        try:
+            sliced = pa.paged_attention(q, kc, vc, tables, ctx, layer_id, scale)
+        finally:
+            pa.SCRATCH_BYTES = saved
+        res[f"{name}_row_slices"] = [bool(torch.equal(sliced, out)), None]
     res["write_kv_d96"] = [write_kv_case(pa, 12, 3, 2, 96, torch.float32, "cpu", gen, 2), None]
     res["write_kv_d128_layer0"] = [write_kv_case(pa, 12, 1, 3, 128, torch.float32, "cpu", gen, 0), None]
     # write then read: a row attends to the key it just wrote (the engine's per-layer order).
@@ -264,6 +272,13 @@ def test_interpreted_batch_invariance(cpu_results, case):
 def test_interpreted_other_split_configs_match_float64(cpu_results, case):
     ok, errs = cpu_results[f"{case}_other_splits"]
     assert ok, f"max abs errors {errs}"
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_interpreted_rows_beyond_one_launchs_scratch_run_in_slices(cpu_results, case):
+    """H200, base at Ouro 2048/64 C=32: a 65,536-row prefill step asked 8 GiB of partials (OOM) and its
+    65,536 rows overflowed grid axis 2 ('invalid argument'); rows are now axis 0 and launches slice them."""
+    assert cpu_results[f"{case}_row_slices"][0]
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
@@ -530,3 +545,14 @@ def test_segment_slots_cover_every_context_a_table_holds():
         for width in range(1, 200):
             counts = [pa.segment_count(c, cfg) for c in range(1, width * BS + 1)]
             assert pa.segment_slots(width, BS, cfg) == max(counts), (cfg, width)
+
+
+def test_a_65536_row_prefill_step_keeps_each_launchs_partials_bounded():
+    """H200, base at Ouro 2048/64 C=32: one launch for 65,536 rows asked 8 GiB of partials (OOM)."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    slots = pa.segment_slots(2048 // BS, BS, pa.split_for_head(128))
+    per = pa.rows_per_launch(65536, 16, slots, 128)
+    assert slots == 16 and per < 65536 and per * 16 * slots * 130 * 4 <= pa.SCRATCH_BYTES
+    assert pa.rows_per_launch(64, 16, 16, 128) == 64  # decode batches: one launch
+    assert pa.rows_per_launch(65536, 16, 1, 128) == 65536  # no partials: one launch

@@ -261,7 +261,7 @@ def _load_q(
 
 @triton.jit(
     do_not_specialize=["layer_id", "stride_t", "stride_c", "seg_stride"],
-    do_not_specialize_on_alignment=["q_ptr", "out_ptr"],
+    do_not_specialize_on_alignment=["q_ptr", "out_ptr", "tab_ptr", "ctx_ptr"],  # row slices of a launch
 )
 def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr, ticket_ptr,
                  layer_id, qk_scale, stride_qr, stride_qh, stride_e, stride_s, stride_kh, stride_t, stride_c,
@@ -374,6 +374,29 @@ def segment_slots(table_width: int, page: int, cfg: SplitConfig = DEFAULT_SPLIT)
     return min(cfg.max_segments, -(-tiles // cfg.min_tiles))
 
 
+SCRATCH_BYTES = 1 << 28  # partials of one launch (fp32 acc + max/sum per (row, head, segment slot))
+
+
+def rows_per_launch(rows: int, heads: int, slots: int, dim: int) -> int:
+    """Rows one launch takes so that its partials fit SCRATCH_BYTES (all of them without partials)."""
+    return max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4)) if slots > 1 else rows
+
+
+def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape) -> None:
+    rows, heads, dim = q.shape
+    scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
+    partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
+    max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
+    d_a, d_b = head_split(dim)
+    del shape["D_PAD"]
+    _attn_kernel[(rows, heads, slots)](
+        q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
+        layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
+        **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
+        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -398,17 +421,14 @@ def paged_attention(
         return out
     cfg = cfg or split_for_head(dim)
     slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
-    scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
-    partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
-    max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
-    d_a, d_b = head_split(dim)
-    del shape["D_PAD"]
-    _attn_kernel[(rows, heads, slots)](
-        q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
-        layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
-        **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
-        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    # Rows per launch: the partials of a launch stay under SCRATCH_BYTES (a 65,536-row prefill step of
+    # Ouro would need 8 GiB). A row's result never depends on its batch-mates, so slicing the rows
+    # changes no bit.
+    per_launch = rows_per_launch(rows, heads, slots, dim)
+    for first in range(0, rows, per_launch):
+        last = min(rows, first + per_launch)
+        _launch(q[first:last], k_cache, v_cache, tables[first:last], ctx_lens[first:last], out[first:last],
+                layer_id, scale, cfg, slots, strides, dict(shape))  # fmt: skip
     return out
 
 
