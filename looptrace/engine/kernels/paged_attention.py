@@ -379,7 +379,7 @@ SCRATCH_BYTES = 1 << 28  # partials of one launch (fp32 acc + max/sum per (row, 
 
 def rows_per_launch(rows: int, heads: int, slots: int, dim: int) -> int:
     """Rows one launch takes so that its partials fit SCRATCH_BYTES (all of them without partials)."""
-    return max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4)) if slots > 1 else rows
+    return min(rows, max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4))) if slots > 1 else rows
 
 
 def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape) -> None:
