@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from looptrace.build import DEFAULT_MODEL
@@ -141,21 +142,30 @@ def _bench(req, fmt: o.OutputFormat, progress: bool) -> None:
         plan = bench_run.prepare(req)
     for text in plan.notes:
         c.note(text)
-    done, interrupted = _measure(plan, progress)
-    if interrupted and not done:
-        c.err_console.print("[yellow]interrupted:[/] no cell completed; nothing written")
-        raise typer.Exit(c.EXIT_INTERRUPTED)
-    if interrupted:
+    got = _measure(plan, progress)
+    done, interrupted = got.done, got.interrupted
+    failure = {"cell": got.failed_cell, "error": got.error} if got.failed_cell else None
+    stop = (
+        "interrupted" if interrupted else (f"cell {got.failed_cell} failed: {got.error}" if failure else "")
+    )
+    if stop and not done:
         c.err_console.print(
-            f"[yellow]interrupted:[/] writing the {len(done)} completed cell(s) of {len(plan.cells)}"
+            f"[yellow]{escape(stop)}[/]; no cell completed; nothing written", highlight=False, soft_wrap=True
         )
-    data = bench_run.report_data(plan, done, interrupted)
+        raise typer.Exit(c.EXIT_INTERRUPTED if interrupted else c.EXIT_CHECK_FAILED)
+    if stop:
+        c.err_console.print(
+            f"[yellow]{escape(stop)}[/]: writing the {len(done)} completed cell(s) of {len(plan.cells)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    data = bench_run.report_data(plan, done, interrupted, failure)
     _write(data, render(data, fmt), req.output, req.plot)
-    if interrupted:
-        raise typer.Exit(c.EXIT_INTERRUPTED)
+    if stop:
+        raise typer.Exit(c.EXIT_INTERRUPTED if interrupted else c.EXIT_CHECK_FAILED)
 
 
-def _measure(plan, show: bool) -> tuple[list, bool]:
+def _measure(plan, show: bool):
     """`bench_run.measure` under a transient progress bar, a line per completed cell on stderr."""
     from looptrace.drive import bench_run
     from looptrace.drive.bench_report import cell_line

@@ -372,14 +372,25 @@ def _graph_totals(engine) -> dict[str, Any]:
     return totals
 
 
+@dataclass
+class Measured:
+    """What `measure` got: the completed cells, and why it stopped early (Ctrl-C, or a cell's error)."""
+
+    done: list
+    interrupted: bool = False
+    failed_cell: str | None = None
+    error: str | None = None
+
+
 def measure(
     plan: Plan,
     on_run: paired.RunEvent | None = None,
     on_cell: Callable[[Any], None] | None = None,
     backend: Any = None,
-) -> tuple[list, bool]:
-    """Run every cell (on `backend`, default an `EngineBackend`); (completed cells, interrupted). `on_run`
-    is `paired.run_paired`'s event, `on_cell` sees each completed `paired.CellResult`."""
+) -> Measured:
+    """Run every cell (on `backend`, default an `EngineBackend`). `on_run` is `paired.run_paired`'s event,
+    `on_cell` sees each completed `paired.CellResult`. A Ctrl-C or an error inside a cell (a step that
+    failed on the device, out of memory) stops the runs; the cells completed before it are kept."""
     done: list = []
     backend = EngineBackend(plan) if backend is None else backend
     try:
@@ -388,12 +399,19 @@ def measure(
             if on_cell is not None:
                 on_cell(result)
     except KeyboardInterrupt:
-        return done, True
-    return done, False
+        return Measured(done, interrupted=True)
+    except (paired.BenchInputError, ImportError):
+        raise  # bad input and missing packages keep their own messages and exit codes
+    except Exception as exc:  # noqa: BLE001 - any cell failure: report it, keep what was measured
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return Measured(
+            done, failed_cell=plan.cells[len(done)].label, error=f"{type(exc).__name__}: {first_line}"
+        )
+    return Measured(done)
 
 
 # Report -------------------------------------------------------------------------------------------------
-def report_data(plan: Plan, done: list, interrupted: bool) -> dict[str, Any]:
+def report_data(plan: Plan, done: list, interrupted: bool, failure: dict | None = None) -> dict[str, Any]:
     header = {
         "tool": "looptrace bench",
         "command": " ".join(["looptrace", *sys.argv[1:]]),
@@ -412,6 +430,7 @@ def report_data(plan: Plan, done: list, interrupted: bool) -> dict[str, Any]:
         "cell_defaults": _cell_defaults_header(plan),
         "cells_planned": [c.label for c in plan.cells],
         "interrupted": interrupted,
+        "failed_cell": failure,  # {"cell", "error"} when a cell's run raised; the later cells never ran
     }
     return {"schema": SCHEMA, "header": header, "cells": [_finite(r.to_dict()) for r in done]}
 

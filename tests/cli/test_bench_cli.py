@@ -171,8 +171,8 @@ def test_same_file_for_output_and_plot(tmp_path: Path) -> None:
 
 # --- Ctrl-C and reference rows, with a fake engine side (no engines built) ------------------------------
 class FakeBackend:
-    def __init__(self, plan, interrupt_cell: int | None = None) -> None:
-        self.interrupt_cell = interrupt_cell
+    def __init__(self, plan, interrupt_cell: int | None = None, fail_cell: int | None = None) -> None:
+        self.interrupt_cell, self.fail_cell = interrupt_cell, fail_cell
         self.built = 0
 
     def build(self, cell, arm):
@@ -186,6 +186,8 @@ class FakeBackend:
         return {"recipe": handle}
 
     def run(self, handle, cell, arm, round):
+        if self.built == self.fail_cell and arm == "b":
+            raise RuntimeError("Triton Error [CUDA]: invalid argument\nsecond line")
         tok = 100.0 if arm == "a" else 200.0 + round
         return {"output_tok_s": tok, "ttft_p50_ms": 50.0, "tpot_p50_ms": 5.0, "failed": 0}
 
@@ -207,6 +209,25 @@ def test_interrupt_writes_completed_cells(tmp_path: Path, monkeypatch) -> None:
     assert [c["cell"] for c in data["cells"]] == ["ouro-tiny:16/4@1"]
     assert data["cells"][0]["ratio"]["output_tok_s"]["mean"] == pytest.approx(201.5 / 100.0)
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failing_cell_keeps_the_completed_cells_and_exits_1_without_a_traceback(
+    tmp_path: Path, monkeypatch
+):
+    """H200, Table 2: Ouro 2048/64 C=32 raised inside a step; the bench printed a traceback and wrote
+    none of the four cells completed before it."""
+    monkeypatch.setattr(bench_run, "EngineBackend", lambda plan: FakeBackend(plan, fail_cell=2))
+    out = tmp_path / "partial.json"
+    result = invoke("--cell", "ouro-tiny:16/4@1,2,4", "--device", "cpu", "-o", out)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and "second line" not in result.stderr
+    assert (
+        "cell ouro-tiny:16/4@2 failed: RuntimeError: Triton Error [CUDA]: invalid argument" in result.stderr
+    )
+    data = json.loads(out.read_text())
+    assert [c["cell"] for c in data["cells"]] == ["ouro-tiny:16/4@1"]
+    assert data["header"]["failed_cell"]["cell"] == "ouro-tiny:16/4@2"
+    assert data["header"]["interrupted"] is False
 
 
 def test_interrupt_before_any_cell_writes_nothing(tmp_path: Path, monkeypatch) -> None:
