@@ -18,19 +18,21 @@ from rich.console import Console
 
 from looptrace.cli import profile_cmd
 from looptrace.cli.common import dumps
+from looptrace.cli.options import OutputFormat
+from looptrace.probes import profile_report, profile_run
 
 
 def main() -> None:
     name, outdir = sys.argv[1], Path(sys.argv[2])
     args = sys.argv[sys.argv.index("--") + 1 :]
     captured: dict = {}
-    real_render = profile_cmd.render_single
+    real_render = profile_report.render_single
 
     def render_and_keep(side, fmt):  # keep the side dict to also dump its JSON
         captured["side"] = side
         return real_render(side, fmt)
 
-    profile_cmd.render_single = render_and_keep
+    profile_report.render_single = render_and_keep
     sys.argv = ["looptrace", "profile", *args]
     buf = io.StringIO()
     t0 = time.perf_counter()
@@ -46,12 +48,12 @@ def main() -> None:
         "schema": "looptrace.profile/1",
         "command": "looptrace profile " + " ".join(args),
         "wall_s": elapsed,
-        **profile_cmd._jsonable(side),
+        **profile_run._jsonable(side),
     }
     (outdir / f"{name}.json").write_text(dumps(data))
     console = Console(width=140, record=True, file=buf, force_terminal=False)
     console.print(f"$ looptrace profile {' '.join(args)}\n")
-    console.print(real_render(side, profile_cmd.OutputFormat.table), markup=False, highlight=False)
+    console.print(real_render(side, OutputFormat.table), markup=False, highlight=False)
     (outdir / f"{name}.txt").write_text(console.export_text())
     decode = data["windows"]["decode"]
     print(
