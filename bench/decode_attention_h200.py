@@ -77,7 +77,7 @@ def time_case(arms: dict, model: str, rows: int, ctx_len: int, gen, copy_tbps: f
             row[f"{name}_us"] = graph_time_us(
                 lambda mod=mod: mod.paged_attention(q, k, v, tables, ctx, 1, scale)
             )
-    row["segments"] = arms["new"].segment_count(ctx_len)
+    row["segments"] = arms["new"].segment_count(ctx_len, arms["new"].split_for_head(SHAPES[model][2]))
     for name in arms:
         row[f"{name}_bw_pct"] = 100 * row["floor_us"] / row[f"{name}_us"]
     if "old" in arms:

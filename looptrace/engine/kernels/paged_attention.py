@@ -11,8 +11,9 @@ Kernel design (`_attn_kernel`, split-KV decode): a row's keys are cut into *segm
 an H200 sweep: Ouro 32-key tiles and segments of at least 2, Huginn 64-key one-tile segments): the shortest
 segments up to 16 of them, then as many tiles per segment as keep the count at `MAX_SEGMENTS = 16`
 (the bound keeps the scratch at `R * H * 16` partials whatever the table width: Ouro's 65,536 positions
-would otherwise need 1,024 segments per row). Grid `(segment slots, H, R)`, one program per (segment, query
-head, row), kv head `head // (H // KVH)` (GQA: both target models are MHA, where nothing is read twice):
+would otherwise need 1,024 segments per row). Grid `(R, H, segment slots)` (rows on axis 0, which holds
+2^31 - 1: a 65,536-row prefill step overflowed axis 2), one program per (row, query head, segment),
+kv head `head // (H // KVH)` (GQA: both target models are MHA, where nothing is read twice):
 Ouro's 1 row x 640 keys x 16 heads runs 10 x 16 = 160 programs on the H200's 132 SMs, where one program per
 (row, head) ran 16. A program walks its segment's tiles in order (each key's page entry comes from the
 table, so pages may lie anywhere in the pool) with an online softmax in fp32: scores `sum(q * k)` with q
@@ -42,9 +43,10 @@ decides which slots exist, and every segment of a valid row has one); tile size,
 combine order are constants of one compiled kernel, and masked keys contribute exact zeros (p =
 exp2(-inf) = 0, v loaded as 0). The kernel never sees R; the integer arguments that vary with the batch
 (the table and ctx_len strides, which follow nb when they are columns of the per-row metadata tensor, and
-the scratch stride) are excluded from Triton's value specialisation, and q/out are excluded from
-alignment specialisation, so every batch runs the same binary with the same reduction order. (Pool and
-table pointers come from the allocator: their 16-byte alignment is fixed.) Results are run-to-run
+the scratch stride) are excluded from Triton's value specialisation, and q, out, the table and ctx_len
+(which may be row slices: a step whose partials would pass SCRATCH_BYTES runs in several launches) are
+excluded from alignment specialisation, so every batch runs the same binary with the same reduction
+order. (The pool pointers come from the allocator: their 16-byte alignment is fixed.) Results are run-to-run
 deterministic whichever program draws the last ticket; they are not bitwise equal to SDPA (another
 reduction order).
 
@@ -73,7 +75,6 @@ BLOCK_N = 32
 MAX_SEGMENTS = 16
 MIN_SEGMENT_TILES = 2
 NUM_WARPS = 2
-NUM_STAGES = 1
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -88,8 +89,7 @@ class SplitConfig:
     block_n: int = BLOCK_N
     max_segments: int = MAX_SEGMENTS
     min_tiles: int = MIN_SEGMENT_TILES
-    num_warps: int = NUM_WARPS
-    num_stages: int = NUM_STAGES
+    num_warps: int = NUM_WARPS  # (no stages: the key loop's loads are page-table gathers, never pipelined)
 
 
 # The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
@@ -388,12 +388,11 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
     max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
     d_a, d_b = head_split(dim)
-    del shape["D_PAD"]
     _attn_kernel[(rows, heads, slots)](
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
-        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
 
 
@@ -420,6 +419,7 @@ def paged_attention(
     if rows == 0:
         return out
     cfg = cfg or split_for_head(dim)
+    del shape["D_PAD"]  # the attention kernel takes D_A + D_B
     slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
     # Rows per launch: the partials of a launch stay under SCRATCH_BYTES (a 65,536-row prefill step of
     # Ouro would need 8 GiB). A row's result never depends on its batch-mates, so slicing the rows
@@ -428,7 +428,7 @@ def paged_attention(
     for first in range(0, rows, per_launch):
         last = min(rows, first + per_launch)
         _launch(q[first:last], k_cache, v_cache, tables[first:last], ctx_lens[first:last], out[first:last],
-                layer_id, scale, cfg, slots, strides, dict(shape))  # fmt: skip
+                layer_id, scale, cfg, slots, strides, shape)  # fmt: skip
     return out
 
 
