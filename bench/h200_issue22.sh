@@ -6,6 +6,7 @@
 #                                          diff base exactloop (tiny presets), profile --compare base
 #                                          exactloop at Ouro-1.4B batch 1 prompt 512
 #   bash bench/h200_issue22.sh explore     the attention split-config sweep, the L2-prefetch token bench
+#   bash bench/h200_issue22.sh pdl         kernels.pdl: GPU tests, token bench, profiles, diff, bench cells
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -82,5 +83,27 @@ if [ "$1" = full ]; then
   timeout 60 python3 -m looptrace diff exactloop fast --model ouro-tiny --device cuda --format json \
     -o "$OUT/diff_exactloop_fast_ouro-tiny_h200.json" 2>> "$LOG"; echo "diff fast exit $?"
   cat "$OUT/gemv_log.txt" >> "$LOG"; rm -f "$OUT/gemv_log.txt"
+fi
+if [ "$1" = pdl ]; then
+  # kernels.pdl (R0): its GPU tests with the kernels whose signatures it touched, the synthetic-token bench,
+  # profile --compare with and without it for fast and exactloop (Ouro-1.4B batch 1, prompt 512), its R0
+  # claim at real shape (diff), then bench fast vs fast+pdl at the Ouro C = 1, 8 cells.
+  timeout 170 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py tests/engine/test_gemv_kernel.py \
+    tests/engine/test_paged_attention_kernel.py tests/engine/test_gpu_graphs.py -p no:cacheprovider --tb=short 2>&1 \
+    | tail -30 > "$OUT/gpu_tests_pdl_h200.txt"; tail -3 "$OUT/gpu_tests_pdl_h200.txt"
+  timeout 120 python3 bench/pdl_h200.py --rows 1,8 --rounds 5 --out "$OUT" >> "$LOG" 2>&1
+  echo "pdl bench exit $?"; cat "$OUT/pdl_h200.md"; rm -f "$OUT/pdl_h200.json"
+  for r in fast exactloop; do
+    timeout -s INT 75 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare $r $r \
+      --b-set kernels.pdl=true -o "$OUT/profile_compare_${r}_pdl_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+    echo "profile $r exit $?"; grep -A5 "GPU busy vs idle" "$OUT/profile_compare_${r}_pdl_ouro-1.4b_c1_p512.txt"
+  done
+  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.pdl=true --model ouro-1.4b --device cuda -c 4 \
+    --prompt-len 128 --max-tokens 16 --format json -o "$OUT/diff_fast_pdl_ouro-1.4b_c4_h200.json" 2>> "$LOG"
+  echo "diff pdl exit $?"
+  timeout -s INT "${BENCH_TIMEOUT:-90}" python3 -m looptrace bench --a fast --b fast --b-set kernels.pdl=true \
+    --cell ouro:512/128@1,8 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
+    -o "$OUT/bench_fast_pdl_ouro.json" 2>> "$LOG"
+  echo "bench pdl exit $?"; grep "B/A" "$LOG" | tail -3
 fi
 tail -5 "$LOG"

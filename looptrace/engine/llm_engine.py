@@ -32,6 +32,7 @@ from looptrace.engine.hooks import (
     StepInfo,
     StepResult,
 )
+from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kv_cache import BlockManager, KVPool, size_pool_blocks
 from looptrace.engine.layers import enable_exact_kernels, enable_fused_tails, enable_triton_attention
 from looptrace.engine.model_config import ModelSpec, resolve_preset
@@ -204,6 +205,10 @@ class LLMEngine:
             missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
         if self.cfg.kernels.l2_prefetch and not kernels.apply_l2_prefetch(model, self.device):  # wraps gemv
             missing["kernels.l2_prefetch"] = "the L2 prefetch runs only on CUDA with Triton"
+        pdl_ok = kernels.available() and launch_mode.supported(self.device)
+        self.dependent_launches = self.cfg.kernels.pdl and pdl_ok  # entered by every step (_step_modes)
+        if self.cfg.kernels.pdl and not pdl_ok:
+            missing["kernels.pdl"] = "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _build_kv(self) -> tuple[BlockManager, KVPool]:
@@ -445,7 +450,7 @@ class LLMEngine:
         earlier = self._pending  # a gate readback submitted by an earlier step
         earlier_tokens = self._pending_tokens  # an async whole-token step's tokens
         try:
-            with torch.inference_mode(), attention_backend(self.device):
+            with torch.inference_mode(), self._step_modes():
                 outputs = self._run(batch)
                 if earlier is not None:  # read it now: this step is already submitted behind it
                     self._resolve_gates(earlier)
@@ -466,7 +471,7 @@ class LLMEngine:
         reqs = {r.request_id: r for r in batch.requests}
         outputs: list[TokenOutput] = []
         try:
-            with torch.inference_mode(), attention_backend(self.device):
+            with torch.inference_mode(), self._step_modes():
                 if earlier is not None and not earlier.resolved:
                     self._resolve_gates(earlier)
                 if earlier_tokens is not None and not earlier_tokens.resolved:
@@ -849,6 +854,14 @@ class LLMEngine:
             **self.blocks.prefix_summary(),  # publication rule, query/hit tokens, hit rate
         }
 
+    def _step_modes(self) -> contextlib.ExitStack:
+        """The modes every step's kernels run under: SDPA's backend pin and the launch mode (kernels.pdl).
+        CUDA graphs keep the mode they were captured with."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(attention_backend(self.device))
+        stack.enter_context(launch_mode.dependent_launches(self.dependent_launches))
+        return stack
+
     def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:
         """(graph name, rows, thunk) for every captured CUDA graph; the thunk runs the graph's body eagerly
         (see GraphCache.run_body_eagerly) under the same modes as an engine step."""
@@ -860,7 +873,7 @@ class LLMEngine:
             for rows in list(cache.entries):
 
                 def thunk(cache=cache, rows=rows) -> None:
-                    with torch.inference_mode(), attention_backend(self.device):
+                    with torch.inference_mode(), self._step_modes():
                         cache.run_body_eagerly(rows)
 
                 out.append((cache.name, rows, thunk))

@@ -48,7 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._pdl import let_dependents_launch, wait_for_inputs
 from looptrace.engine.kernels._scratch import tickets
+from looptrace.engine.kernels.l2_prefetch import BULK_ASM
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -61,6 +64,9 @@ ROUTE_ROWS = 1
 SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
 TARGET_PROGRAMS = 4 * SMS
 MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
+# Under `kernels.pdl`: prefetch each program's weight slice into L2 before waiting for the kernel before
+# (bench/pdl_h200.py measures the chain with and without it).
+PREFETCH_UNDER_PDL = True
 
 
 @dataclass(frozen=True)
@@ -186,14 +192,31 @@ def _combine(part_ptr, y_ptr, stride_ym, n, nmask, N, M: tl.constexpr, M_PAD: tl
     tl.store(y_ptr + cols[None, :] * stride_ym + n[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _prefetch_slice(w_ptr, stride_wn, n, nmask, k_first, K: tl.constexpr, SPAN: tl.constexpr):
+    """Ask L2 for this program's weight slice (rows n, columns k_first .. k_first + SPAN - 1): one bulk
+    prefetch per row. Weights are never written, so this may run before `wait_for_inputs`: under
+    `kernels.pdl` it streams while the kernel before is still finishing. A hint; it moves no values."""
+    nbytes = tl.minimum(SPAN, K - k_first) * 2 // 16 * 16  # bf16; bulk sizes are 16-byte multiples
+    rows = w_ptr + n.to(tl.int64) * stride_wn + k_first
+    size = tl.zeros_like(n).to(tl.int32) + nbytes
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [rows, size, nmask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["stride_xm", "stride_ym"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
+    let_dependents_launch(PDL)
+    if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
+        _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
+    wait_for_inputs(PDL)  # x, y, the partials and the tickets only after the kernel before completed
     acc = _split_product(
         x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, M, M_PAD, BLOCK_N,
         BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION,
@@ -234,14 +257,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig | None = None) -
     scratch = (split, m, n) if split > 1 else (1,)  # one split stores y directly: no partials, no ticket
     partials = torch.empty(scratch, dtype=torch.float32, device=x.device)
     counters = tickets(x.device, blocks if split > 1 else 1)
+    launch = pdl_args()
     _gemv_kernel[(blocks, split)](
         x2, weight, y, partials, counters, n, x2.stride(0), weight.stride(0), y.stride(0),
         K=k, M=m, M_PAD=16 if cfg.dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, K_TILES=per_split, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight),
     )  # fmt: skip
     return y.reshape(*lead, n)
+
+
+def prefetch_aligned(weight: torch.Tensor) -> bool:
+    """Bulk L2 prefetches take 16-byte aligned addresses: the weight's base and row stride must be."""
+    return weight.dtype == torch.bfloat16 and weight.data_ptr() % 16 == 0 and (weight.stride(0) * 2) % 16 == 0
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -23,7 +23,7 @@ from looptrace.engine.kernels._fences import triton
 
 tl = triton.language
 
-_BULK_ASM = tl.constexpr("""{
+BULK_ASM = tl.constexpr("""{
  .reg .pred p;
  setp.ne.b32 p, $3, 0;
  @p cp.async.bulk.prefetch.L2.global [$1], $2;
@@ -47,7 +47,7 @@ def _prefetch_kernel(base, nbytes, chunks, CHUNK: tl.constexpr, LANES: tl.conste
         live = (chunk < chunks).to(tl.int32)
         size = tl.minimum(nbytes - offset, CHUNK).to(tl.int32)  # the tail: a multiple of 16 as well
         if BULK:
-            tl.inline_asm_elementwise(_BULK_ASM, "=r,l,r,r", [base + offset, size, live], dtype=tl.int32,
+            tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [base + offset, size, live], dtype=tl.int32,
                                       is_pure=False, pack=1)  # fmt: skip
         else:
             tl.inline_asm_elementwise(_LINE_ASM, "=r,l,r,r", [base + offset, size, live], dtype=tl.int32,

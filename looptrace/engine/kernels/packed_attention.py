@@ -29,6 +29,8 @@ import torch
 
 from looptrace.engine.kernels._constants import PACKED_BLOCK_ROWS
 from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.paged_attention import prepare
 
 tl = triton.language
@@ -66,7 +68,9 @@ def _packed_kernel(
     PAGE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     block = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     first = tl.load(blk_ptr + 2 * block)
@@ -158,5 +162,6 @@ def packed_attention(
         BN=BLOCK_N,
         num_warps=NUM_WARPS if block_rows <= 64 else 2 * NUM_WARPS,
         num_stages=1,
+        **pdl_args(),
     )
     return out

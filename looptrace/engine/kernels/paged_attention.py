@@ -64,7 +64,9 @@ from dataclasses import dataclass
 import torch
 
 from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._pdl import await_inputs
 from looptrace.engine.kernels._scratch import tickets as _tickets
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
 
@@ -267,7 +269,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  layer_id, qk_scale, stride_qr, stride_qh, stride_e, stride_s, stride_kh, stride_t, stride_c,
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                 MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr):  # fmt: skip
+                 MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    await_inputs(PDL)
     row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
     ctx = tl.load(ctx_ptr + row * stride_c)
     seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
@@ -314,7 +317,9 @@ def _write_kv_kernel(
     stride_o,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D_PAD)
@@ -392,7 +397,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
-        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=1,
+        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=1, **pdl_args(),
     )  # fmt: skip
 
 
@@ -473,6 +478,7 @@ def write_kv(
         HEAD_DIM=dim,
         D_PAD=triton.next_power_of_2(dim),
         num_warps=1 if dim <= 128 else 2,
+        **pdl_args(),
     )
 
 

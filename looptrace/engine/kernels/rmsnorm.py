@@ -28,6 +28,8 @@ from looptrace.engine.kernels._fences import (
     to_bf16,
     triton,
 )
+from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.reduce_order import VEC, default_shuffle_order, mean_factor, reduce_shape
 
 tl = triton.language
@@ -39,7 +41,8 @@ _ONE_KERNEL_ENABLED = True
 
 
 @triton.jit
-def _square_kernel(x_ptr, sq_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr):
+def _square_kernel(x_ptr, sq_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -86,7 +89,9 @@ def _tail_kernel(
     N: tl.constexpr,
     CHUNK: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0)
     mean = tl.load(mean_ptr + row + tl.zeros([1], tl.int32))
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
@@ -160,7 +165,9 @@ def _fused_kernel(
     CHUNK: tl.constexpr,
     OUT_BF16: tl.constexpr,
     STORE_MEAN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0)
     mean = _row_mean(x_ptr + row.to(tl.int64) * stride_xm, factor, N, LANES, K, DESC)
     if STORE_MEAN:
@@ -189,8 +196,10 @@ def _residual_norm_kernel(
     K: tl.constexpr,
     DESC: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """h_out = h + norm(y) * wy (bf16 add), out = norm(h_out) * wn: three eager ops, one program per row."""
+    await_inputs(PDL)
     row = tl.program_id(0)
     rows = row.to(tl.int64)
     mean = _row_mean(y_ptr + rows * stride_y, factor, N, LANES, K, DESC)
@@ -243,7 +252,7 @@ def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     sq = torch.empty((m, n), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), 1024)
     _square_kernel[(m, triton.cdiv(n, block))](
-        x2, sq, x2.stride(0), n, BLOCK=block, num_warps=4, **EXACT_OPTIONS
+        x2, sq, x2.stride(0), n, BLOCK=block, num_warps=4, **pdl_args(), **EXACT_OPTIONS
     )
     mean = sq.mean(-1, keepdim=True)
     _tail_kernel[(m,)](
@@ -258,6 +267,7 @@ def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         CHUNK=_chunk(n),
         OUT_BF16=out_bf16,
         num_warps=4,
+        **pdl_args(),
         **EXACT_OPTIONS,
     )
     return out.view(*x.shape[:-1], n)
@@ -310,6 +320,7 @@ def rms_norm_fused(
         OUT_BF16=out_bf16,
         STORE_MEAN=mean_out is not None,
         num_warps=num_warps or one_kernel_warps(lanes),
+        **pdl_args(),
         **EXACT_OPTIONS,
     )
     return out.view(*x.shape[:-1], n)
@@ -370,6 +381,7 @@ def residual_rms_norm(
         DESC=(_ORDER or default_shuffle_order()) == "desc",
         CHUNK=_chunk(n),
         num_warps=num_warps or one_kernel_warps(shape.lanes),
+        **pdl_args(),
         **EXACT_OPTIONS,
     )
     return h_out.view(residual.shape), out.view(residual.shape)

@@ -26,6 +26,8 @@ from looptrace.engine.kernels._fences import (
     to_bf16,
     triton,
 )
+from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
 
@@ -46,7 +48,9 @@ def _rope_half_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
@@ -88,7 +92,9 @@ def _rope_interleaved_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_D)[None, :]
@@ -143,10 +149,12 @@ def _rope_half_write_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Head slots 0 .. HQ-1 are q heads (rotated into q_out), HQ .. HQ+HK-1 the k heads: rotated k and
     the row's v go straight into the paged cache at (write_entry + layer_id, write_offset); rows with
     write_entry < 0 (padding) write nothing to the cache. The rotation is `_rope_half_kernel`'s."""
+    await_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
@@ -237,6 +245,7 @@ def rope_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             BLOCK_H=block_h,
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl_args(),
             **EXACT_OPTIONS,
         )
         outs.append(out)
@@ -289,6 +298,7 @@ def rope_half_write_kv(q, k, v, cos, sin, k_cache, v_cache, write_entry, write_o
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4,
+        **pdl_args(),
         **EXACT_OPTIONS,
     )
     return out
@@ -369,6 +379,7 @@ def rope_interleaved(
             BLOCK_H=block_h,
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl_args(),
             **EXACT_OPTIONS,
         )
     return out[:, :hq], out[:, hq:]

@@ -22,6 +22,8 @@ from looptrace.engine.kernels._fences import (
     to_bf16,
     triton,
 )
+from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
 
@@ -45,7 +47,9 @@ OPTIONS: dict = dict(EXACT_OPTIONS)
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):  # fmt: skip
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -88,6 +92,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, options: dict | None = None) 
         out.stride(0),
         BLOCK=block,
         num_warps=4,
+        **pdl_args(),
         **(OPTIONS if options is None else options),
     )
     return out.view(*gate.shape[:-1], n)

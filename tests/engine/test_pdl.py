@@ -1,0 +1,258 @@
+"""`kernels.pdl` (R0): the engine's Triton kernels launched as programmatic dependents.
+
+CPU: the launch mode's scope (`launch_mode`); every Triton kernel of the engine takes the `PDL` constexpr
+and opens with the PDL preamble before anything else (checked on the source, so a new kernel or a load
+moved above the wait fails here); the PTX compiled for sm_90 orders `launch_dependents` < the GEMV's weight
+prefetch < `wait` < the first global access, and holds no `griddepcontrol` without PDL; the engine on CPU
+records the setting as inactive. GPU (`gpu` marker): a chain of the real kernels captured as one CUDA graph
+under PDL computes bit for bit what it computes eagerly without it (cuBLAS and GEMV projections, 1 and 4
+rows), and the `fast` recipe with `kernels.pdl` generates the same tokens as without it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from looptrace.engine.kernels import launch_mode
+from tests.helpers import ROOT
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+KERNELS_DIR = ROOT / "looptrace" / "engine" / "kernels"
+# The prefetch experiment's kernel writes nothing and reads only weights: it needs no wait.
+NOT_IN_CHAIN = {"_prefetch_kernel"}
+
+
+def test_the_launch_mode_is_scoped_and_off_by_default():
+    assert launch_mode.pdl_args() == {"PDL": False} and not launch_mode.active()
+    with launch_mode.dependent_launches(True):
+        assert launch_mode.pdl_args() == {"PDL": True, "launch_pdl": True}
+        with launch_mode.dependent_launches(False):
+            assert launch_mode.pdl_args() == {"PDL": False}
+        assert launch_mode.active()
+    assert launch_mode.pdl_args() == {"PDL": False}
+    with pytest.raises(RuntimeError), launch_mode.dependent_launches(True):
+        raise RuntimeError("a failed step")
+    assert not launch_mode.active()  # restored on the way out of a failed step
+    assert not launch_mode.supported("cpu")
+
+
+def _jit_kernels() -> list[tuple[Path, ast.FunctionDef]]:
+    """Every `@triton.jit` function of the kernels package that is launched (its name ends in `_kernel`)."""
+    out = []
+    for path in sorted(KERNELS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            launched = isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+            if launched and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                out.append((path, node))
+    return out
+
+
+def _calls(stmt: ast.stmt) -> list[str]:
+    return [ast.unparse(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+
+
+def test_every_kernel_opens_with_the_pdl_preamble():
+    """The wait must precede every global access of a kernel body: `await_inputs(PDL)` as the first call,
+    or (the GEMV) `let_dependents_launch`, the weight prefetch, `wait_for_inputs` before any other call."""
+    kernels = [(p, k) for p, k in _jit_kernels() if k.name not in NOT_IN_CHAIN]
+    assert len(kernels) >= 12  # rmsnorm 4, rope 3, silu_mul, paged attention 2, packed attention, GEMV
+    for path, kernel in kernels:
+        params = [a.arg for a in kernel.args.args]
+        assert "PDL" in params, f"{path.name}:{kernel.name} takes no PDL constexpr"
+        calls = [c for stmt in kernel.body for c in _calls(stmt)]
+        before_wait = calls[: calls.index("wait_for_inputs")] if "wait_for_inputs" in calls else None
+        if before_wait is None:
+            assert calls[:1] == ["await_inputs"], f"{path.name}:{kernel.name} starts with {calls[:3]}"
+        else:  # only index math, the launch hint and the weight prefetch may come before the wait
+            allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
+            assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
+
+
+def _compile_sm90(fn, signature: dict, constexprs: dict, **options):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _first(ptx: list[str], pattern: str) -> int:
+    hits = [i for i, line in enumerate(ptx) if re.search(pattern, line)]
+    return hits[0] if hits else -1
+
+
+@needs_triton
+def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting():
+    from looptrace.engine.kernels import gemv as G
+
+    n, k = 2048, 5632  # Ouro's down projection: split K, tickets
+    cfg = G.pick_config(1, n, k)
+    split, per_split = G.split_for(n, k, cfg)
+    signature = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "y_ptr": "*bf16",
+        "part_ptr": "*fp32",
+        "ticket_ptr": "*i32",
+    }
+    signature |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    for pdl in (False, True):
+        constexprs = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
+                          SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32")  # fmt: skip
+        constexprs |= {"PDL": pdl, "PREFETCH": pdl}
+        compiled = _compile_sm90(
+            G._gemv_kernel, signature, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
+        )
+        ptx = compiled.asm["ptx"].splitlines()
+        hint, prefetch = (
+            _first(ptx, "griddepcontrol.launch_dependents"),
+            _first(ptx, "cp.async.bulk.prefetch"),
+        )
+        wait, access = _first(ptx, "griddepcontrol.wait"), _first(ptx, r"\b(ld|st|atom)\.global")
+        assert compiled.metadata.launch_pdl is pdl
+        if pdl:
+            assert 0 <= hint < prefetch < wait < access, (hint, prefetch, wait, access)
+        else:
+            assert (hint, prefetch, wait) == (-1, -1, -1) and access >= 0
+
+
+@needs_triton
+def test_sm90_exact_kernel_ptx_waits_before_any_global_access():
+    from looptrace.engine.kernels import silu_mul
+
+    signature = {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32"}
+    signature |= {"stride_g": "i32", "stride_u": "i32", "stride_o": "i32"}
+    compiled = _compile_sm90(
+        silu_mul._silu_mul_kernel, signature, {"BLOCK": 1024, "PDL": True}, launch_pdl=True
+    )
+    ptx = compiled.asm["ptx"].splitlines()
+    wait, access = _first(ptx, "griddepcontrol.wait"), _first(ptx, r"\b(ld|st)\.global")
+    assert 0 <= _first(ptx, "griddepcontrol.launch_dependents") < wait < access
+
+
+def test_the_engine_on_cpu_records_pdl_as_inactive():
+    from tests.helpers import build_engine
+
+    engine = build_engine("ouro-tiny", kernels__pdl=True)
+    assert not engine.dependent_launches
+    assert "compute capability 9" in engine.inactive_settings["kernels.pdl"]
+    from looptrace.engine import SamplingParams
+
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0]) == 2
+
+
+def test_pdl_is_declared_r0_and_off_in_exactloop():
+    from looptrace.engine.config import toggle_rung
+    from looptrace.recipes import load_recipe
+
+    assert toggle_rung("kernels.pdl", False, True) == "R0"
+    assert not load_recipe("exactloop").config.kernels.pdl
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+HIDDEN, HEADS, DIM, INTER, PAGE, CTX, EPS = 2048, 16, 128, 5632, 16, 100, 1e-6
+
+
+def _chain(rows: int, linear, passes: int = 6):
+    """A decode chain of the engine's kernels at Ouro-1.4B's shapes (2 layers, `passes` layer passes)."""
+    from looptrace.engine import kernels as K
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def rnd(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    shapes = dict(
+        qkv=(3 * HIDDEN, HIDDEN), o=(HIDDEN, HIDDEN), gate_up=(2 * INTER, HIDDEN), down=(HIDDEN, INTER)
+    )
+    layers = [{name: rnd(*shape) for name, shape in shapes.items()} for _ in range(2)]
+    for lay in layers:
+        lay["n1"], lay["n2"] = 1 + rnd(HIDDEN), 1 + rnd(HIDDEN)
+    pages = -(-(CTX + 1) // PAGE)
+    kc, vc = (
+        rnd(rows * pages * 2, PAGE, HEADS, DIM, scale=0.5),
+        rnd(rows * pages * 2, PAGE, HEADS, DIM, scale=1),
+    )
+    tables = torch.arange(rows * pages, device="cuda").view(rows, pages) * 2
+    ctx = torch.full((rows,), CTX + 1, device="cuda")
+    went, woff = tables[:, CTX // PAGE].contiguous(), torch.full((rows,), CTX % PAGE, device="cuda")
+    h0 = rnd(rows, HIDDEN, scale=1)
+    cos, sin = rnd(rows, DIM, scale=1), rnd(rows, DIM, scale=1)
+
+    def token():
+        h = h0
+        x = K.rms_norm(h, layers[0]["n1"], EPS)
+        for i in range(passes):
+            lay = layers[i % 2]
+            q, k, v = linear(x, lay["qkv"]).split(HIDDEN, dim=-1)
+            q, k, v = (t.view(rows, HEADS, DIM) for t in (q, k, v))
+            q = K.rope_half_write_kv(q, k, v, cos, sin, kc, vc, went, woff, i % 2)
+            a = K.paged_attn(q, kc, vc, tables, ctx, i % 2, DIM**-0.5)
+            h, x = K.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
+            gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
+            d = linear(K.silu_and_mul(gate, up), lay["down"])
+            h, x = K.residual_rms_norm(d, lay["n2"], EPS, h, layers[(i + 1) % 2]["n1"], EPS)
+        return h, x
+
+    return token
+
+
+@gpu
+@pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("projection", ["cublas", "gemv"])
+def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection):
+    import torch.nn.functional as F
+
+    from looptrace.engine import kernels as K
+    from looptrace.engine.kernels import gemv
+
+    linear = F.linear if projection == "cublas" else gemv.gemv
+    token = _chain(rows, linear)
+    with K.graph_warmup():
+        eager = token()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), launch_mode.dependent_launches(True):
+            for _ in range(2):
+                token()  # compiles the PDL variants outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with launch_mode.dependent_launches(True), torch.cuda.graph(graph):
+            captured = token()
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+        with launch_mode.dependent_launches(True):
+            again = token()  # eager launches under PDL as well
+    assert all(torch.equal(a, b) for a, b in zip(eager, again))
+
+
+@gpu
+@pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
+@pytest.mark.parametrize("recipe", ["fast", "exactloop"])
+def test_recipe_with_pdl_generates_the_same_tokens(recipe):
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.recipes import load_recipe
+
+    prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
+    outs = []
+    for pdl in (False, True):
+        cfg = load_recipe(recipe, [f"kernels.pdl={str(pdl).lower()}", "scheduler.max_model_len=256"]).config
+        engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cuda", seed=1)
+        assert engine.dependent_launches is pdl
+        outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
+        outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
+    assert outs[0] == outs[2] and outs[1] == outs[3]
