@@ -7,6 +7,7 @@
 #                                          exactloop at Ouro-1.4B batch 1 prompt 512
 #   bash bench/h200_issue22.sh explore     the attention split-config sweep, the L2-prefetch token bench
 #   bash bench/h200_issue22.sh pdl         kernels.pdl: GPU tests, token bench, profiles, diff, bench cells
+#   bash bench/h200_issue22.sh fast_pdl    fast with kernels.pdl: GPU tests, profiles, diff, bench vs exactloop
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -105,5 +106,26 @@ if [ "$1" = pdl ]; then
     --cell ouro:512/128@1,8 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
     -o "$OUT/bench_fast_pdl_ouro.json" 2>> "$LOG"
   echo "bench pdl exit $?"; grep "B/A" "$LOG" | tail -3
+fi
+if [ "$1" = fast_pdl ]; then
+  # fast with kernels.pdl (no GEMV prefetch): the GPU tests, the token bench at 1 row, profile --compare
+  # exactloop fast and fast without/with PDL (Ouro-1.4B batch 1, prompt 512), diff exactloop fast at real
+  # shape, bench exactloop vs fast at the Ouro C = 1, 8, 32 cells.
+  timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py tests/engine/test_gpu_graphs.py \
+    -p no:cacheprovider --tb=short 2>&1 | tail -12 > "$OUT/gpu_tests_fast_pdl_h200.txt"
+  tail -3 "$OUT/gpu_tests_fast_pdl_h200.txt"
+  timeout 60 python3 bench/pdl_h200.py --rows 1 --rounds 5 --out "$OUT" >> "$LOG" 2>&1
+  echo "pdl bench exit $?"; tail -6 "$OUT/pdl_h200.md"; rm -f "$OUT/pdl_h200.json"
+  timeout -s INT 75 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  timeout -s INT 75 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --a-set kernels.pdl=false -o "$OUT/profile_compare_fast_nopdl_pdl_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+  echo "profile exit $?"; grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 60 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
+    --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" 2>> "$LOG"
+  echo "diff exit $?"
+  timeout -s INT "${BENCH_TIMEOUT:-150}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
+    --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
 fi
 tail -5 "$LOG"

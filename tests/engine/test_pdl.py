@@ -250,9 +250,12 @@ def test_recipe_with_pdl_generates_the_same_tokens(recipe):
     prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
     outs = []
     for pdl in (False, True):
-        cfg = load_recipe(recipe, [f"kernels.pdl={str(pdl).lower()}", "scheduler.max_model_len=256"]).config
-        engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cuda", seed=1)
+        # A fixed pool: sized from free memory, an engine would leave the next test only scraps
+        sets = [f"kernels.pdl={str(pdl).lower()}", "scheduler.max_model_len=256", "kv.num_blocks=2048"]
+        engine = LLMEngine.from_preset("ouro-tiny", load_recipe(recipe, sets).config, device="cuda", seed=1)
         assert engine.dependent_launches is pdl
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
         outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
+        del engine
+        torch.cuda.empty_cache()
     assert outs[0] == outs[2] and outs[1] == outs[3]

@@ -64,9 +64,10 @@ ROUTE_ROWS = 1
 SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
 TARGET_PROGRAMS = 4 * SMS
 MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
-# Under `kernels.pdl`: prefetch each program's weight slice into L2 before waiting for the kernel before
-# (bench/pdl_h200.py measures the chain with and without it).
-PREFETCH_UNDER_PDL = True
+# Under `kernels.pdl`: prefetch each program's weight slice into L2 before waiting for the kernel before.
+# Off: measured slower on the H200 (bench/results/issue22/pdl_h200.md, Ouro token at 1 row: PDL 5.52 ->
+# 5.05 ms without it, 6.88 ms with it; the early programs' prefetches compete with the kernel before).
+PREFETCH_UNDER_PDL = False
 
 
 @dataclass(frozen=True)
