@@ -506,6 +506,24 @@ def test_timeline_splits_wall_time_into_busy_graph_gaps_and_host_waits(kt) -> No
     assert c.per_token()["gpu_idle_us"] == pytest.approx(35.0)
 
 
+def test_pdl_overlap_inside_a_replay_is_charged_once(kt) -> None:
+    """Under programmatic dependent launch a replay's next kernel starts early and waits inside itself
+    (H200, `kernels.pdl`): its raw span covers the tail of the one before. Kernel time counts that tail
+    once: the later kernel is charged from the earlier one's end, the busy time does not change, and the
+    raw values stay in its args. Eager kernels of other streams are not touched."""
+    kt.annotation("lt.window/decode", 0.0, 100.0)
+    corr = kt.runtime("cudaGraphLaunch", 1.0)
+    kt.kernel("a", 10.0, 10.0, corr, graph_id=1)
+    kt.kernel("b", 14.0, 10.0, corr, graph_id=1)  # launched early: waits 6 µs, then runs 4
+    kt.kernel("c", 22.0, 8.0, corr, graph_id=1)  # waits 2 µs
+    trace = parse_chrome_trace(kt.to_dict())
+    b = next(e for e in trace.events if e.name == "b")
+    assert (b.ts, b.dur, b.args["raw_ts"], b.args["raw_dur"]) == (20.0, 4.0, 14.0, 10.0)
+    c = analyze(trace, tokens=1).counters
+    assert c.gpu_us == pytest.approx(20.0)  # 10 + 4 + 6, not 28
+    assert c.gpu_busy_us == pytest.approx(20.0)
+
+
 def test_timeline_is_absent_in_cpu_mode(kt) -> None:
     with kt.range("lt.window/decode"):
         kt.cpu_op("aten::add", kt.tick(), 2.0)
