@@ -219,8 +219,7 @@ class KernelConfig:
     l2_prefetch: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper: the engine's Triton kernels launched as programmatic dependents (Hopper PDL,
     # `kernels/launch_mode.py`): a kernel starts while the one before finishes and waits for its results
-    # before touching any data; the GEMV prefetches its weight slice into L2 before that wait. Changes
-    # when kernels start, not what they compute (R0); CUDA sm_90+ only.
+    # before touching any data. Changes when kernels start, not what they compute (R0); CUDA sm_90+ only.
     pdl: bool = field(default=False, metadata=_meta("R0"))
 
     def __post_init__(self) -> None:

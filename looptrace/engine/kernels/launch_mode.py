@@ -6,11 +6,11 @@ the drain of the one before (0.40-0.50 ms of idle GPU per Ouro token inside the 
 ramp inside each GEMV). With programmatic dependent launch (Hopper, sm_90+) a kernel launched with Triton's
 `launch_pdl=True` may start as soon as every program of the kernel before it has executed
 `griddepcontrol.launch_dependents`; it then blocks in `griddepcontrol.wait` until that kernel has
-completed and its writes are visible. Work that reads nothing an earlier kernel writes (the GEMV's weight
-prefetch) runs before the wait, overlapping the kernel before.
+completed and its writes are visible. Only work that reads nothing an earlier kernel writes may run
+before the wait (the GEMV's optional weight prefetch, `gemv.PREFETCH_UNDER_PDL`, off: measured slower).
 
 Values never change (R0): every program of every kernel waits before it reads or writes anything another
-kernel touches (`_fences.await_inputs` is the first statement of each kernel body). The wait covers the
+kernel touches (`_pdl.await_inputs` is the first statement of each kernel body). The wait covers the
 kernel directly before; the chain is transitive because a kernel cannot complete before its own wait
 returned. Kernels launched without the attribute (cuBLAS, ATen) wait for full completion as always.
 
