@@ -8,6 +8,9 @@
 #   bash bench/h200_issue22.sh explore     the attention split-config sweep, the L2-prefetch token bench
 #   bash bench/h200_issue22.sh pdl         kernels.pdl: GPU tests, token bench, profiles, diff, bench cells
 #   bash bench/h200_issue22.sh fast_pdl    fast with kernels.pdl: GPU tests, profiles, diff, bench vs exactloop
+#   bash bench/h200_issue22.sh fused       kernels.gemv_silu / gemv_norm: GPU tests, profile and diff of fast
+#                                          with and without them
+#   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -125,6 +128,29 @@ if [ "$1" = fast_pdl ]; then
     --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" 2>> "$LOG"
   echo "diff exit $?"
   timeout -s INT "${BENCH_TIMEOUT:-150}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
+    --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
+fi
+if [ "$1" = fused ]; then
+  # The GEMV's fused input forms (R0 over fast without them): their GPU tests with the exact kernels they
+  # replay, profile --compare fast without/with them (Ouro-1.4B batch 1, prompt 512), their R0 claim at
+  # real shape (diff, batched and solo).
+  timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_fused_inputs.py tests/engine/test_gpu_kernels.py \
+    tests/engine/test_fused_tails.py tests/engine/test_gemv_kernel.py -p no:cacheprovider --tb=short 2>&1 \
+    | tail -30 > "$OUT/gpu_tests_fused_inputs_h200.txt"; tail -3 "$OUT/gpu_tests_fused_inputs_h200.txt"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --a-set kernels.gemv_silu=false --a-set kernels.gemv_norm=false \
+    -o "$OUT/profile_compare_fast_unfused_fused_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 80 python3 -m looptrace diff fast --b-set kernels.gemv_silu=false --b-set kernels.gemv_norm=false \
+    --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16 --format json \
+    -o "$OUT/diff_fast_fused_inputs_ouro-1.4b_c4_h200.json" 2>> "$LOG"; echo "diff exit $?"
+fi
+if [ "$1" = fast_cells ]; then
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT "${BENCH_TIMEOUT:-200}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
     --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
 fi

@@ -213,6 +213,13 @@ class KernelConfig:
     # Beyond the paper: projections of at most 8 rows (decode) through a bandwidth-bound split-K Triton GEMV
     # (`kernels/gemv.py`) instead of cuBLAS; another reduction order (R3), CUDA only.
     gemv: bool = field(default=False, metadata=_meta("R3"))
+    # Beyond the paper, with `gemv`: fused input forms of the one-row GEMV (`kernels/gemv.py`, X_FORM).
+    # gemv_silu: the down projection computes SiLU·mul of its input slice itself (one launch fewer per
+    # layer-loop); gemv_norm (with `residual_norm`): the projection after a sandwich block's residual norm
+    # (Ouro's gate/up and the next layer's q/k/v) computes that norm itself. Each holds the fenced
+    # arithmetic of the exact kernel it replaces, so the GEMV sees the same input bits (R0); CUDA only.
+    gemv_silu: bool = field(default=False, metadata=_meta("R0"))
+    gemv_norm: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper: inside CUDA graphs, each projection first prefetches the next projection's weight
     # into L2 on a side stream (`kernels/l2_prefetch.py`, Hopper bulk prefetch), so it streams while the
     # latency-bound kernels between GEMMs run. Moves bytes, not values (R0); CUDA only.

@@ -64,12 +64,59 @@ class ResidualRMSNorm(nn.Module):
         return K.residual_rms_norm(y, post.weight, post.eps, residual, nxt.weight, nxt.eps)
 
 
+@dataclass
+class PendingNorm:
+    """A sandwich block's `h = residual + post(y); x = nxt(h)` not launched yet (`kernels.gemv_norm`): the
+    one-row projection that reads x computes it itself (`project`), bit for bit, and records the new
+    residual stream in `h`. Any other consumer calls `materialize` (the `ResidualRMSNorm` launch)."""
+
+    y: torch.Tensor
+    residual: torch.Tensor
+    post: RMSNorm
+    nxt: RMSNorm
+    launch: ResidualRMSNorm
+    h: torch.Tensor | None = None
+
+    def materialize(self) -> torch.Tensor:
+        self.h, x = self.launch(self.y, self.residual, self.post, self.nxt)
+        return x
+
+
+def materialized(x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    return x.materialize() if isinstance(x, PendingNorm) else x
+
+
+def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torch.Tensor:
+    """`linear(x, weight)`; for a PendingNorm, one GEMV launch that also computes the norm where the fused
+    form applies (one routed row: `gemv.residual_norm_fusable`), else the norm's own launch first."""
+    if not isinstance(x, PendingNorm):
+        return linear(x, weight)
+    if K.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
+        out, x.h = K.residual_norm_linear(
+            x.y, x.post.weight, x.post.eps, x.residual, x.nxt.weight, x.nxt.eps, weight
+        )
+        return out
+    return linear(x.materialize(), weight)
+
+
 def enable_fused_tails(model: nn.Module, residual_norm: bool, rope_kv_write: bool) -> int:
     """Switch on the fused exact kernels beyond the single ops (`kernels.residual_norm`,
     `kernels.rope_kv_write`) in every module that has them; returns how many modules."""
     count = 0
     for module in model.modules():
         for flag, on in (("residual_norm", residual_norm), ("rope_kv_write", rope_kv_write)):
+            if on and hasattr(type(module), flag):
+                setattr(module, flag, True)
+                count += 1
+    return count
+
+
+def enable_gemv_inputs(model: nn.Module, gemv_silu: bool, gemv_norm: bool) -> int:
+    """Switch on the Triton GEMV's fused input forms (`kernels.gemv_silu`, `kernels.gemv_norm`) in every
+    module that declares them; returns how many modules."""
+    count = 0
+    for module in model.modules():
+        for flag, on in (("gemv_silu", gemv_silu), ("gemv_norm", gemv_norm)):
             if on and hasattr(type(module), flag):
                 setattr(module, flag, True)
                 count += 1

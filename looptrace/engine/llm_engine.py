@@ -34,7 +34,12 @@ from looptrace.engine.hooks import (
 )
 from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kv_cache import BlockManager, KVPool, size_pool_blocks
-from looptrace.engine.layers import enable_exact_kernels, enable_fused_tails, enable_triton_attention
+from looptrace.engine.layers import (
+    enable_exact_kernels,
+    enable_fused_tails,
+    enable_gemv_inputs,
+    enable_triton_attention,
+)
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
@@ -201,8 +206,10 @@ class LLMEngine:
         if plan.fused_projections and fuse_model_projections(model):
             exact = fused_gemm_is_exact(self.spec, self.device, self.dtype)
             self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
-        if self.cfg.kernels.gemv and not kernels.apply_gemv(model, self.device):  # after the fusing
+        gemv_on = self.cfg.kernels.gemv and kernels.apply_gemv(model, self.device) > 0  # after the fusing
+        if self.cfg.kernels.gemv and not gemv_on:
             missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
+        missing.update(self._apply_gemv_inputs(gemv_on))
         if self.cfg.kernels.l2_prefetch and not kernels.apply_l2_prefetch(model, self.device):  # wraps gemv
             missing["kernels.l2_prefetch"] = "the L2 prefetch runs only on CUDA with Triton"
         pdl_ok = kernels.available() and launch_mode.supported(self.device)
@@ -210,6 +217,22 @@ class LLMEngine:
         if self.cfg.kernels.pdl and not pdl_ok:
             missing["kernels.pdl"] = "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
         return in_report_order({**plan.inactive_settings, **missing})
+
+    def _apply_gemv_inputs(self, gemv_on: bool) -> dict[str, str]:
+        """`kernels.gemv_silu` / `kernels.gemv_norm` switched on in the model where they can act; returns
+        the inactive ones with why."""
+        k, missing = self.cfg.kernels, {}
+        asked = {"kernels.gemv_silu": k.gemv_silu, "kernels.gemv_norm": k.gemv_norm}
+        for name in [n for n, on in asked.items() if on]:
+            if not gemv_on:
+                missing[name] = "needs kernels.gemv active (CUDA with Triton)"
+            elif name == "kernels.gemv_norm" and "kernels.residual_norm" not in self.plan.fused_tails:
+                missing[name] = "needs kernels.residual_norm active"
+            elif not enable_gemv_inputs(
+                self.model, gemv_silu=name == "kernels.gemv_silu", gemv_norm=name == "kernels.gemv_norm"
+            ):
+                missing[name] = f"no fused GEMV input for the {self.spec.family} family"
+        return missing
 
     def _build_kv(self) -> tuple[BlockManager, KVPool]:
         """The block manager and the pool, sized for this device (kv.num_blocks, or memory)."""

@@ -144,7 +144,8 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert not fast.kernels.l2_prefetch  # measured slower on the H200 (bench/results/issue22)
     assert fast.kernels.pdl and not exact.kernels.pdl  # R0; Table 2's exactloop was measured without it
     a, b = asdict(fast), asdict(exact)
-    for key in ("gemv", "l2_prefetch", "pdl"):
+    assert fast.kernels.gemv_silu and fast.kernels.gemv_norm  # R0 over fast without them
+    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
     assert a == b

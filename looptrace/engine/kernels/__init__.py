@@ -97,6 +97,39 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul(gate, up)
 
 
+def silu_mul_fusable(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`kernels.gemv_silu` applies: one routed bf16 row on CUDA (`gemv.silu_mul_fusable`)."""
+    if not (gate.is_cuda and available()):
+        return False
+    from looptrace.engine.kernels import gemv
+
+    return gemv.silu_mul_fusable(gate, up, weight)
+
+
+def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(gate, up) @ weight.T` as one GEMV launch, bit for bit (`gemv.silu_mul_linear`)."""
+    from looptrace.engine.kernels import gemv
+
+    return gemv.silu_mul_linear(gate, up, weight)
+
+
+def residual_norm_fusable(y, residual, w_post, w_next, weight) -> bool:
+    """`kernels.gemv_norm` applies: one routed bf16 row on CUDA (`gemv.residual_norm_fusable`)."""
+    if not (y.is_cuda and available()):
+        return False
+    from looptrace.engine.kernels import gemv
+
+    return gemv.residual_norm_fusable(y, residual, w_post, w_next, weight)
+
+
+def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next: float, weight):
+    """`h, x = residual_rms_norm(...); return x @ weight.T, h` as one GEMV launch, bit for bit
+    (`gemv.residual_norm_linear`)."""
+    from looptrace.engine.kernels import gemv
+
+    return gemv.residual_norm_linear(y, w_post, eps_post, residual, w_next, eps_next, weight)
+
+
 def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
     """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
 
@@ -255,12 +288,16 @@ __all__ = [
     "is_capturing",
     "join_prefetches",
     "paged_attn",
+    "residual_norm_fusable",
+    "residual_norm_linear",
     "residual_rms_norm",
     "rms_norm",
     "rope_half",
     "rope_half_write_kv",
     "rope_interleaved",
     "silu_and_mul",
+    "silu_mul_fusable",
+    "silu_mul_linear",
     "use_exact",
     "warmup",
     "write_kv",

@@ -47,11 +47,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels._fences import (
+    EXACT_OPTIONS,
+    add_rn,
+    div_rn,
+    mul_rn,
+    neg,
+    round_bf16,
+    rsqrt_approx,
+    to_bf16,
+    triton,
+)
 from looptrace.engine.kernels._pdl import let_dependents_launch, wait_for_inputs
 from looptrace.engine.kernels._scratch import tickets
 from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
+from looptrace.engine.kernels.reduce_order import mean_factor, reduce_shape
+from looptrace.engine.kernels.rmsnorm import _row_mean as row_mean
+from looptrace.engine.kernels.rmsnorm import residual_row_mean, residual_value
+from looptrace.engine.kernels.silu_mul import _exp as exp_like_aten
 
 tl = triton.language
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -141,11 +155,37 @@ def _load_x(x_ptr, stride_xm, k, kmask, M: tl.constexpr, M_PAD: tl.constexpr):
     return tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
 
 
+# What the one-row kernel multiplies W with (`X_FORM`, a constexpr): the row x as stored (PLAIN), or a
+# row it computes itself from the inputs of the exact kernel that would otherwise run before it, with that
+# kernel's fenced arithmetic, so x holds the same bits and the GEMV the same sums:
+# SILU_MUL: x = silu(gate) * up (`kernels.gemv_silu`: the down projection without `silu_mul.py`'s launch);
+# RESIDUAL_NORM: x = nxt(h + post(y)) (`kernels.gemv_norm`: a sandwich block's residual norm folded into
+# the next projection, `rmsnorm.residual_rms_norm`'s values; program (0, 0) also stores the new h).
+PLAIN, SILU_MUL, RESIDUAL_NORM = 0, 1, 2
+
+
 @triton.jit
-def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, K: tl.constexpr,
-                   M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
+def _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, kmask, X_FORM: tl.constexpr):
+    """fp32 values of the GEMV's input row at columns k (see X_FORM)."""
+    x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)  # PLAIN: x; SILU_MUL: gate; else y
+    if X_FORM == 1:  # silu_mul.py's arithmetic: rn_bf16(rn_bf16(g / (1 + exp(-g))) * u)
+        u = tl.load(u_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        silu = round_bf16(div_rn(x, add_rn(tl.full(x.shape, 1.0, tl.float32), exp_like_aten(neg(x)))))
+        x = round_bf16(mul_rn(silu, u))
+    elif X_FORM == 2:  # rmsnorm's residual kernel: h = rn_bf16(res + post(y)); x = rn_bf16(rn_bf16(h r_h) wn)
+        res = tl.load(res_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        wy = tl.load(wy_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        wn = tl.load(wn_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        h = round_bf16(residual_value(x, res, wy, r_y))
+        x = round_bf16(mul_rn(round_bf16(mul_rn(h, r_h)), wn))
+    return x
+
+
+@triton.jit
+def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr,
+                   r_y, r_h, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr, X_FORM: tl.constexpr):  # fmt: skip
     """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first."""
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M == 1 on CUDA cores: reduced after the loop
@@ -167,8 +207,10 @@ def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, K: tl.
         elif M == 1:
             # x as a 1-D row: it takes the column layout of w directly (a [1, K] tile would go through
             # shared memory every iteration)
-            x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            acc_1 += w.to(tl.float32) * x0[None, :]
+            x0 = _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, kmask, X_FORM)
+            # an explicit FMA: the same bits whether or not the launch lets the compiler contract
+            # (the fused input forms are compiled without contraction, as their exact kernels are)
+            acc_1 = tl.fma(w.to(tl.float32), x0[None, :], acc_1)
         else:
             wf = w.to(tl.float32)
             for m in tl.static_range(M):
@@ -205,12 +247,36 @@ def _prefetch_slice(w_ptr, stride_wn, n, nmask, k_first, K: tl.constexpr, SPAN: 
                               is_pure=False, pack=1)  # fmt: skip
 
 
+@triton.jit
+def _residual_scales(y_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K: tl.constexpr, LANES: tl.constexpr,
+                     VECS: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
+    """RESIDUAL_NORM: the two rsqrt factors of the whole row (post-norm of y, next norm of h), each
+    program computing them itself in PyTorch's mean order (rmsnorm's `_row_mean`); fp32 [1] each."""
+    r_y = rsqrt_approx(add_rn(row_mean(y_ptr, factor, K, LANES, VECS, DESC), tl.full([1], eps_y, tl.float32)))
+    mean_h = residual_row_mean(y_ptr, res_ptr, wy_ptr, r_y, factor, K, LANES, VECS, DESC)
+    return r_y, rsqrt_approx(add_rn(mean_h, tl.full([1], eps_n, tl.float32)))
+
+
+@triton.jit
+def _store_residual(y_ptr, res_ptr, wy_ptr, h_ptr, r_y, K: tl.constexpr, CHUNK: tl.constexpr):
+    """RESIDUAL_NORM: the new residual row h = rn_bf16(res + post(y)), stored by one program."""
+    for c0 in range(0, K, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        m = cols < K
+        y = tl.load(y_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        wy = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + cols, to_bf16(residual_value(y, res, wy, r_y)), mask=m)
+
+
 @triton.jit(do_not_specialize=["stride_xm", "stride_ym"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride_wn, stride_ym,
+                 u_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, factor, eps_y, eps_n,
                  K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):  # fmt: skip
+                 PREFETCH: tl.constexpr = False, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
+                 VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -218,10 +284,17 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
     if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
         _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
     wait_for_inputs(PDL)  # x, y, the partials and the tickets only after the kernel before completed
+    r_y = tl.full([1], 1.0, tl.float32)
+    r_h = tl.full([1], 1.0, tl.float32)
+    if X_FORM == 2:
+        r_y, r_h = _residual_scales(x_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K, LANES, VECS, DESC)
     acc = _split_product(
-        x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, M, M_PAD, BLOCK_N,
-        BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION,
+        x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), u_ptr, res_ptr, wy_ptr,
+        wn_ptr, r_y, r_h, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
     )  # fmt: skip
+    if X_FORM == 2:  # noqa: SIM102 (a constexpr test, then a device one)
+        if (pid_n == 0) & (pid_k == 0):
+            _store_residual(x_ptr, res_ptr, wy_ptr, h_ptr, r_y, K, CHUNK)
     cols = tl.arange(0, M_PAD)
     mask = nmask[:, None] & (cols < M)[None, :]
     if SPLIT_K == 1:
@@ -241,33 +314,127 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig | None = None) -
     """`x @ weight.T` for `x [..., K]` with at most MAX_ROWS rows and `weight [N, K]` (K contiguous); the
     result has x's dtype and shape `[..., N]`. fp32 accumulation. `cfg` overrides the tile table."""
     *lead, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with K contiguous")
+    _check_weight(weight, k)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
-    cfg = cfg or pick_config(m, n, k)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    return _launch(x2, weight, cfg or pick_config(m, weight.shape[0], k)).reshape(*lead, weight.shape[0])
+
+
+def _check_weight(weight: torch.Tensor, k: int) -> None:
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with K contiguous")
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, consts=None) -> torch.Tensor:
+    """One `_gemv_kernel` launch over the `[M, K]` rows x2, or (`form`: the input form's tensors and
+    scalars, `consts`: X_FORM and its constants) over the one row the kernel computes from them, x2 being
+    their first input. Returns y `[M, N]`."""
+    (m, k), n = x2.shape, weight.shape[0]
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     split, per_split = split_for(n, k, cfg)
     blocks = triton.cdiv(n, cfg.block_n)
     even_k = k % cfg.block_k == 0 and split * per_split == triton.cdiv(k, cfg.block_k)
     scratch = (split, m, n) if split > 1 else (1,)  # one split stores y directly: no partials, no ticket
-    partials = torch.empty(scratch, dtype=torch.float32, device=x.device)
-    counters = tickets(x.device, blocks if split > 1 else 1)
+    partials = torch.empty(scratch, dtype=torch.float32, device=x2.device)
+    counters = tickets(x2.device, blocks if split > 1 else 1)
     launch = pdl_args()
+    form = form or _unused_inputs(x2)
+    # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
+    # libdevice without flush-to-zero); the GEMV's own products are explicit FMAs either way
+    consts = {**consts, **EXACT_OPTIONS} if consts else {}
     _gemv_kernel[(blocks, split)](
-        x2, weight, y, partials, counters, n, x2.stride(0), weight.stride(0), y.stride(0),
+        x2, weight, y, partials, counters, n, x2.stride(0), weight.stride(0), y.stride(0), **form,
         K=k, M=m, M_PAD=16 if cfg.dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, K_TILES=per_split, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-        PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight),
+        PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight), **consts,
     )  # fmt: skip
-    return y.reshape(*lead, n)
+    return y
+
+
+def _unused_inputs(x2: torch.Tensor) -> dict:
+    """The fused forms' arguments where the kernel does not read them (PLAIN; the silu form's norm ones)."""
+    return dict(u_ptr=x2, res_ptr=x2, wy_ptr=x2, wn_ptr=x2, h_ptr=x2, factor=1.0, eps_y=0.0, eps_n=0.0)
+
+
+# ------------------------------------------------------------------------- GEMVs with a fused input form
+
+
+def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`linear` would take the Triton GEMV for this input (one routed row on CUDA, bf16, no bias)."""
+    return x.numel() <= ROUTE_ROWS * x.shape[-1] and supported(x, weight, None)
+
+
+def _one_row_config(n: int, k: int) -> TileConfig | None:
+    """The tile config of a one-row GEMV if the fused input forms can run it (the CUDA-core path)."""
+    cfg = pick_config(1, n, k)
+    return None if cfg.dot else cfg
+
+
+def silu_mul_fusable(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`silu_mul_linear` runs as one fused GEMV: one routed bf16 row, gate and up of one shape with unit
+    inner stride, and a weight `[N, K]` with K contiguous."""
+    return (
+        routes(gate, weight)
+        and up.shape == gate.shape
+        and up.dtype == gate.dtype
+        and gate.stride(-1) == up.stride(-1) == 1
+        and weight.shape[1] == gate.shape[-1]
+        and _one_row_config(weight.shape[0], gate.shape[-1]) is not None
+    )
+
+
+def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`gemv(silu_mul(gate, up), weight)` in one launch (`kernels.gemv_silu`): each program computes
+    SiLU·mul of its own K slice with `silu_mul.py`'s fenced arithmetic, so the result is bitwise the two
+    launches'. Call only where `silu_mul_fusable`."""
+    k = gate.shape[-1]
+    _check_weight(weight, k)
+    x2 = gate.reshape(1, k)
+    form = {**_unused_inputs(x2), "u_ptr": up.reshape(1, k)}
+    y = _launch(x2, weight, _one_row_config(weight.shape[0], k), form, dict(X_FORM=SILU_MUL))
+    return y.reshape(*gate.shape[:-1], weight.shape[0])
+
+
+def residual_norm_fusable(y: torch.Tensor, residual: torch.Tensor, w_post, w_next, weight) -> bool:
+    """`residual_norm_linear` runs as one fused GEMV: where `rmsnorm.residual_rms_norm` takes its one-kernel
+    form and the projection is one routed row through the CUDA-core GEMV."""
+    from looptrace.engine.kernels import rmsnorm
+
+    return (
+        routes(y, weight)
+        and y.stride(-1) == residual.stride(-1) == 1
+        and weight.shape[1] == y.shape[-1]
+        and rmsnorm.residual_supported(y, residual, w_post, w_next)
+        and _one_row_config(weight.shape[0], y.shape[-1]) is not None
+    )
+
+
+def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next: float, weight):
+    """`h, x = residual_rms_norm(y, w_post, eps_post, residual, w_next, eps_next); return gemv(x, weight), h`
+    in one launch (`kernels.gemv_norm`): every program computes both row norms itself (PyTorch's mean
+    order, rmsnorm's helpers) and its K slice of x; program (0, 0) stores h. Bitwise the two launches'.
+    Call only where `residual_norm_fusable`."""
+    from looptrace.engine.kernels import rmsnorm
+
+    k = y.shape[-1]
+    _check_weight(weight, k)
+    shape = reduce_shape(1, k)
+    h = torch.empty_like(residual)
+    form = dict(
+        u_ptr=y, res_ptr=residual.reshape(1, k), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
+        h_ptr=h, factor=mean_factor(1, k), eps_y=eps_post, eps_n=eps_next,
+    )  # fmt: skip
+    order = rmsnorm.shuffle_order()
+    consts = dict(LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=order == "desc", CHUNK=min(k, 2048))
+    out = _launch(y.reshape(1, k), weight, _one_row_config(weight.shape[0], k), form,
+                  dict(X_FORM=RESIDUAL_NORM, **consts))  # fmt: skip
+    return out.reshape(*y.shape[:-1], weight.shape[0]), h
 
 
 def prefetch_aligned(weight: torch.Tensor) -> bool:

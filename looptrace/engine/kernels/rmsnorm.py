@@ -128,6 +128,54 @@ def _row_mean(base, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexp
         acc1 = add_rn(acc1, mul_rn(x1, x1))
         acc2 = add_rn(acc2, mul_rn(x2, x2))
         acc3 = add_rn(acc3, mul_rn(x3, x3))
+    return _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES, DESC)
+
+
+@triton.jit
+def residual_value(y, h, wy, r):
+    """The residual add of a sandwich block before its bf16 rounding: `h + rn_bf16(rn_bf16(y * r) * wy)`
+    (post-norm of y with its rsqrt r, ATen's bf16 add in fp32). Shared with the GEMV's norm prologue."""
+    normed = round_bf16(mul_rn(round_bf16(mul_rn(y, r)), wy))  # the bf16 output of the post-norm
+    return add_rn(h, normed)
+
+
+@triton.jit
+def residual_row_mean(y_base, h_base, wy_ptr, r, factor, N: tl.constexpr, LANES: tl.constexpr,
+                      K: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
+    """`_row_mean` of the bf16 row `h + post(y)` computed on the fly (the lanes read y, h and wy where
+    `_row_mean` would read the stored row): the same values in the same order, so the same bits."""
+    lanes = tl.arange(0, LANES)[None, :]
+    n_vec = N // 4
+    acc0 = tl.zeros([1, LANES], tl.float32)
+    acc1 = tl.zeros([1, LANES], tl.float32)
+    acc2 = tl.zeros([1, LANES], tl.float32)
+    acc3 = tl.zeros([1, LANES], tl.float32)
+    for k in tl.static_range(K):
+        vec = k * LANES + lanes
+        m = vec < n_vec
+        x0 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 0, m)
+        x1 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 1, m)
+        x2 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 2, m)
+        x3 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 3, m)
+        acc0 = add_rn(acc0, mul_rn(x0, x0))
+        acc1 = add_rn(acc1, mul_rn(x1, x1))
+        acc2 = add_rn(acc2, mul_rn(x2, x2))
+        acc3 = add_rn(acc3, mul_rn(x3, x3))
+    return _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES, DESC)
+
+
+@triton.jit
+def _stored_residual(y_base, h_base, wy_ptr, r, cols, m):
+    """fp32 value of the stored bf16 residual row at `cols` (0 where masked, as `_row_mean` loads it)."""
+    y = tl.load(y_base + cols, mask=m, other=0.0).to(tl.float32)
+    h = tl.load(h_base + cols, mask=m, other=0.0).to(tl.float32)
+    wy = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    return tl.where(m, round_bf16(residual_value(y, h, wy, r)), 0.0)
+
+
+@triton.jit
+def _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES: tl.constexpr, DESC: tl.constexpr):
+    """The lanes' four accumulators -> the row mean, in PyTorch's block reduction order."""
     s = add_rn(add_rn(add_rn(acc0, acc1), acc2), acc3)  # [1, LANES]
     # block_x_reduce: shared-memory halving v[x] += v[x + off] for off = LANES/2 .. 32, then the warp
     # shuffle v[x] += v[x + off] (descending 16..1) or adjacent-first (ascending 1..16)
@@ -209,9 +257,8 @@ def _residual_norm_kernel(
         m = cols < N
         y = tl.load(y_ptr + rows * stride_y + cols, mask=m, other=0.0).to(tl.float32)
         w = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        normed = round_bf16(mul_rn(round_bf16(mul_rn(y, r)), w))  # the bf16 output of the post-norm
         h = tl.load(h_ptr + rows * stride_h + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_out_ptr + rows * stride_ho + cols, to_bf16(add_rn(h, normed)), mask=m)
+        tl.store(h_out_ptr + rows * stride_ho + cols, to_bf16(residual_value(y, h, w, r)), mask=m)
     # The next norm reads the new residual row back in its own lane order: every thread's stores above
     # must be visible to the whole program first.
     tl.debug_barrier()
@@ -378,7 +425,7 @@ def residual_rms_norm(
         n,
         LANES=shape.lanes,
         K=shape.vectors_per_lane,
-        DESC=(_ORDER or default_shuffle_order()) == "desc",
+        DESC=shuffle_order() == "desc",
         CHUNK=_chunk(n),
         num_warps=num_warps or one_kernel_warps(shape.lanes),
         **pdl_args(),
@@ -398,6 +445,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str = "aut
     return rms_norm_fused(x, weight, eps)
 
 
+def shuffle_order() -> str:
+    """The warp-shuffle order of the one-kernel mean in use (calibrated, else the torch-version default)."""
+    return _ORDER or default_shuffle_order()
+
+
 def set_order(order: str | None, one_kernel: bool = True) -> None:
     global _ORDER, _ONE_KERNEL_ENABLED
     _ORDER, _ONE_KERNEL_ENABLED = order, one_kernel
@@ -413,6 +465,9 @@ __all__ = [
     "rms_norm",
     "rms_norm_fused",
     "rms_norm_three",
+    "residual_row_mean",
+    "residual_value",
     "set_order",
+    "shuffle_order",
     "supported",
 ]

@@ -15,10 +15,13 @@ from looptrace.engine.layers import (
     ExitGate,
     LMHead,
     PagedAttention,
+    PendingNorm,
     ResidualRMSNorm,
     RMSNorm,
     RotaryHalf,
     exact_kernels_on,
+    materialized,
+    project,
 )
 from looptrace.engine.model_config import ModelSpec
 from looptrace.engine.models.base import LoopedModel
@@ -46,11 +49,12 @@ class OuroAttention(nn.Module):
         checkpoint names unchanged)."""
         self.qkv = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext) -> torch.Tensor:
         nh, kvh, d = self.shape
         if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
-            q, k, v = self.fused_linear(x, self.qkv).split([nh * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = project(x, self.qkv, self.fused_linear).split([nh * d, kvh * d, kvh * d], dim=-1)
         else:
+            x = materialized(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
         if self.rope_kv_write and self.paged.triton and exact_kernels_on(q.shape[0]):
@@ -66,6 +70,7 @@ class OuroAttention(nn.Module):
 class OuroMLP(nn.Module):
     op_kind = "mlp"
     exact = False  # kernels.exact
+    gemv_silu = False  # kernels.gemv_silu: the one-row down projection computes SiLU·mul itself
     fused_linear = staticmethod(F.linear)  # the fused gate/up GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -79,11 +84,14 @@ class OuroMLP(nn.Module):
     def fuse_projections(self) -> None:
         self.gate_up = _fuse([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.fused_linear(x, self.gate_up).chunk(2, dim=-1)
+            gate, up = project(x, self.gate_up, self.fused_linear).chunk(2, dim=-1)
         else:
+            x = materialized(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gemv_silu and K.silu_mul_fusable(gate, up, self.down_proj.weight):
+            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
         if self.exact and exact_kernels_on(x.shape[0]):
             return self.down_proj(K.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
@@ -105,7 +113,9 @@ class OuroLayer(nn.Module):
     Fused form (`kernels.residual_norm`, `forward(h, ctx, x, next_norm)`): the caller passes the residual
     stream h and its pre-normed x = input_layernorm(h); each post-norm + residual add + following pre-norm
     is one `ResidualRMSNorm` launch, the last one with the next layer's input norm (or the loop's final
-    norm), so the layer returns (h, next_norm(h)). Same ops, same order, same bits as the plain form."""
+    norm), so the layer returns (h, next_norm(h)). Same ops, same order, same bits as the plain form.
+    With `defer` (`kernels.gemv_norm`, one row) each of those launches is left to the projection that
+    reads its x: the layer takes and returns (None, PendingNorm) in place of (h, x)."""
 
     op_kind = "layer"
 
@@ -121,14 +131,28 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(spec.hidden_size, eps)
         self.residual_attn, self.residual_mlp = ResidualRMSNorm(), ResidualRMSNorm()
 
-    def forward(self, h: torch.Tensor, ctx: AttnContext, x=None, next_norm: RMSNorm | None = None):
+    def forward(self, h, ctx: AttnContext, x=None, next_norm: RMSNorm | None = None, defer: bool = False):
         if next_norm is not None:
-            h, x = self.residual_attn(
-                self.self_attn(x, ctx), h, self.input_layernorm_2, self.post_attention_layernorm
-            )
-            return self.residual_mlp(self.mlp(x), h, self.post_attention_layernorm_2, next_norm)
+            y = self.self_attn(x, ctx)
+            h, x = _residual_norm(self.residual_attn, y, _residual(h, x), self.input_layernorm_2,
+                                  self.post_attention_layernorm, defer)  # fmt: skip
+            y = self.mlp(x)
+            return _residual_norm(self.residual_mlp, y, _residual(h, x), self.post_attention_layernorm_2,
+                                  next_norm, defer)  # fmt: skip
         h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+
+
+def _residual(h, x):
+    """The residual stream once x has been read: a PendingNorm's consumer recorded it."""
+    return x.h if isinstance(x, PendingNorm) else h
+
+
+def _residual_norm(launch: ResidualRMSNorm, y, h, post: RMSNorm, nxt: RMSNorm, defer: bool):
+    """(h', nxt(h')) with h' = h + post(y): launched now, or (None, PendingNorm) left to the next GEMV."""
+    if defer:
+        return None, PendingNorm(y, h, post, nxt, launch)
+    return launch(y, h, post, nxt)
 
 
 class OuroModel(nn.Module):
@@ -143,6 +167,7 @@ class OuroModel(nn.Module):
 
 class OuroForCausalLM(LoopedModel):
     residual_norm = False  # kernels.residual_norm: the fused post-norm / residual / pre-norm chain
+    gemv_norm = False  # kernels.gemv_norm: a one-row chain leaves those launches to the next projection
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -175,11 +200,12 @@ class OuroForCausalLM(LoopedModel):
         """The loop with every layer in its fused form: each layer's last launch also computes the next
         layer's input norm; the last layer's computes the loop's final norm, which is the new state."""
         layers = self.model.layers
+        defer = self.gemv_norm and state.shape[0] == 1  # kernels.gemv_norm (the GEMV takes one row)
         h, x = state, layers[0].input_layernorm(state)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, x = layer(h, ctx, x, next_norm)
-        return x
+            h, x = layer(h, ctx, x, next_norm, defer)
+        return materialized(x)  # the loop's final norm is the state: launched on its own
 
     def head(self, hidden):
         return self.lm_head(hidden)

@@ -1,0 +1,291 @@
+"""The GEMV's fused input forms (`gemv.silu_mul_linear`: `kernels.gemv_silu`; `gemv.residual_norm_linear`:
+`kernels.gemv_norm`) and their R0 claim: bitwise the exact kernel that would run before them + the GEMV.
+
+CPU: the kernels run in the Triton interpreter in a child process. The CUDA-only gates (`supported` of the
+GEMV, of `silu_mul` and of `rmsnorm`) are opened for CPU tensors in the child only, so the very functions
+the engine calls run: the fused launch against the two launches (bitwise: the interpreter's truncating bf16
+casts are the same on both sides), against float64, and run to run; the split counters left at zero.
+GPU (`gpu` marker): Ouro-1.4B's shapes (down: 2048 x 5632 from gate/up; gate_up 11264 x 2048 and qkv
+6144 x 2048 from a residual norm), bitwise against the two launches in bf16, eager and replayed in a CUDA
+graph, and the gates' refusals (two rows, a non-routed config).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import interpreted_checks
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+gpu = pytest.mark.gpu
+
+
+def _reference_silu(gate, up, w):
+    """float64 `(silu(gate) * up) @ w.T`."""
+    g = gate.double()
+    return (F.silu(g) * up.double()) @ w.double().T
+
+
+def _reference_norm(y, res, w_post, w_next, eps, w):
+    """float64 `(nxt(res + post(y))) @ w.T` and h."""
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+    h = res.double() + norm(y.double(), w_post)
+    return norm(h, w_next) @ w.double().T, h
+
+
+def _rel_err(a, ref) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _open_cuda_gates():
+    """In the interpreter child only: the CUDA-only gates accept CPU tensors (the kernels run on CPU)."""
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import rmsnorm, silu_mul
+
+    def cpu_ok(x, *rest):
+        return x.dtype == torch.bfloat16 and x.numel() > 0
+
+    G.supported = lambda x, w, b: b is None and x.dtype == w.dtype == torch.bfloat16 and x.numel() > 0
+    rmsnorm.supported = lambda x, w: cpu_ok(x) and w.dim() == 1 and w.shape[0] == x.shape[-1]
+    silu_mul.supported = lambda g, u: cpu_ok(g) and g.shape == u.shape
+
+
+def _cpu_checks() -> dict:
+    """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
+    from looptrace.engine.kernels import _scratch, rmsnorm, silu_mul
+    from looptrace.engine.kernels import gemv as G
+
+    _open_cuda_gates()
+    gen = torch.Generator().manual_seed(7)
+    res = {}
+    cfg = G.TileConfig(block_n=16, block_k=32, split_k=2)
+    G.pick_config = lambda m, n, k: cfg  # small shapes, a split-K launch: the ticket path runs too
+
+    k_inter, n_out = 96, 40
+    gu = torch.randn(1, 2 * k_inter, generator=gen).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    w = (torch.randn(n_out, k_inter, generator=gen) / 8).bfloat16()
+    fused = G.silu_mul_linear(gate, up, w)
+    two = G.gemv(silu_mul.silu_mul(gate, up), w)
+    res["silu_fusable"] = [G.silu_mul_fusable(gate, up, w), None]
+    res["silu_bitwise_two_launches"] = [torch.equal(fused, two), _rel_err(fused, two.double())]
+    res["silu_vs_float64"] = [_rel_err(fused, _reference_silu(gate, up, w)) < 0.03, None]
+    res["silu_deterministic"] = [torch.equal(fused, G.silu_mul_linear(gate, up, w)), None]
+
+    hidden, eps = 256, 1e-6
+    y = torch.randn(1, hidden, generator=gen).bfloat16()
+    resid = torch.randn(1, hidden, generator=gen).bfloat16()
+    w_post = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
+    w_next = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
+    w2 = (torch.randn(n_out, hidden, generator=gen) / 8).bfloat16()
+    out, h = G.residual_norm_linear(y, w_post, eps, resid, w_next, eps, w2)
+    h_two, x_two = rmsnorm.residual_rms_norm(y, w_post, eps, resid, w_next, eps)
+    two = G.gemv(x_two, w2)
+    ref, h_ref = _reference_norm(y, resid, w_post, w_next, eps, w2)
+    res["norm_fusable"] = [G.residual_norm_fusable(y, resid, w_post, w_next, w2), None]
+    res["norm_bitwise_two_launches"] = [torch.equal(out, two), _rel_err(out, two.double())]
+    res["norm_h_bitwise"] = [torch.equal(h, h_two), None]
+    res["norm_vs_float64"] = [_rel_err(out, ref) < 0.05 and _rel_err(h, h_ref) < 0.02, _rel_err(out, ref)]
+    two_rows = torch.randn(2, hidden, generator=gen).bfloat16()
+    res["norm_refuses_two_rows"] = [not G.residual_norm_fusable(two_rows, two_rows, w_post, w_next, w2), None]
+    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
+    res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
+    return res
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    return interpreted_checks("tests.engine.test_gemv_fused_inputs")
+
+
+CPU_CHECKS = [
+    "silu_fusable",
+    "silu_bitwise_two_launches",
+    "silu_vs_float64",
+    "silu_deterministic",
+    "norm_fusable",
+    "norm_bitwise_two_launches",
+    "norm_h_bitwise",
+    "norm_vs_float64",
+    "norm_refuses_two_rows",
+    "counters_left_zero",
+]
+
+
+@pytest.mark.parametrize("check", CPU_CHECKS)
+def test_interpreted_fused_input_forms(cpu_results, check):
+    ok, detail = cpu_results[check]
+    assert ok, f"{check}: {detail}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+@pytest.mark.parametrize(("form", "n", "k"), [(1, 2048, 5632), (2, 11264, 2048), (2, 6144, 2048)])
+def test_sm90_fused_forms_compile_and_wait_before_any_global_access(form, n, k):
+    """Ouro-1.4B's fused launches (down from gate/up; gate_up and qkv from a residual norm) compile for
+    sm_90 on the CPU with their launch options; under PDL the norm prologue's loads come after the wait."""
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels._fences import EXACT_OPTIONS
+    from looptrace.engine.kernels.reduce_order import reduce_shape
+    from tests.engine.test_pdl import _compile_sm90, _first
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32"}
+    sig |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    sig |= {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
+    sig |= {"factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
+    cfg = G.pick_config(1, n, k)
+    split, per_split = G.split_for(n, k, cfg)
+    shape = reduce_shape(1, k)
+    consts = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
+                  SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32", PDL=True, PREFETCH=False,
+                  X_FORM=form, LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=True,
+                  CHUNK=2048)  # fmt: skip
+    compiled = _compile_sm90(
+        G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
+        **EXACT_OPTIONS,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"].splitlines()
+    assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda():
+    if not (torch.cuda.is_available() and HAS_TRITON):
+        pytest.skip("needs CUDA and Triton")
+    return torch.device("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_silu_down_is_bitwise_silu_mul_then_gemv(graph):
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import silu_mul
+
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(3)
+    gu = (torch.randn(1, 11264, generator=gen, device=dev) * 2).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    w = (torch.randn(2048, 5632, generator=gen, device=dev) / 64).bfloat16()
+    assert G.silu_mul_fusable(gate, up, w)
+
+    def fused():
+        return G.silu_mul_linear(gate, up, w)
+
+    out = _replayed(fused) if graph else fused()
+    two = G.gemv(silu_mul.silu_mul(gate, up), w)
+    assert torch.equal(out, two), _rel_err(out, two.double())
+    assert _rel_err(out, _reference_silu(gate, up, w)) < 0.02
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("n", [11264, 6144])
+def test_gpu_residual_norm_gemv_is_bitwise_residual_norm_then_gemv(n, graph):
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import rmsnorm
+
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(n)
+    y = (torch.randn(1, 2048, generator=gen, device=dev) * 3).bfloat16()
+    resid = torch.randn(1, 2048, generator=gen, device=dev).bfloat16()
+    w_post = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
+    w_next = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
+    w = (torch.randn(n, 2048, generator=gen, device=dev) / 32).bfloat16()
+    assert G.residual_norm_fusable(y, resid, w_post, w_next, w)
+
+    def fused():
+        return G.residual_norm_linear(y, w_post, 1e-6, resid, w_next, 1e-6, w)
+
+    out, h = _replayed(fused) if graph else fused()
+    h_two, x_two = rmsnorm.residual_rms_norm(y, w_post, 1e-6, resid, w_next, 1e-6)
+    two = G.gemv(x_two, w)
+    assert torch.equal(h, h_two)
+    assert torch.equal(out, two), _rel_err(out, two.double())
+    ref, _ = _reference_norm(y, resid, w_post, w_next, 1e-6, w)
+    assert _rel_err(out, ref) < 0.02
+    two_rows = torch.cat([y, y])
+    assert not G.residual_norm_fusable(two_rows, torch.cat([resid, resid]), w_post, w_next, w)
+
+
+def _replayed(fn):
+    """fn's result from a CUDA graph replay (captured after an eager warm-up), outputs copied out."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def test_both_forms_are_declared_r0_and_inactive_on_cpu():
+    from looptrace.engine.config import toggle_rung
+    from tests.helpers import build_engine
+
+    assert toggle_rung("kernels.gemv_silu", False, True) == "R0"
+    assert toggle_rung("kernels.gemv_norm", False, True) == "R0"
+    engine = build_engine("ouro-tiny", kernels__gemv=True, kernels__gemv_silu=True, kernels__gemv_norm=True)
+    for name in ("kernels.gemv_silu", "kernels.gemv_norm"):
+        assert engine.inactive_settings[name] == "needs kernels.gemv active (CUDA with Triton)"
+    flags = [getattr(m, flag, False) for m in engine.model.modules() for flag in ("gemv_silu", "gemv_norm")]
+    assert not any(flags)
+
+
+def _mid_ouro():
+    """Ouro's structure at widths where the one-kernel residual norm applies (hidden 512)."""
+    from dataclasses import replace
+
+    from looptrace.engine.model_config import PRESETS
+
+    tiny = PRESETS["ouro-tiny"]
+    return replace(tiny, name="ouro-mid", hidden_size=512, intermediate_size=1408, head_dim=128)
+
+
+@gpu
+def test_gpu_fast_generates_the_same_tokens_with_and_without_the_fused_forms(monkeypatch):
+    """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
+    on and off; with them on, both fused launches ran."""
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.engine import kernels as K
+    from looptrace.recipes import load_recipe
+
+    _cuda()
+    calls = {"silu": 0, "norm": 0}
+    for key, name in (("silu", "silu_mul_linear"), ("norm", "residual_norm_linear")):
+        real = getattr(K, name)
+
+        def spy(*args, _real=real, _key=key):
+            calls[_key] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(K, name, spy)
+    prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
+    outs = []
+    for on in (False, True):
+        flag = str(on).lower()
+        sets = [f"kernels.gemv_silu={flag}", f"kernels.gemv_norm={flag}", "scheduler.max_model_len=256",
+                "kv.num_blocks=2048"]  # fmt: skip
+        engine = LLMEngine.from_spec(_mid_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
+        assert not {"kernels.gemv_silu", "kernels.gemv_norm"} & set(engine.inactive_settings)
+        outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
+        outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
+        if not on:
+            assert calls == {"silu": 0, "norm": 0}
+        del engine
+        torch.cuda.empty_cache()
+    assert calls["silu"] > 0 and calls["norm"] > 0
+    assert outs[0] == outs[2] and outs[1] == outs[3]
