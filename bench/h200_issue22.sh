@@ -10,6 +10,7 @@
 #   bash bench/h200_issue22.sh fast_pdl    fast with kernels.pdl: GPU tests, profiles, diff, bench vs exactloop
 #   bash bench/h200_issue22.sh fused       kernels.gemv_silu / gemv_norm: GPU tests, profile and diff of fast
 #                                          with and without them
+#   bash bench/h200_issue22.sh fused_pick  gemv_silu alone vs neither; exactloop vs the faster fast (profile, bench)
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -145,6 +146,30 @@ if [ "$1" = fused ]; then
   timeout -s INT 80 python3 -m looptrace diff fast --b-set kernels.gemv_silu=false --b-set kernels.gemv_norm=false \
     --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16 --format json \
     -o "$OUT/diff_fast_fused_inputs_ouro-1.4b_c4_h200.json" 2>> "$LOG"; echo "diff exit $?"
+fi
+if [ "$1" = fused_pick ]; then
+  # After `fused` (both forms on: slower): kernels.gemv_silu alone against fast without either; then
+  # exactloop vs fast with whichever of the two arms was faster (B_SETS), profile and bench.
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --a-set kernels.gemv_silu=false --a-set kernels.gemv_norm=false --b-set kernels.gemv_norm=false \
+    -o "$OUT/profile_compare_fast_unfused_silu_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  walls=$(grep -A6 "Decode window, per output token: GPU busy" "$OUT/profile_compare_fast_unfused_silu_ouro-1.4b_c1_p512.txt" \
+    | grep "│ fast" | awk -F'│' '{gsub(/ /, "", $3); print $3}' | tr '\n' ' ')
+  echo "walls (unfused, silu): $walls" | tee -a "$LOG"
+  B_SETS="--b-set kernels.gemv_norm=false"
+  if python3 -c "import sys; a, b = map(float, sys.argv[1:3]); sys.exit(0 if b < a else 1)" $walls; then
+    echo "pick: fast + gemv_silu (no gemv_norm)" | tee -a "$LOG"
+  else
+    B_SETS="--b-set kernels.gemv_norm=false --b-set kernels.gemv_silu=false"
+    echo "pick: fast without either" | tee -a "$LOG"
+  fi
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    $B_SETS -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt"
+  timeout -s INT "${BENCH_TIMEOUT:-200}" python3 -m looptrace bench --a exactloop --b fast $B_SETS \
+    --cell ouro:512/128@1,8,32 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
+    -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
 fi
 if [ "$1" = fast_cells ]; then
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
