@@ -11,6 +11,7 @@
 #   bash bench/h200_issue22.sh fused       kernels.gemv_silu / gemv_norm: GPU tests, profile and diff of fast
 #                                          with and without them
 #   bash bench/h200_issue22.sh fused_pick  gemv_silu alone vs neither; exactloop vs the faster fast (profile, bench)
+#   bash bench/h200_issue22.sh preload     kernels.gemv_preload: token bench, profile, diff, GPU tests
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -170,6 +171,21 @@ if [ "$1" = fused_pick ]; then
     --cell ouro:512/128@1,8,32 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
     -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
+fi
+if [ "$1" = preload ]; then
+  # kernels.gemv_preload (R0): the synthetic token with and without it, profile --compare fast without/with
+  # it (Ouro-1.4B batch 1, prompt 512), its R0 claim at real shape (diff), the GPU tests it touches.
+  timeout 80 python3 bench/pdl_h200.py --rows 1 --rounds 5 --out "$OUT" >> "$LOG" 2>&1
+  echo "pdl bench exit $?"; tail -8 "$OUT/pdl_h200.md"; rm -f "$OUT/pdl_h200.json"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --b-set kernels.gemv_preload=true -o "$OUT/profile_compare_fast_preload_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+  echo "profile exit $?"; grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 80 python3 -m looptrace diff fast --b-set kernels.gemv_preload=true --model ouro-1.4b --device cuda \
+    -c 4 --prompt-len 128 --max-tokens 16 --format json -o "$OUT/diff_fast_preload_ouro-1.4b_c4_h200.json" \
+    > /dev/null 2>> "$LOG"; echo "diff exit $?"; grep -A3 '"summary"' "$OUT/diff_fast_preload_ouro-1.4b_c4_h200.json"
+  timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py tests/engine/test_gemv_kernel.py \
+    tests/engine/test_gemv_fused_inputs.py -p no:cacheprovider --tb=short 2>&1 | tail -20 \
+    > "$OUT/gpu_tests_preload_h200.txt"; tail -3 "$OUT/gpu_tests_preload_h200.txt"
 fi
 if [ "$1" = fast_cells ]; then
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \

@@ -7,7 +7,9 @@ the real shapes, 24 layers x 4 loops, context 519) captured as one CUDA graph pe
 
     cublas / gemv              the projections through cuBLAS (exactloop) or the Triton GEMV (fast)
     +pdl                       every Triton kernel launched as a programmatic dependent (launch_mode)
-    +pdl nopf                  the same without the GEMV's weight prefetch before its wait
+    +pdl pf                    the same with the GEMV's L2 prefetch of its weight slice before its wait
+    +pdl preload               the same with the GEMV's first weight tile loaded before its wait
+                               (kernels.gemv_preload)
 
 Reports the median ms per token replay (variants interleaved, `--rounds` rounds), the ratio to the arm
 without PDL and whether the token's output is bitwise equal to it (it must be: PDL is R0). Writes
@@ -33,12 +35,13 @@ from l2_prefetch_h200 import build, capture, token_step  # noqa: E402  (the same
 def variants():
     from looptrace.engine.kernels import gemv
 
-    return {  # name: (linear, pdl, GEMV weight prefetch under PDL)
-        "cublas": (F.linear, False, True),
-        "cublas+pdl": (F.linear, True, True),
-        "gemv": (gemv.linear, False, True),
-        "gemv+pdl": (gemv.linear, True, True),
-        "gemv+pdl nopf": (gemv.linear, True, False),
+    return {  # name: (linear, pdl, GEMV L2 prefetch under PDL, GEMV first-tile preload under PDL)
+        "cublas": (F.linear, False, False, False),
+        "cublas+pdl": (F.linear, True, False, False),
+        "gemv": (gemv.linear, False, False, False),
+        "gemv+pdl": (gemv.linear, True, False, False),
+        "gemv+pdl pf": (gemv.linear, True, True, False),
+        "gemv+pdl preload": (gemv.linear, True, False, True),
     }
 
 
@@ -50,11 +53,11 @@ def run_rows(rows: int, rounds: int, t0: float) -> list[dict]:
     m = build(rows, torch.Generator(device="cuda").manual_seed(3))
     side = torch.cuda.Stream()
     graphs, outs = {}, {}
-    for name, (linear, pdl, prefetch) in variants().items():
+    for name, (linear, pdl, prefetch, preload) in variants().items():
         gemv.PREFETCH_UNDER_PDL = prefetch
-        with launch_mode.dependent_launches(pdl):  # the warm-ups and the capture
+        with launch_mode.dependent_launches(pdl, preload):  # the warm-ups and the capture
             graphs[name], out = capture(lambda linear=linear: token_step(m, linear, None, 0, side))
-        gemv.PREFETCH_UNDER_PDL = True
+        gemv.PREFETCH_UNDER_PDL = False
         graphs[name].replay()
         torch.cuda.synchronize()
         outs[name] = out.clone()

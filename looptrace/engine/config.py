@@ -220,6 +220,10 @@ class KernelConfig:
     # arithmetic of the exact kernel it replaces, so the GEMV sees the same input bits (R0); CUDA only.
     gemv_silu: bool = field(default=False, metadata=_meta("R0"))
     gemv_norm: bool = field(default=False, metadata=_meta("R0"))
+    # Beyond the paper, with `gemv` and `pdl`: the one-row GEMV loads its first weight tile before its
+    # `griddepcontrol.wait` (no kernel writes weights), so those loads overlap the kernel before. Moves
+    # loads, not values (R0); CUDA sm_90+ only.
+    gemv_preload: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper: inside CUDA graphs, each projection first prefetches the next projection's weight
     # into L2 on a side stream (`kernels/l2_prefetch.py`, Hopper bulk prefetch), so it streams while the
     # latency-bound kernels between GEMMs run. Moves bytes, not values (R0); CUDA only.

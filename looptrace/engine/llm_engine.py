@@ -216,6 +216,10 @@ class LLMEngine:
         self.dependent_launches = self.cfg.kernels.pdl and pdl_ok  # entered by every step (_step_modes)
         if self.cfg.kernels.pdl and not pdl_ok:
             missing["kernels.pdl"] = "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
+        # kernels.gemv_preload: entered with the launch mode; it acts only on the Triton GEMV under PDL
+        self.weight_preload = self.cfg.kernels.gemv_preload and self.dependent_launches and gemv_on
+        if self.cfg.kernels.gemv_preload and not self.weight_preload:
+            missing["kernels.gemv_preload"] = "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)"
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _apply_gemv_inputs(self, gemv_on: bool) -> dict[str, str]:
@@ -878,11 +882,12 @@ class LLMEngine:
         }
 
     def _step_modes(self) -> contextlib.ExitStack:
-        """The modes every step's kernels run under: SDPA's backend pin and the launch mode (kernels.pdl).
+        """The modes every step's kernels run under: SDPA's backend pin and the launch mode (kernels.pdl,
+        kernels.gemv_preload).
         CUDA graphs keep the mode they were captured with."""
         stack = contextlib.ExitStack()
         stack.enter_context(attention_backend(self.device))
-        stack.enter_context(launch_mode.dependent_launches(self.dependent_launches))
+        stack.enter_context(launch_mode.dependent_launches(self.dependent_launches, self.weight_preload))
         return stack
 
     def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:

@@ -1,5 +1,6 @@
 """The GEMV's fused input forms (`gemv.silu_mul_linear`: `kernels.gemv_silu`; `gemv.residual_norm_linear`:
-`kernels.gemv_norm`) and their R0 claim: bitwise the exact kernel that would run before them + the GEMV.
+`kernels.gemv_norm`) and their R0 claim: bitwise the exact kernel that would run before them + the GEMV;
+and the weight preload under PDL (`kernels.gemv_preload`, R0: the same bits with the first tile preloaded).
 
 CPU: the kernels run in the Triton interpreter in a child process. The CUDA-only gates (`supported` of the
 GEMV, of `silu_mul` and of `rmsnorm`) are opened for CPU tensors in the child only, so the very functions
@@ -95,9 +96,25 @@ def _cpu_checks() -> dict:
     res["norm_vs_float64"] = [_rel_err(out, ref) < 0.05 and _rel_err(h, h_ref) < 0.02, _rel_err(out, ref)]
     two_rows = torch.randn(2, hidden, generator=gen).bfloat16()
     res["norm_refuses_two_rows"] = [not G.residual_norm_fusable(two_rows, two_rows, w_post, w_next, w2), None]
+    res.update(_preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps))
     counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
     res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
     return res
+
+
+def _preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps) -> dict:
+    """`kernels.gemv_preload` (the first weight tile loaded before the PDL wait, here a no-op): the plain
+    GEMV and both forms give the same bits with the preloaded tile as without it."""
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import launch_mode
+
+    x = torch.randn(1, gate.shape[-1], generator=torch.Generator().manual_seed(8)).bfloat16()
+    runs = []
+    for preload in (False, True):
+        launch_mode.weight_preload = lambda preload=preload: preload
+        runs.append((G.gemv(x, w), G.silu_mul_linear(gate, up, w), *G.residual_norm_linear(
+            y, w_post, eps, resid, w_next, eps, w2)))  # fmt: skip
+    return {"preload_bitwise": [all(torch.equal(a, b) for a, b in zip(*runs)), None]}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +134,7 @@ CPU_CHECKS = [
     "norm_h_bitwise",
     "norm_vs_float64",
     "norm_refuses_two_rows",
+    "preload_bitwise",
     "counters_left_zero",
 ]
 
@@ -147,7 +165,7 @@ def test_sm90_fused_forms_compile_and_wait_before_any_global_access(form, n, k):
     consts = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
                   SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32", PDL=True, PREFETCH=False,
                   X_FORM=form, LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=True,
-                  CHUNK=2048)  # fmt: skip
+                  CHUNK=2048, PRELOAD=0)  # fmt: skip
     compiled = _compile_sm90(
         G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
         **EXACT_OPTIONS,

@@ -72,6 +72,7 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             assert calls[:1] == ["await_inputs"], f"{path.name}:{kernel.name} starts with {calls[:3]}"
         else:  # only index math, the launch hint and the weight prefetch may come before the wait
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
+            allowed |= {"tl.zeros", "_weight_tile"}  # the GEMV's weight preload (weights: never written)
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
 
 
@@ -108,7 +109,7 @@ def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting
     for pdl in (False, True):
         constexprs = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
                           SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32")  # fmt: skip
-        constexprs |= {"PDL": pdl, "PREFETCH": pdl}
+        constexprs |= {"PDL": pdl, "PREFETCH": pdl, "PRELOAD": 0}
         compiled = _compile_sm90(
             G._gemv_kernel, signature, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
         )
@@ -123,6 +124,41 @@ def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting
             assert 0 <= hint < prefetch < wait < access, (hint, prefetch, wait, access)
         else:
             assert (hint, prefetch, wait) == (-1, -1, -1) and access >= 0
+
+
+@needs_triton
+def test_sm90_gemv_preload_loads_weights_before_the_wait():
+    """`kernels.gemv_preload`: the first weight tile's loads come before `griddepcontrol.wait`; the
+    activation, partial and ticket accesses (everything a kernel before may write) after it."""
+    from looptrace.engine.kernels import gemv as G
+
+    n, k = 6144, 2048  # Ouro's q/k/v projection
+    cfg = G.pick_config(1, n, k)
+    split, per_split = G.split_for(n, k, cfg)
+    signature = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "y_ptr": "*bf16",
+        "part_ptr": "*fp32",
+        "ticket_ptr": "*i32",
+    }
+    signature |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    constexprs = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
+                      SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32", PDL=True,
+                      PREFETCH=False)  # fmt: skip
+    orders = {}
+    for preload in (0, 1):
+        compiled = _compile_sm90(
+            G._gemv_kernel, signature, {**constexprs, "PRELOAD": preload}, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, launch_pdl=True,
+        )  # fmt: skip
+        ptx = compiled.asm["ptx"].splitlines()
+        wait = _first(ptx, "griddepcontrol.wait")
+        loads_before = [line for line in ptx[:wait] if re.search(r"\bld\.global", line)]
+        writes_before = [line for line in ptx[:wait] if re.search(r"\b(st|atom)\.global", line)]
+        orders[preload] = (len(loads_before), len(writes_before))
+    assert orders[0] == (0, 0)
+    assert orders[1][0] > 0 and orders[1][1] == 0, orders
 
 
 @needs_triton
@@ -211,31 +247,33 @@ def _chain(rows: int, linear, passes: int = 6):
 @gpu
 @pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("projection", ["cublas", "gemv"])
+@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload"])
 def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection):
+    """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload): the same bits."""
     import torch.nn.functional as F
 
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import gemv
 
     linear = F.linear if projection == "cublas" else gemv.gemv
+    preload = projection.endswith("+preload")
     token = _chain(rows, linear)
     with K.graph_warmup():
         eager = token()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), launch_mode.dependent_launches(True):
+        with torch.cuda.stream(side), launch_mode.dependent_launches(True, preload):
             for _ in range(2):
                 token()  # compiles the PDL variants outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with launch_mode.dependent_launches(True), torch.cuda.graph(graph):
+        with launch_mode.dependent_launches(True, preload), torch.cuda.graph(graph):
             captured = token()
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(eager, captured))
-        with launch_mode.dependent_launches(True):
+        with launch_mode.dependent_launches(True, preload):
             again = token()  # eager launches under PDL as well
     assert all(torch.equal(a, b) for a, b in zip(eager, again))
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kernels._fences import (
     EXACT_OPTIONS,
     add_rn,
@@ -182,22 +183,33 @@ def _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, kmask, X_FO
 
 
 @triton.jit
+def _weight_tile(w_ptr, stride_wn, n, nmask, k, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """W rows n at columns k, `[BLOCK_N, BLOCK_K]` (0 outside)."""
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    if EVEN_K:
+        return tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
+    return tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr,
-                   r_y, r_h, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr, X_FORM: tl.constexpr):  # fmt: skip
-    """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first."""
+                   r_y, r_h, w_first, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT: tl.constexpr, PRECISION: tl.constexpr, X_FORM: tl.constexpr,
+                   PRELOAD: tl.constexpr):  # fmt: skip
+    """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first.
+    PRELOAD (M == 1 on CUDA cores): tile 0 is `w_first`, loaded by the caller before its wait."""
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M == 1 on CUDA cores: reduced after the loop
     cols = tl.arange(0, M_PAD)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    for t in range(K_TILES):
+    if PRELOAD:  # the same FMAs in the same order as the loop's first iteration
+        k = k_first + tl.arange(0, BLOCK_K)
+        x0 = _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, k < K, X_FORM)
+        acc_1 = tl.fma(w_first.to(tl.float32), x0[None, :], acc_1)
+    for t in range(PRELOAD, K_TILES):  # PRELOAD: 1 (tile 0 done above) or 0
         k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = _weight_tile(w_ptr, stride_wn, n, nmask, k, K, EVEN_K)
         if DOT:
             x = _load_x(x_ptr, stride_xm, k, kmask, M, M_PAD)
             if INTERPRETED:  # the interpreter's dot reads bf16 as raw integers: the same sums in fp32
@@ -276,13 +288,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
                  PREFETCH: tl.constexpr = False, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
-                 VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1):  # fmt: skip
+                 VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1,
+                 PRELOAD: tl.constexpr = 0):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     let_dependents_launch(PDL)
     if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
         _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
+    w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
+    if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
+        k0 = pid_k * (K_TILES * BLOCK_K) + tl.arange(0, BLOCK_K)
+        w_first = _weight_tile(w_ptr, stride_wn, n, nmask, k0, K, EVEN_K)
     wait_for_inputs(PDL)  # x, y, the partials and the tickets only after the kernel before completed
     r_y = tl.full([1], 1.0, tl.float32)
     r_h = tl.full([1], 1.0, tl.float32)
@@ -290,7 +307,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
         r_y, r_h = _residual_scales(x_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K, LANES, VECS, DESC)
     acc = _split_product(
         x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), u_ptr, res_ptr, wy_ptr,
-        wn_ptr, r_y, r_h, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
+        wn_ptr, r_y, r_h, w_first, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
+        PRELOAD,
     )  # fmt: skip
     if X_FORM == 2:  # noqa: SIM102 (a constexpr test, then a device one)
         if (pid_n == 0) & (pid_k == 0):
@@ -353,6 +371,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, 
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight), **consts,
+        PRELOAD=int(m == 1 and not cfg.dot and launch_mode.weight_preload()),
     )  # fmt: skip
     return y
 

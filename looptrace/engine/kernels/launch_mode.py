@@ -7,7 +7,8 @@ ramp inside each GEMV). With programmatic dependent launch (Hopper, sm_90+) a ke
 `launch_pdl=True` may start as soon as every program of the kernel before it has executed
 `griddepcontrol.launch_dependents`; it then blocks in `griddepcontrol.wait` until that kernel has
 completed and its writes are visible. Only work that reads nothing an earlier kernel writes may run
-before the wait (the GEMV's optional weight prefetch, `gemv.PREFETCH_UNDER_PDL`, off: measured slower).
+before the wait: weights, which no kernel writes (the GEMV's first weight tile under `kernels.gemv_preload`,
+`weight_preload`; its L2 prefetch of the whole slice, `gemv.PREFETCH_UNDER_PDL`, off: measured slower).
 
 Values never change (R0): every program of every kernel waits before it reads or writes anything another
 kernel touches (`_pdl.await_inputs` is the first statement of each kernel body). The wait covers the
@@ -29,6 +30,7 @@ import torch
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter runs no inline PTX
 _dependent = False
+_preload = False
 
 
 def supported(device: torch.device | str) -> bool:
@@ -43,18 +45,26 @@ def supported(device: torch.device | str) -> bool:
 
 
 @contextmanager
-def dependent_launches(enabled: bool) -> Iterator[None]:
-    """Launch the Triton kernels as programmatic dependents while the scope is open (when `enabled`)."""
-    global _dependent
-    previous, _dependent = _dependent, bool(enabled) and not _INTERPRETED
+def dependent_launches(enabled: bool, weight_preload: bool = False) -> Iterator[None]:
+    """Launch the Triton kernels as programmatic dependents while the scope is open (when `enabled`);
+    `weight_preload`: the one-row GEMV then loads its first weight tile before its wait."""
+    global _dependent, _preload
+    previous = _dependent, _preload
+    _dependent = bool(enabled) and not _INTERPRETED
+    _preload = _dependent and bool(weight_preload)
     try:
         yield
     finally:
-        _dependent = previous
+        _dependent, _preload = previous
 
 
 def active() -> bool:
     return _dependent
+
+
+def weight_preload() -> bool:
+    """Under PDL with `kernels.gemv_preload`: the GEMV's first weight tile is loaded before the wait."""
+    return _preload
 
 
 def pdl_args() -> dict:
@@ -63,4 +73,4 @@ def pdl_args() -> dict:
     return {"PDL": True, "launch_pdl": True} if _dependent else {"PDL": False}
 
 
-__all__ = ["active", "dependent_launches", "pdl_args", "supported"]
+__all__ = ["active", "dependent_launches", "pdl_args", "supported", "weight_preload"]
