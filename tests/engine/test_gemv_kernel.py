@@ -144,7 +144,7 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert not fast.kernels.l2_prefetch  # measured slower on the H200 (bench/results/issue22)
     assert fast.kernels.pdl and not exact.kernels.pdl  # R0; Table 2's exactloop was measured without it
     a, b = asdict(fast), asdict(exact)
-    assert fast.kernels.gemv_silu and fast.kernels.gemv_norm  # R0 over fast without them
+    assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)
     for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
