@@ -188,6 +188,9 @@ if [ "$1" = preload ]; then
     > "$OUT/gpu_tests_preload_h200.txt"; tail -3 "$OUT/gpu_tests_preload_h200.txt"
 fi
 if [ "$1" = fast_cells ]; then
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --a-set kernels.gemv_preload=false -o "$OUT/profile_compare_fast_nopreload_preload_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+  echo "profile exit $?"
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
     -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
   grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt

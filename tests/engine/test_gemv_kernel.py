@@ -145,7 +145,8 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert fast.kernels.pdl and not exact.kernels.pdl  # R0; Table 2's exactloop was measured without it
     a, b = asdict(fast), asdict(exact)
     assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)
-    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm"):
+    assert fast.kernels.gemv_preload and not exact.kernels.gemv_preload
+    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
     assert a == b
