@@ -12,6 +12,7 @@
 #                                          with and without them
 #   bash bench/h200_issue22.sh fused_pick  gemv_silu alone vs neither; exactloop vs the faster fast (profile, bench)
 #   bash bench/h200_issue22.sh preload     kernels.gemv_preload: token bench, profile, diff, GPU tests
+#   bash bench/h200_issue22.sh spikes      bench exactloop vs fast with compile / GC / round recorders
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -186,6 +187,12 @@ if [ "$1" = preload ]; then
   timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py tests/engine/test_gemv_kernel.py \
     tests/engine/test_gemv_fused_inputs.py -p no:cacheprovider --tb=short 2>&1 | tail -20 \
     > "$OUT/gpu_tests_preload_h200.txt"; tail -3 "$OUT/gpu_tests_preload_h200.txt"
+fi
+if [ "$1" = spikes ]; then
+  # Single bench rounds with a TTFT far above the others: Triton compilations, GC pauses, rounds.
+  timeout -s INT 200 python3 bench/ttft_spikes_h200.py --out "$OUT" -- --a exactloop --b fast \
+    --cell ouro:512/128@1,32 --runs 4 --set cuda_graphs.max_graphs=64 --format json \
+    -o "$OUT/bench_spikes_exactloop_fast_ouro.json" >> "$LOG" 2>&1; echo "spikes exit $?"; cat "$OUT/ttft_spikes.md"
 fi
 if [ "$1" = fast_cells ]; then
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
