@@ -19,6 +19,7 @@ supervisor to restart the server.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import signal
 import socket
@@ -187,6 +188,7 @@ class Server:
         finally:
             self.loop.stop()
             self.sock.close()
+            gc.unfreeze()  # the startup heap frozen by `build`
         return self.report()
 
     def report(self) -> ShutdownReport:
@@ -212,6 +214,7 @@ class Server:
         if self.thread is not None:
             self.thread.join(timeout)
         self.loop.stop()
+        gc.unfreeze()  # the startup heap frozen by `build`
         self.sock.close()
         return self.report()
 
@@ -289,5 +292,10 @@ def build_server(
         max_body_bytes=max_body_bytes,
     )
     server = Server(app, loop, sock, drain_timeout=drain_timeout, exit_on_dead=exit_on_dead)
+    # The startup heap (engine, weights, compiled kernels) lives as long as the server: out of the cyclic
+    # collector's reach, whose full passes over it paused engine steps for ~170 ms on the H200
+    # (bench/results/issue22/session4/ttft_spikes.md; `looptrace bench` freezes it per run the same way).
+    gc.collect()
+    gc.freeze()
     loop.start()
     return server
