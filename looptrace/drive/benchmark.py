@@ -258,15 +258,15 @@ def run_workload(
     INTERRUPTED, their tokens kept) and returns the partial record with `interrupted=True`; items not yet
     submitted are left out of it and counted in `unsubmitted`.
     """
-    driver = _Driver(engine, workload, clock, params or SamplingParams())
-    interrupted = False
-    try:
-        with frozen_heap():
+    with frozen_heap():  # before the driver starts its clock: the collection is not the run's time
+        driver = _Driver(engine, workload, clock, params or SamplingParams())
+        interrupted = False
+        try:
             driver.loop(sleep, on_progress)
-    except KeyboardInterrupt:
-        interrupted = True
-        driver.abort_all()
-    return driver.record(interrupted)
+        except KeyboardInterrupt:
+            interrupted = True
+            driver.abort_all()
+        return driver.record(interrupted)
 
 
 @contextmanager
@@ -275,7 +275,8 @@ def frozen_heap() -> Iterator[None]:
     the cyclic collector's reach while it runs (`gc.freeze`), and put back after. Why: a full collection
     of that heap paused the engine for 155-189 ms in the middle of H200 bench rounds, the TTFT outliers of
     single rounds (bench/results/issue22/session4/ttft_spikes.md). Objects the run creates are collected
-    as usual. The collection before the freeze runs outside the run's clock."""
+    as usual. `run_workload` enters it before the driver reads its clock, so the collection before the
+    freeze is not counted in the run."""
     gc.collect()
     gc.freeze()
     try:
