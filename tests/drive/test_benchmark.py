@@ -407,3 +407,24 @@ def test_the_heap_alive_before_a_run_is_frozen_while_it_runs_and_released_after(
         assert rec.interrupted is (interrupt is not None)
         assert engine.frozen and min(engine.frozen) >= len(held)
         assert gc.get_freeze_count() == 0
+
+
+def test_the_collection_before_the_freeze_is_not_counted_in_the_run(monkeypatch):
+    """The full collection `frozen_heap` runs first takes ~140 ms on a real engine's heap: it must come before
+    the driver reads its start time, or every request's TTFT carries it (it did, on the H200)."""
+    import gc
+
+    from looptrace.drive import benchmark
+
+    clock = FakeClock()
+    real_collect = gc.collect
+
+    def slow_collect(*args):
+        clock.t += 1.0  # a one-second collection on the fake clock
+        return real_collect(*args)
+
+    monkeypatch.setattr(benchmark.gc, "collect", slow_collect)
+    engine = FakeEngine(clock, dt=0.125, prefill_steps=1)
+    rec = _run(engine, BurstWorkload(concurrency=2, prompt_len=3, max_tokens=2, seed=0, vocab_size=50))
+    assert rec.start_time == 1001.0
+    assert all(r.ttft == 0.125 for r in rec.requests)
