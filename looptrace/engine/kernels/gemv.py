@@ -27,6 +27,12 @@ Design (`_gemv_kernel`):
 - CUDA graphs: no host syncs, the grid depends only on (M, N, K), the partial scratch is a plain
   `torch.empty` per call (graph-pool memory under capture) and the ticket buffer is allocated outside
   capture on first use (`warmup` or the graph's eager warm-up).
+- One row, CUDA cores only (see `_split_product`):
+  - `PRELOAD` (`kernels.gemv_preload`, under PDL): tile 0 of W is loaded before the wait. Weights are never
+    written, so this overlaps the kernel before.
+  - `X_FORM` (`kernels.gemv_silu` / `kernels.gemv_norm`): the input row is computed in the kernel from the
+    inputs of the exact kernel it replaces (`silu_mul_linear`, `residual_norm_linear`), bit for bit. Measured
+    slower on the H200, so off in `fast`.
 
 Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
 fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,
