@@ -102,9 +102,14 @@ def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torc
 def enable_fused_tails(model: nn.Module, residual_norm: bool, rope_kv_write: bool) -> int:
     """Switch on the fused exact kernels beyond the single ops (`kernels.residual_norm`,
     `kernels.rope_kv_write`) in every module that has them; returns how many modules."""
+    return _switch_on(model, {"residual_norm": residual_norm, "rope_kv_write": rope_kv_write})
+
+
+def _switch_on(model: nn.Module, flags: dict[str, bool]) -> int:
+    """Set every asked-for flag to True on the modules whose class declares it; returns how many."""
     count = 0
     for module in model.modules():
-        for flag, on in (("residual_norm", residual_norm), ("rope_kv_write", rope_kv_write)):
+        for flag, on in flags.items():
             if on and hasattr(type(module), flag):
                 setattr(module, flag, True)
                 count += 1
@@ -114,13 +119,7 @@ def enable_fused_tails(model: nn.Module, residual_norm: bool, rope_kv_write: boo
 def enable_gemv_inputs(model: nn.Module, gemv_silu: bool, gemv_norm: bool) -> int:
     """Switch on the Triton GEMV's fused input forms (`kernels.gemv_silu`, `kernels.gemv_norm`) in every
     module that declares them; returns how many modules."""
-    count = 0
-    for module in model.modules():
-        for flag, on in (("gemv_silu", gemv_silu), ("gemv_norm", gemv_norm)):
-            if on and hasattr(type(module), flag):
-                setattr(module, flag, True)
-                count += 1
-    return count
+    return _switch_on(model, {"gemv_silu": gemv_silu, "gemv_norm": gemv_norm})
 
 
 class Embedding(nn.Embedding):

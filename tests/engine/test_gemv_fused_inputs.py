@@ -153,19 +153,13 @@ def test_sm90_fused_forms_compile_and_wait_before_any_global_access(form, n, k):
     from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels._fences import EXACT_OPTIONS
     from looptrace.engine.kernels.reduce_order import reduce_shape
-    from tests.engine.test_pdl import _compile_sm90, _first
+    from tests.engine.test_pdl import GEMV_SIGNATURE, _compile_sm90, _first, one_row_gemv
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32"}
-    sig |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-    sig |= {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
+    sig = GEMV_SIGNATURE | {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
     sig |= {"factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
-    cfg = G.pick_config(1, n, k)
-    split, per_split = G.split_for(n, k, cfg)
     shape = reduce_shape(1, k)
-    consts = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
-                  SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32", PDL=True, PREFETCH=False,
-                  X_FORM=form, LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=True,
-                  CHUNK=2048, PRELOAD=0)  # fmt: skip
+    cfg, consts = one_row_gemv(n, k, PDL=True, PREFETCH=False, X_FORM=form, LANES=shape.lanes,
+                               VECS=shape.vectors_per_lane, DESC=True, CHUNK=2048, PRELOAD=0)  # fmt: skip
     compiled = _compile_sm90(
         G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
         **EXACT_OPTIONS,

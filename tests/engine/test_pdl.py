@@ -86,6 +86,28 @@ def _compile_sm90(fn, signature: dict, constexprs: dict, **options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+# The GEMV kernel's non-constexpr arguments of a plain launch (the fused forms add theirs)
+GEMV_SIGNATURE = {
+    "x_ptr": "*bf16",
+    "w_ptr": "*bf16",
+    "y_ptr": "*bf16",
+    "part_ptr": "*fp32",
+    "ticket_ptr": "*i32",
+}
+GEMV_SIGNATURE |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+
+
+def one_row_gemv(n: int, k: int, **more):
+    """(tile config, constexprs) of the one-row GEMV launch `gemv` makes for W [n, k] (EVEN_K shapes)."""
+    from looptrace.engine.kernels import gemv as G
+
+    cfg = G.pick_config(1, n, k)
+    split, per_split = G.split_for(n, k, cfg)
+    consts = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
+                  SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32")  # fmt: skip
+    return cfg, consts | more
+
+
 def _first(ptx: list[str], pattern: str) -> int:
     hits = [i for i, line in enumerate(ptx) if re.search(pattern, line)]
     return hits[0] if hits else -1
@@ -95,23 +117,11 @@ def _first(ptx: list[str], pattern: str) -> int:
 def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting():
     from looptrace.engine.kernels import gemv as G
 
-    n, k = 2048, 5632  # Ouro's down projection: split K, tickets
-    cfg = G.pick_config(1, n, k)
-    split, per_split = G.split_for(n, k, cfg)
-    signature = {
-        "x_ptr": "*bf16",
-        "w_ptr": "*bf16",
-        "y_ptr": "*bf16",
-        "part_ptr": "*fp32",
-        "ticket_ptr": "*i32",
-    }
-    signature |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    cfg, consts = one_row_gemv(2048, 5632)  # Ouro's down projection: split K, tickets
     for pdl in (False, True):
-        constexprs = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
-                          SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32")  # fmt: skip
-        constexprs |= {"PDL": pdl, "PREFETCH": pdl, "PRELOAD": 0}
+        constexprs = consts | {"PDL": pdl, "PREFETCH": pdl, "PRELOAD": 0}
         compiled = _compile_sm90(
-            G._gemv_kernel, signature, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
+            G._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
         )
         ptx = compiled.asm["ptx"].splitlines()
         hint, prefetch = (
@@ -132,24 +142,11 @@ def test_sm90_gemv_preload_loads_weights_before_the_wait():
     activation, partial and ticket accesses (everything a kernel before may write) after it."""
     from looptrace.engine.kernels import gemv as G
 
-    n, k = 6144, 2048  # Ouro's q/k/v projection
-    cfg = G.pick_config(1, n, k)
-    split, per_split = G.split_for(n, k, cfg)
-    signature = {
-        "x_ptr": "*bf16",
-        "w_ptr": "*bf16",
-        "y_ptr": "*bf16",
-        "part_ptr": "*fp32",
-        "ticket_ptr": "*i32",
-    }
-    signature |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-    constexprs = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
-                      SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32", PDL=True,
-                      PREFETCH=False)  # fmt: skip
+    cfg, constexprs = one_row_gemv(6144, 2048, PDL=True, PREFETCH=False)  # Ouro's q/k/v projection
     orders = {}
     for preload in (0, 1):
         compiled = _compile_sm90(
-            G._gemv_kernel, signature, {**constexprs, "PRELOAD": preload}, num_warps=cfg.num_warps,
+            G._gemv_kernel, GEMV_SIGNATURE, {**constexprs, "PRELOAD": preload}, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, launch_pdl=True,
         )  # fmt: skip
         ptx = compiled.asm["ptx"].splitlines()

@@ -109,26 +109,7 @@ def _halve(s, HALF: tl.constexpr, ADJACENT: tl.constexpr):
 @triton.jit
 def _row_mean(base, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr):
     """mean(x^2) of the bf16 row at `base`, summed in PyTorch's order for the row bucket; fp32 [1]."""
-    lanes = tl.arange(0, LANES)[None, :]  # [1, LANES]
-    n_vec = N // 4
-    acc0 = tl.zeros([1, LANES], tl.float32)
-    acc1 = tl.zeros([1, LANES], tl.float32)
-    acc2 = tl.zeros([1, LANES], tl.float32)
-    acc3 = tl.zeros([1, LANES], tl.float32)
-    # lane x reads vectors x, x + LANES, x + 2 LANES, ...; accumulator i takes element i of each vector
-    for k in tl.static_range(K):
-        vec = k * LANES + lanes
-        m = vec < n_vec
-        p = base + vec * 4
-        x0 = tl.load(p + 0, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(p + 1, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(p + 2, mask=m, other=0.0).to(tl.float32)
-        x3 = tl.load(p + 3, mask=m, other=0.0).to(tl.float32)
-        acc0 = add_rn(acc0, mul_rn(x0, x0))
-        acc1 = add_rn(acc1, mul_rn(x1, x1))
-        acc2 = add_rn(acc2, mul_rn(x2, x2))
-        acc3 = add_rn(acc3, mul_rn(x3, x3))
-    return _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES, DESC)
+    return _lane_mean(base, base, base, 1.0, factor, N, LANES, K, DESC, False)
 
 
 @triton.jit
@@ -144,24 +125,41 @@ def residual_row_mean(y_base, h_base, wy_ptr, r, factor, N: tl.constexpr, LANES:
                       K: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
     """`_row_mean` of the bf16 row `h + post(y)` computed on the fly (the lanes read y, h and wy where
     `_row_mean` would read the stored row): the same values in the same order, so the same bits."""
-    lanes = tl.arange(0, LANES)[None, :]
+    return _lane_mean(y_base, h_base, wy_ptr, r, factor, N, LANES, K, DESC, True)
+
+
+@triton.jit
+def _lane_mean(base, h_base, wy_ptr, r, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr,
+               DESC: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    """The row mean of squares in PyTorch's order; the row is the bf16 values at `base`, or (RESIDUAL) the
+    residual row `h + post(y)` computed from y at `base`, h at `h_base` and wy (`_stored_residual`)."""
+    lanes = tl.arange(0, LANES)[None, :]  # [1, LANES]
     n_vec = N // 4
     acc0 = tl.zeros([1, LANES], tl.float32)
     acc1 = tl.zeros([1, LANES], tl.float32)
     acc2 = tl.zeros([1, LANES], tl.float32)
     acc3 = tl.zeros([1, LANES], tl.float32)
+    # lane x reads vectors x, x + LANES, x + 2 LANES, ...; accumulator i takes element i of each vector
     for k in tl.static_range(K):
         vec = k * LANES + lanes
         m = vec < n_vec
-        x0 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 0, m)
-        x1 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 1, m)
-        x2 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 2, m)
-        x3 = _stored_residual(y_base, h_base, wy_ptr, r, vec * 4 + 3, m)
+        x0 = _lane_value(base, h_base, wy_ptr, r, vec * 4 + 0, m, RESIDUAL)
+        x1 = _lane_value(base, h_base, wy_ptr, r, vec * 4 + 1, m, RESIDUAL)
+        x2 = _lane_value(base, h_base, wy_ptr, r, vec * 4 + 2, m, RESIDUAL)
+        x3 = _lane_value(base, h_base, wy_ptr, r, vec * 4 + 3, m, RESIDUAL)
         acc0 = add_rn(acc0, mul_rn(x0, x0))
         acc1 = add_rn(acc1, mul_rn(x1, x1))
         acc2 = add_rn(acc2, mul_rn(x2, x2))
         acc3 = add_rn(acc3, mul_rn(x3, x3))
     return _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES, DESC)
+
+
+@triton.jit
+def _lane_value(base, h_base, wy_ptr, r, cols, m, RESIDUAL: tl.constexpr):
+    """fp32 value of the row at `cols`, 0 where masked: the stored bf16 row, or the residual row."""
+    if RESIDUAL:
+        return _stored_residual(base, h_base, wy_ptr, r, cols, m)
+    return tl.load(base + cols, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
