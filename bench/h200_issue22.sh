@@ -14,6 +14,7 @@
 #   bash bench/h200_issue22.sh preload     kernels.gemv_preload: token bench, profile, diff, GPU tests
 #   bash bench/h200_issue22.sh spikes      bench exactloop vs fast with compile / GC / round recorders
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
+#   bash bench/h200_issue22.sh attn_diag   decode attention launch floors, then ncu on the kernel at four shapes
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -206,3 +207,12 @@ if [ "$1" = fast_cells ]; then
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
 fi
 tail -5 "$LOG"
+if [ "$1" = attn_diag ]; then
+  timeout 120 python3 bench/attention_diag_h200.py floors --out "$OUT" >> "$LOG" 2>&1; echo "floors exit $?"
+  cat "$OUT/attention_floors_h200.md"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 240 "$NCU" --clock-control none --kernel-name _attn_kernel --launch-count 12 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 bench/attention_diag_h200.py ncu > "$OUT/ncu_attention_h200.txt" 2>&1; echo "ncu exit $?"
+  grep -E "segments|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Warp Cycles Per Issued|Stall" "$OUT/ncu_attention_h200.txt" | head -150
+fi
