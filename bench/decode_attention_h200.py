@@ -109,14 +109,26 @@ SWEEP_SHAPES = (  # most telling first: a budget cut drops the tail
     ("huginn-0125", 1, 640),
     ("ouro-1.4b", 32, 2112),
     ("huginn-0125", 32, 2112),
+    ("huginn-0125", 32, 640),
+    ("ouro-1.4b", 1, 128),
 )
 
 
-def sweep_configs():
+def sweep_configs(kind: str = "splits"):
     """Tiles x warps x the shortest segment; num_stages stays 1 (the key loop's loads are gathers through
-    the page table, which Triton's pipeliner leaves alone: stages 2 compiles to the same loads)."""
-    from looptrace.engine.kernels.paged_attention import SplitConfig
+    the page table, which Triton's pipeliner leaves alone: stages 2 compiles to the same loads).
+    kind "slots" (session 5): the per-key-slot softmax (`key_slots`) at several tiles, warps and segment
+    bounds, beside both models' current configs."""
+    from looptrace.engine.kernels.paged_attention import SPLIT_BY_HEAD_DIM, SplitConfig
 
+    if kind == "slots":
+        out = [SplitConfig(), SPLIT_BY_HEAD_DIM[96]]
+        for block, warps, min_tiles, max_segs in ((32, 4, 1, 16), (32, 4, 2, 16), (32, 2, 2, 16),
+                                                  (32, 8, 1, 16), (64, 4, 1, 16), (64, 8, 1, 16),
+                                                  (16, 1, 2, 16), (16, 2, 2, 16), (32, 4, 1, 32),
+                                                  (16, 2, 1, 32), (64, 4, 2, 16)):  # fmt: skip
+            out.append(SplitConfig(block, max_segs, min_tiles, warps, key_slots=True))
+        return out
     out = []
     for block, warps in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)):
         for min_tiles in (1, 2, 4):
@@ -126,7 +138,7 @@ def sweep_configs():
     return out
 
 
-def sweep(copy_tbps: float, budget_s: float) -> list[dict]:
+def sweep(copy_tbps: float, budget_s: float, kind: str = "splits") -> list[dict]:
     """Every split config at each SWEEP_SHAPES case, configs interleaved within a case; a config that
     fails to compile is recorded as such."""
     from looptrace.engine.kernel_checks import graph_time_us
@@ -134,7 +146,7 @@ def sweep(copy_tbps: float, budget_s: float) -> list[dict]:
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     t0, rows_out = time.time(), []
-    configs = sweep_configs()
+    configs = sweep_configs(kind)
     for model, rows, ctx_len in SWEEP_SHAPES:
         q, k, v, tables, ctx, scale = case_inputs(model, rows, ctx_len, gen)
         ref = pa.paged_attention(q, k, v, tables, ctx, 1, scale).float()
@@ -167,6 +179,7 @@ def render_sweep(rows: list[dict], header: str) -> str:
     for r in rows:
         c = r["cfg"]
         key = f"b{c['block_n']} w{c['num_warps']} min{c['min_tiles']} max{c['max_segments']}"
+        key += " slots" if c.get("key_slots") else ""
         by_cfg.setdefault(key, {})[(r["model"], r["rows"], r["ctx"])] = r
     names = [f"{m.split('-')[0]} {n}x{c}" for m, n, c in shapes]
     lines = [
@@ -211,6 +224,7 @@ def main() -> int:
     parser.add_argument("--copy-tbps", type=float, default=4.28)
     parser.add_argument("--sweep", action="store_true", help="time every split config (SplitConfig) instead")
     parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--sweep-set", choices=("splits", "slots"), default="splits")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
@@ -219,15 +233,17 @@ def main() -> int:
 
     t0 = time.time()
     if args.sweep:
-        rows = sweep(args.copy_tbps, args.budget_s)
+        rows = sweep(args.copy_tbps, args.budget_s, args.sweep_set)
         header = (
             f"# Decode attention split configs (issue #22)\n\nDevice: {torch.cuda.get_device_name()}; "
             f"torch {torch.__version__}, Triton {triton.__version__}. Command: "
-            f"`python bench/decode_attention_h200.py --sweep` ({time.time() - t0:.0f} s). Median µs per "
+            f"`python bench/decode_attention_h200.py --sweep --sweep-set {args.sweep_set}` "
+            f"({time.time() - t0:.0f} s). Median µs per "
             f"launch (CUDA graph of 20); floor = K+V bytes at {args.copy_tbps} TB/s."
         )
-        (Path(args.out) / "attention_sweep_h200.json").write_text(json.dumps(rows, indent=1))
-        (Path(args.out) / "attention_sweep_h200.md").write_text(render_sweep(rows, header))
+        stem = "attention_sweep_h200" if args.sweep_set == "splits" else f"attention_sweep_{args.sweep_set}_h200"
+        (Path(args.out) / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / f"{stem}.md").write_text(render_sweep(rows, header))
         return 0
     old = load_module(args.old) if args.old else None
     results = run(old, args.copy_tbps)

@@ -14,6 +14,7 @@
 #   bash bench/h200_issue22.sh preload     kernels.gemv_preload: token bench, profile, diff, GPU tests
 #   bash bench/h200_issue22.sh spikes      bench exactloop vs fast with compile / GC / round recorders
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
+#   bash bench/h200_issue22.sh slots_sweep decode attention: the per-key-slot configs swept beside the current ones
 #   bash bench/h200_issue22.sh attn_diag   decode attention launch floors, then ncu on the kernel at four shapes
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -215,4 +216,9 @@ if [ "$1" = attn_diag ]; then
     --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 bench/attention_diag_h200.py ncu > "$OUT/ncu_attention_h200.txt" 2>&1; echo "ncu exit $?"
   grep -E "segments|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Warp Cycles Per Issued|Stall" "$OUT/ncu_attention_h200.txt" | head -150
+fi
+if [ "$1" = slots_sweep ]; then
+  timeout 200 python3 bench/decode_attention_h200.py --sweep --sweep-set slots --budget-s 170 --out "$OUT" >> "$LOG" 2>&1
+  echo "sweep exit $?"; cat "$OUT/attention_sweep_slots_h200.md"
+  python3 -c "import json; r=json.load(open('$OUT/attention_sweep_slots_h200.json')); print('max abs vs default', max(x.get('max_abs_vs_default', 0) for x in r), [x['error'] for x in r if 'error' in x][:3])"
 fi

@@ -172,7 +172,9 @@ def _splits():
     from looptrace.engine.kernels.paged_attention import SplitConfig
 
     return (SplitConfig(block_n=32, min_tiles=2), SplitConfig(block_n=128, num_warps=8),
-            SplitConfig(block_n=32, max_segments=4, min_tiles=3))  # fmt: skip
+            SplitConfig(block_n=32, max_segments=4, min_tiles=3),
+            SplitConfig(block_n=32, min_tiles=2, num_warps=4, key_slots=True),
+            SplitConfig(block_n=16, max_segments=4, min_tiles=3, num_warps=1, key_slots=True))  # fmt: skip
 
 
 def _cpu_checks() -> dict:

@@ -92,6 +92,7 @@ class SplitConfig:
     max_segments: int = MAX_SEGMENTS
     min_tiles: int = MIN_SEGMENT_TILES
     num_warps: int = NUM_WARPS  # (no stages: the key loop's loads are page-table gathers, never pipelined)
+    key_slots: bool = False  # per-key-slot softmax state (`_slot_tile`): no cross-key reduction per tile
 
 
 # The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
@@ -134,9 +135,13 @@ def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, MIN_TILES: t
 
 
 @triton.jit
-def _load_dims(base, rows, kmask, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """fp32 `[keys, W]` tile of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row offsets `rows`."""
+def _load_dims(base, rows, kmask, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
+               FULL: tl.constexpr = False):  # fmt: skip
+    """fp32 `[keys, W]` tile of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row offsets `rows`.
+    FULL: every key of the tile is valid (no key mask, so no predicates and no zero-fill)."""
     d = D0 + tl.arange(0, W)
+    if FULL and D0 + W <= HEAD_DIM:
+        return tl.load(base + rows[:, None] + d[None, :]).to(tl.float32)
     mask = kmask[:, None] & (d < HEAD_DIM)[None, :]
     return tl.load(base + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
 
@@ -169,6 +174,79 @@ def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i,
         acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b, axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _slot_tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+               HEAD_DIM, D_A, D_B, PAGE, BLOCK, FULL: tl.constexpr):  # fmt: skip
+    """`_tile` with the softmax state kept per key slot (`m_i`, `l_i` `[BLOCK]`; `acc_*` `[BLOCK, W]`):
+    slot j sees keys `j, j + BLOCK, ...` of the segment, so a tile needs no reduction over keys (the
+    shuffles, shared-memory round trips and barriers of `_tile`'s max, sum and p·v); `_merge_slots` folds
+    the slots once per segment. FULL: all BLOCK keys are below `end` (unmasked loads)."""
+    pos = start + tl.arange(0, BLOCK)
+    kmask = pos < end
+    if FULL:
+        entry = tl.load(tab + pos // PAGE).to(tl.int64)
+    else:
+        entry = tl.load(tab + pos // PAGE, mask=kmask, other=0).to(tl.int64)
+    rows = entry * stride_e + (pos % PAGE) * stride_s
+    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
+    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
+    s = tl.sum(q_a[None, :] * k_a, axis=1)
+    if D_B > 0:
+        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
+        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
+        s += tl.sum(q_b[None, :] * k_b, axis=1)
+    if not FULL:
+        s = tl.where(kmask, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: alpha = p = 0, no NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref)
+    acc_a = acc_a * alpha[:, None] + p[:, None] * v_a
+    if D_B > 0:
+        acc_b = acc_b * alpha[:, None] + p[:, None] * v_b
+    return m_new, l_i * alpha + p, acc_a, acc_b
+
+
+@triton.jit
+def _merge_slots(m_i, l_i, acc_a, acc_b):
+    """(max, sum, acc) of a segment from its key slots, in one fixed order (as `_combine` merges segments)."""
+    m = tl.max(m_i, axis=0)  # finite: the segment holds at least one key
+    w = tl.exp2(m_i - m)  # slots that saw no key: exp2(-inf) = 0
+    return m, tl.sum(l_i * w, axis=0), tl.sum(acc_a * w[:, None], axis=0), tl.sum(acc_b * w[:, None], axis=0)
+
+
+@triton.jit
+def _slot_segment(q_a, q_b, k_ptr, v_ptr, tab, first, end, stride_e, stride_s,
+                  HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK):  # fmt: skip
+    """`_segment` through `_slot_tile`: the same keys in the same tile order (the full tiles unmasked,
+    then the partial one), merged at the end."""
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc_a = tl.zeros([BLOCK, D_A], tl.float32)
+    acc_b = tl.zeros([BLOCK, DB_W], tl.float32)
+    full_end = first + (end - first) // BLOCK * BLOCK
+    if COMPILED:
+        for start in range(first, full_end, BLOCK):
+            m_i, l_i, acc_a, acc_b = _slot_tile(
+                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, PAGE, BLOCK, True,
+            )  # fmt: skip
+    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
+        start = first
+        while start < full_end:
+            m_i, l_i, acc_a, acc_b = _slot_tile(
+                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, PAGE, BLOCK, True,
+            )  # fmt: skip
+            start += BLOCK
+    if full_end < end:
+        m_i, l_i, acc_a, acc_b = _slot_tile(
+            q_a, q_b, k_ptr, v_ptr, tab, full_end, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+            HEAD_DIM, D_A, D_B, PAGE, BLOCK, False,
+        )  # fmt: skip
+    return _merge_slots(m_i, l_i, acc_a, acc_b)
 
 
 @triton.jit
@@ -269,7 +347,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  layer_id, qk_scale, stride_qr, stride_qh, stride_e, stride_s, stride_kh, stride_t, stride_c,
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                 MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                 MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEY_SLOTS: tl.constexpr = False,
+                 PDL: tl.constexpr = False):  # fmt: skip
     await_inputs(PDL)
     row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
     ctx = tl.load(ctx_ptr + row * stride_c)
@@ -279,10 +358,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
         q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
         shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
         first = part * seg_keys
-        m_i, l_i, acc_a, acc_b = _segment(
-            q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
-            tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
-        )  # fmt: skip
+        if KEY_SLOTS:
+            m_i, l_i, acc_a, acc_b = _slot_segment(
+                q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
+                tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc_a, acc_b = _segment(
+                q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
+                tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
+            )  # fmt: skip
         out = out_ptr + row * stride_or + head * HEAD_DIM
         if parts <= 1:
             _store_out(out, acc_a, acc_b, l_i, HEAD_DIM, D_A, D_B)
@@ -397,7 +482,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
-        MIN_TILES=cfg.min_tiles, num_warps=cfg.num_warps, num_stages=1, **pdl_args(),
+        MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **pdl_args(),
     )  # fmt: skip
 
 
