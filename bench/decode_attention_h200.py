@@ -241,7 +241,7 @@ def main() -> int:
             f"({time.time() - t0:.0f} s). Median µs per "
             f"launch (CUDA graph of 20); floor = K+V bytes at {args.copy_tbps} TB/s."
         )
-        stem = "attention_sweep_h200" if args.sweep_set == "splits" else f"attention_sweep_{args.sweep_set}_h200"
+        stem = "attention_sweep_h200" if args.sweep_set == "splits" else "attention_sweep_slots_h200"
         (Path(args.out) / f"{stem}.json").write_text(json.dumps(rows, indent=1))
         (Path(args.out) / f"{stem}.md").write_text(render_sweep(rows, header))
         return 0
