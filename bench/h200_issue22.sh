@@ -16,6 +16,9 @@
 #   bash bench/h200_issue22.sh fast_cells  profile --compare exactloop fast, bench exactloop vs fast (C = 1, 8, 32)
 #   bash bench/h200_issue22.sh slots_sweep decode attention: the per-key-slot configs swept beside the current ones
 #   bash bench/h200_issue22.sh attn_diag   decode attention launch floors, then ncu on the kernel at four shapes
+#   bash bench/h200_issue22.sh ablation    the synthetic Ouro token: ops left out one at a time, the GEMV's deeper
+#                                          weight preload, the attention's K/V prefetch before its wait, key
+#                                          slots; then the attention launch floors
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -221,4 +224,10 @@ if [ "$1" = slots_sweep ]; then
   timeout 200 python3 bench/decode_attention_h200.py --sweep --sweep-set slots --budget-s 170 --out "$OUT" >> "$LOG" 2>&1
   echo "sweep exit $?"; cat "$OUT/attention_sweep_slots_h200.md"
   python3 -c "import json; r=json.load(open('$OUT/attention_sweep_slots_h200.json')); print('max abs vs default', max(x.get('max_abs_vs_default', 0) for x in r), [x['error'] for x in r if 'error' in x][:3])"
+fi
+if [ "$1" = ablation ]; then
+  timeout 240 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" >> "$LOG" 2>&1; echo "ablation exit $?"
+  cat "$OUT/token_ablation_h200.md"
+  timeout 90 python3 bench/attention_diag_h200.py floors --out "$OUT" >> "$LOG" 2>&1; echo "floors exit $?"
+  cat "$OUT/attention_floors_h200.md"
 fi

@@ -64,8 +64,9 @@ from dataclasses import dataclass
 import torch
 
 from looptrace.engine.kernels._fences import triton
-from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels._pdl import await_inputs, let_dependents_launch, wait_for_inputs
 from looptrace.engine.kernels._scratch import tickets as _tickets
+from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
@@ -79,6 +80,10 @@ MIN_SEGMENT_TILES = 2
 NUM_WARPS = 2
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# Under `kernels.pdl`: before its wait, each program asks L2 for the K and V rows of its segment's first
+# keys (the K/V of earlier steps is never written by the kernels before it; a prefetch moves no values, so a
+# row the kernel before is still writing costs nothing but a wasted hint).
+PREFETCH_KV_UNDER_PDL = False
 
 
 @dataclass(frozen=True)
@@ -339,6 +344,29 @@ def _load_q(
     return q_a, q_b
 
 
+@triton.jit
+def _prefetch_segment(k_ptr, v_ptr, tab_ptr, ctx_ptr, row, part, shift, stride_t, stride_c, stride_e,
+                      stride_s, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                      MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+    """L2 prefetch of the K and V rows of the segment's first KEYS keys. Runs before the PDL wait, so it
+    reads the context length and the table through L2 only (`.cg`: nothing stale can stay in L1 for the
+    loads after the wait) and only issues hints: whatever it read, the kernel's values are unchanged."""
+    ctx = tl.load(ctx_ptr + row * stride_c, cache_modifier=".cg")
+    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
+    first = part * seg_keys
+    pos = first + tl.arange(0, KEYS)
+    live = pos < tl.minimum(first + seg_keys, ctx)
+    entry = tl.load(tab_ptr + row * stride_t + pos // PAGE, mask=live, other=0, cache_modifier=".cg")
+    rows = shift + entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
+    # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
+    size = tl.full([KEYS], HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    flag = live.to(tl.int32)
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [k_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+
+
 @triton.jit(
     do_not_specialize=["layer_id", "stride_t", "stride_c", "seg_stride"],
     do_not_specialize_on_alignment=["q_ptr", "out_ptr", "tab_ptr", "ctx_ptr"],  # row slices of a launch
@@ -348,15 +376,19 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                  MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEY_SLOTS: tl.constexpr = False,
-                 PDL: tl.constexpr = False):  # fmt: skip
-    await_inputs(PDL)
+                 PDL: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0):  # fmt: skip
+    let_dependents_launch(PDL)
     row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
+    shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
+    if PREFETCH_KEYS > 0:  # under PDL only: hints while the kernel before finishes
+        _prefetch_segment(k_ptr, v_ptr, tab_ptr, ctx_ptr, row, part, shift, stride_t, stride_c, stride_e,
+                          stride_s, HEAD_DIM, PAGE, BLOCK, MAX_SEGS, MIN_TILES, PREFETCH_KEYS)  # fmt: skip
+    wait_for_inputs(PDL)
     ctx = tl.load(ctx_ptr + row * stride_c)
     seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     parts = tl.cdiv(ctx, seg_keys)
     if part < tl.maximum(parts, 1):  # segment 0 of a ctx-0 row writes its zeros
         q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
-        shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
         first = part * seg_keys
         if KEY_SLOTS:
             m_i, l_i, acc_a, acc_b = _slot_segment(
@@ -464,6 +496,11 @@ def segment_slots(table_width: int, page: int, cfg: SplitConfig = DEFAULT_SPLIT)
     return min(cfg.max_segments, -(-tiles // cfg.min_tiles))
 
 
+def prefetch_keys(cfg: SplitConfig) -> int:
+    """Keys per segment whose K/V rows a program prefetches before its PDL wait: the shortest segment."""
+    return cfg.block_n * cfg.min_tiles
+
+
 SCRATCH_BYTES = 1 << 28  # partials of one launch (fp32 acc + max/sum per (row, head, segment slot))
 
 
@@ -478,11 +515,13 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
     max_sum = torch.empty((scratch, 2), dtype=torch.float32, device=q.device)
     d_a, d_b = head_split(dim)
+    launch = pdl_args()
     _attn_kernel[(rows, heads, slots)](
         q, k_cache, v_cache, tables, ctx_lens, out, partials, max_sum, _tickets(q.device, rows * heads),
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
-        MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **pdl_args(),
+        MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **launch,
+        PREFETCH_KEYS=prefetch_keys(cfg) if launch["PDL"] and PREFETCH_KV_UNDER_PDL else 0,
     )  # fmt: skip
 
 

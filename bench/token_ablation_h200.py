@@ -1,0 +1,221 @@
+"""Where does Ouro's batch-1 decode token go under PDL, and what do earlier loads buy? (issue #22)
+
+    python bench/token_ablation_h200.py [--rounds 5] [--out DIR] [--only NAME,NAME]
+
+The synthetic Ouro-1.4B token of `bench/l2_prefetch_h200.py` (the engine's own kernels, random weights of
+the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUDA graph per variant:
+
+    fast                  Triton GEMV + PDL + first weight tile before the wait (the `fast` recipe)
+    fast -OP              the same without one op (attn, write_kv, norm, silu): its marginal cost is the
+                          difference (the chain is dependent, so a kernel's cost is what it adds to it)
+    fast gemv-only        only the four projections per layer pass
+    fast pre16K/pre32K    the GEMV loads up to 16/32 KB of its weight slice before its wait
+                          (`gemv.PRELOAD_BYTES`; 8 KB = one tile is `fast`)
+    fast attn-pf          the attention prefetches its segment's K/V rows into L2 before its wait
+                          (`paged_attention.PREFETCH_KV_UNDER_PDL`)
+    fast slots            the attention's per-key-slot softmax (`SplitConfig.key_slots`)
+    exact, exact+pdl      cuBLAS projections (exactloop), without and with PDL for the Triton kernels
+
+Reports the median ms per token replay (variants interleaved, `--rounds` rounds), each ablation's
+marginal µs per layer pass, and whether each full variant's output is bitwise equal to its family's first
+arm (it must be: preloads and prefetches move no values; key slots are another reduction order). Writes
+`token_ablation_h200.json` / `.md` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from l2_prefetch_h200 import DIM, EPS, HEADS, HIDDEN, LAYERS, LOOPS, build, capture  # noqa: E402
+
+PASSES = LAYERS * LOOPS
+
+
+@dataclass(frozen=True)
+class Variant:
+    gemv: bool = True  # Triton GEMV (fast) or cuBLAS (exact)
+    pdl: bool = True
+    preload_bytes: int = 8192  # the GEMV's weight bytes before its wait (one 32 x 128 tile: `fast`)
+    attn_prefetch: bool = False
+    key_slots: bool = False
+    skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
+    family: str = "fast"  # bitwise comparisons are within a family (the full variants only)
+
+
+def variants() -> dict[str, Variant]:
+    fast = Variant()
+    exact = Variant(gemv=False, pdl=False, family="exact")
+    out = {"fast": fast}
+    for op in ("attn", "write_kv", "norm", "silu"):
+        out[f"fast -{op}"] = replace(fast, skip=frozenset({op}), family="")
+    out["fast gemv-only"] = replace(fast, skip=frozenset({"all"}), family="")
+    out["fast pre16K"] = replace(fast, preload_bytes=16384)
+    out["fast pre32K"] = replace(fast, preload_bytes=32768)
+    out["fast attn-pf"] = replace(fast, attn_prefetch=True)
+    out["fast pre32K attn-pf"] = replace(fast, preload_bytes=32768, attn_prefetch=True)
+    out["fast gemv-only pre32K"] = replace(fast, preload_bytes=32768, skip=frozenset({"all"}), family="")
+    out["fast slots"] = replace(fast, key_slots=True, family="slots")
+    out["exact"] = exact
+    out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
+    out["exact+pdl"] = replace(exact, pdl=True)
+    out["exact+pdl attn-pf"] = replace(exact, pdl=True, attn_prefetch=True)
+    return out
+
+
+def token_step(m: dict, linear, skip: frozenset):
+    """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state."""
+    from looptrace.engine import kernels as K
+
+    h = m["h0"]
+    x = K.rms_norm(h, m["layers"][0]["n1"], EPS)
+    scale = DIM**-0.5
+    rows = h.shape[0]
+    for it in range(PASSES):
+        lay = m["layers"][it % LAYERS]
+        if "all" in skip:  # the projections alone, each feeding the next
+            a = linear(x, lay["qkv"])[:, :HIDDEN]
+            gate = linear(linear(a, lay["o"]), lay["gate_up"])[:, : gate_width(lay)]
+            x = linear(gate, lay["down"])
+            continue
+        q, k, v = linear(x, lay["qkv"]).split(HIDDEN, dim=-1)
+        if "write_kv" not in skip:
+            K.write_kv(k.view(rows, HEADS, DIM), v.view(rows, HEADS, DIM), m["kc"], m["vc"], m["went"],
+                       m["woff"], it % LAYERS)  # fmt: skip
+        a = q
+        if "attn" not in skip:
+            a = K.paged_attn(
+                q.view(rows, HEADS, DIM), m["kc"], m["vc"], m["tables"], m["ctx"], it % LAYERS, scale
+            )
+        y = linear(a, lay["o"])
+        if "norm" in skip:
+            x = y
+        else:
+            h, x = K.residual_rms_norm(y, lay["n1"], EPS, h, lay["n2"], EPS)
+        gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
+        d = linear(gate if "silu" in skip else K.silu_and_mul(gate, up), lay["down"])
+        nxt = m["layers"][(it + 1) % LAYERS]["n1"]
+        if "norm" in skip:
+            x = d
+        else:
+            h, x = K.residual_rms_norm(d, lay["n2"], EPS, h, nxt, EPS)
+    return x if "norm" in skip or "all" in skip else h
+
+
+def gate_width(lay: dict) -> int:
+    return lay["gate_up"].shape[0] // 2
+
+
+def capture_variant(m: dict, v: Variant):
+    from looptrace.engine.kernels import gemv, launch_mode
+    from looptrace.engine.kernels import paged_attention as pa
+
+    linear = gemv.linear if v.gemv else F.linear
+    saved = gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL, pa.DEFAULT_SPLIT
+    gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL = v.preload_bytes, v.attn_prefetch
+    pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
+    try:
+        with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl):  # the warm-ups and the capture
+            return capture(lambda: token_step(m, linear, v.skip))
+    finally:
+        gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL, pa.DEFAULT_SPLIT = saved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default="", help="comma-separated variant names")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/token_ablation_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    from looptrace.engine import kernels as K
+
+    t0 = time.time()
+    K.calibrate("cuda")
+    m = build(1, torch.Generator(device="cuda").manual_seed(3))
+    chosen = {n: v for n, v in variants().items() if not args.only or n in args.only.split(",")}
+    graphs, outs = {}, {}
+    for name, v in chosen.items():
+        try:
+            graphs[name], out = capture_variant(m, v)
+        except Exception as exc:  # one variant failing to build must not cost the others
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        outs[name] = out.clone()
+        print(f"captured {name} ({time.time() - t0:.0f} s)", flush=True)
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(args.rounds):
+        for name, g in graphs.items():
+            times[name].append(do_bench(g.replay, warmup=5, rep=150, return_mode="median"))
+    median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    firsts: dict[str, str] = {}
+    results = []
+    for name in graphs:
+        v = chosen[name]
+        family = v.family
+        first = firsts.setdefault(family, name) if family else None
+        base = "exact" if not v.gemv else "fast"
+        marginal = None
+        if v.skip and base in median and "all" not in v.skip:
+            marginal = (median[base] - median[name]) * 1000 / PASSES
+        results.append(
+            {
+                "variant": name,
+                "ms_per_token": median[name],
+                "rounds": times[name],
+                "vs_fast": median[name] / median["fast"] if "fast" in median else None,
+                "marginal_us_per_pass": marginal,
+                "bitwise_vs": first,
+                "bitwise": bool(torch.equal(outs[name], outs[first])) if first else None,
+            }
+        )
+        print(json.dumps(results[-1]), flush=True)
+    device = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    lines = [
+        "# Ouro-1.4B batch-1 decode token: ablations and early loads under PDL (issue #22)",
+        "",
+        f"Device: {device}; {versions}. Command: `python bench/token_ablation_h200.py --rounds "
+        f"{args.rounds}` "
+        f"({time.time() - t0:.0f} s). Median ms per replay of a one-token CUDA graph (96 layer passes), "
+        "variants interleaved; marginal = what the left-out op adds per layer pass.",
+        "",
+        "| variant | ms/token | vs fast | marginal µs/pass | bitwise = |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = f"{r['vs_fast']:.3f}" if r["vs_fast"] else "-"
+        marg = f"{r['marginal_us_per_pass']:.2f}" if r["marginal_us_per_pass"] is not None else "-"
+        same = (
+            f"{r['bitwise_vs']}: {r['bitwise']}"
+            if r["bitwise_vs"] and r["bitwise_vs"] != r["variant"]
+            else "-"
+        )
+        lines.append(f"| {r['variant']} | {r['ms_per_token']:.3f} | {ratio} | {marg} | {same} |")
+    out = Path(args.out)
+    (out / "token_ablation_h200.json").write_text(
+        json.dumps({"device": device, "versions": versions, "results": results}, indent=1)
+    )
+    (out / "token_ablation_h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
