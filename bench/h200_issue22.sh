@@ -19,6 +19,8 @@
 #   bash bench/h200_issue22.sh ablation    the synthetic Ouro token: ops left out one at a time, the GEMV's deeper
 #                                          weight preload, the attention's K/V prefetch before its wait, key
 #                                          slots; then the attention launch floors
+#   bash bench/h200_issue22.sh early       GPU tests of the kernels touched (attention refactor + early tiles, the
+#                                          GEMV's preload depth, the PDL chains), then the ablation bench
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -230,4 +232,11 @@ if [ "$1" = ablation ]; then
   cat "$OUT/token_ablation_h200.md"
   timeout 90 python3 bench/attention_diag_h200.py floors --out "$OUT" >> "$LOG" 2>&1; echo "floors exit $?"
   cat "$OUT/attention_floors_h200.md"
+fi
+if [ "$1" = early ]; then
+  timeout 300 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py tests/engine/test_pdl.py \
+    tests/engine/test_gemv_kernel.py tests/engine/test_gemv_fused_inputs.py -p no:cacheprovider --tb=short 2>&1 \
+    | tail -40 > "$OUT/gpu_tests_early_h200.txt"; tail -5 "$OUT/gpu_tests_early_h200.txt"
+  timeout 200 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" >> "$LOG" 2>&1; echo "ablation exit $?"
+  cat "$OUT/token_ablation_h200.md"
 fi

@@ -84,6 +84,10 @@ COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # keys (the K/V of earlier steps is never written by the kernels before it; a prefetch moves no values, so a
 # row the kernel before is still writing costs nothing but a wasted hint).
 PREFETCH_KV_UNDER_PDL = False
+# Under `kernels.pdl`, where the step's metadata is ready before its kernels (`metadata_ready`): the tiles of
+# its segment whose addresses a program reads, and whose K/V it asks L2 for, before its wait (0: none; at
+# most 2).
+EARLY_TILES_UNDER_PDL = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class SplitConfig:
     max_segments: int = MAX_SEGMENTS
     min_tiles: int = MIN_SEGMENT_TILES
     num_warps: int = NUM_WARPS  # (no stages: the key loop's loads are page-table gathers, never pipelined)
-    key_slots: bool = False  # per-key-slot softmax state (`_slot_tile`): no cross-key reduction per tile
+    key_slots: bool = False  # per-key-slot softmax state (`_slot_math`): no cross-key reduction per tile
 
 
 # The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
@@ -141,77 +145,154 @@ def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, MIN_TILES: t
 
 @triton.jit
 def _load_dims(base, rows, kmask, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
-               FULL: tl.constexpr = False):  # fmt: skip
-    """fp32 `[keys, W]` tile of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row offsets `rows`.
-    FULL: every key of the tile is valid (no key mask, so no predicates and no zero-fill)."""
+               FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
+    """`[keys, W]` tile (the cache's dtype) of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row
+    offsets `rows`. FULL: every key of the tile is valid (no key mask, so no predicates and no zero-fill).
+    CG: through L2 only (`.cg`), for loads before the PDL wait (nothing they read stays in L1)."""
     d = D0 + tl.arange(0, W)
+    ptrs = base + rows[:, None] + d[None, :]
     if FULL and D0 + W <= HEAD_DIM:
-        return tl.load(base + rows[:, None] + d[None, :]).to(tl.float32)
+        if CG:
+            return tl.load(ptrs, cache_modifier=".cg")
+        return tl.load(ptrs)
     mask = kmask[:, None] & (d < HEAD_DIM)[None, :]
-    return tl.load(base + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CG:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-          HEAD_DIM, D_A, D_B, PAGE, BLOCK):  # fmt: skip
-    """Keys `start .. min(start + BLOCK, end) - 1`: online-softmax update of (max, sum, accumulators).
-
-    k_ptr/v_ptr already point at (layer, kv head) of entry 0; a key's page entry comes from the table.
-    """
+def _tile_keys(tab, start, end, stride_e, stride_s, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+               FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
+    """Positions, key mask (`pos < end`) and cache row offsets of keys `start .. start + BLOCK - 1`; a
+    key's page entry comes from the table (masked keys read no entry: padding pages are never touched)."""
     pos = start + tl.arange(0, BLOCK)
-    kmask = pos < end  # end <= ctx  =>  page < ceil(ctx / PAGE): padding entries are never loaded
-    entry = tl.load(tab + pos // PAGE, mask=kmask, other=0).to(tl.int64)
-    rows = entry * stride_e + (pos % PAGE) * stride_s
-    # K and V are both requested before any math: one memory round trip per tile, not two
-    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM)
-    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM)
-    s = tl.sum(q_a[None, :] * k_a, axis=1)
+    kmask = pos < end  # end <= ctx  =>  page < ceil(ctx / PAGE)
+    if FULL:
+        entry = tl.load(tab + pos // PAGE)
+    elif CG:
+        entry = tl.load(tab + pos // PAGE, mask=kmask, other=0, cache_modifier=".cg")
+    else:
+        entry = tl.load(tab + pos // PAGE, mask=kmask, other=0)
+    return pos, kmask, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
+
+
+@triton.jit
+def _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+             DB_W: tl.constexpr, FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
+    """K and V of a tile's keys, head dims split as (D_A, D_B) (D_B = 0: `k_b`/`v_b` unused zeros).
+    K and V are both requested before any math: one memory round trip per tile, not two."""
+    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL, CG)
+    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL, CG)
+    k_b = tl.zeros([rows.shape[0], DB_W], k_a.dtype)
+    v_b = tl.zeros([rows.shape[0], DB_W], k_a.dtype)
     if D_B > 0:
-        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
-        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM)
-        s += tl.sum(q_b[None, :] * k_b, axis=1)
+        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL, CG)
+        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL, CG)
+    return k_a, v_a, k_b, v_b
+
+
+@triton.jit
+def _tile_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b, D_B: tl.constexpr):
+    """Online-softmax update of (max, sum, accumulators) by one tile's keys (masked keys: exact zeros)."""
+    s = tl.sum(q_a[None, :] * k_a.to(tl.float32), axis=1)
+    if D_B > 0:
+        s += tl.sum(q_b[None, :] * k_b.to(tl.float32), axis=1)
     s = tl.where(kmask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile holds at least one key
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)  # masked keys: exactly 0
-    acc_a = acc_a * alpha + tl.sum(p[:, None] * v_a, axis=0)
+    acc_a = acc_a * alpha + tl.sum(p[:, None] * v_a.to(tl.float32), axis=0)
     if D_B > 0:
-        acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b, axis=0)
+        acc_b = acc_b * alpha + tl.sum(p[:, None] * v_b.to(tl.float32), axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     return m_new, l_i, acc_a, acc_b
 
 
 @triton.jit
-def _slot_tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-               HEAD_DIM, D_A, D_B, PAGE, BLOCK, FULL: tl.constexpr):  # fmt: skip
-    """`_tile` with the softmax state kept per key slot (`m_i`, `l_i` `[BLOCK]`; `acc_*` `[BLOCK, W]`):
+def _slot_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b, D_B: tl.constexpr,
+               FULL: tl.constexpr):  # fmt: skip
+    """`_tile_math` with the softmax state kept per key slot (`m_i`, `l_i` `[BLOCK]`; `acc_*` `[BLOCK, W]`):
     slot j sees keys `j, j + BLOCK, ...` of the segment, so a tile needs no reduction over keys (the
-    shuffles, shared-memory round trips and barriers of `_tile`'s max, sum and p·v); `_merge_slots` folds
-    the slots once per segment. FULL: all BLOCK keys are below `end` (unmasked loads)."""
-    pos = start + tl.arange(0, BLOCK)
-    kmask = pos < end
-    if FULL:
-        entry = tl.load(tab + pos // PAGE).to(tl.int64)
-    else:
-        entry = tl.load(tab + pos // PAGE, mask=kmask, other=0).to(tl.int64)
-    rows = entry * stride_e + (pos % PAGE) * stride_s
-    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
-    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
-    s = tl.sum(q_a[None, :] * k_a, axis=1)
+    shuffles, shared-memory round trips and barriers of `_tile_math`'s max, sum and p·v); `_merge_slots`
+    folds the slots once per segment. FULL: all keys are valid (no mask)."""
+    s = tl.sum(q_a[None, :] * k_a.to(tl.float32), axis=1)
     if D_B > 0:
-        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
-        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
-        s += tl.sum(q_b[None, :] * k_b, axis=1)
+        s += tl.sum(q_b[None, :] * k_b.to(tl.float32), axis=1)
     if not FULL:
         s = tl.where(kmask, s, float("-inf"))
     m_new = tl.maximum(m_i, s)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: alpha = p = 0, no NaN
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref)
-    acc_a = acc_a * alpha[:, None] + p[:, None] * v_a
+    acc_a = acc_a * alpha[:, None] + p[:, None] * v_a.to(tl.float32)
     if D_B > 0:
-        acc_b = acc_b * alpha[:, None] + p[:, None] * v_b
+        acc_b = acc_b * alpha[:, None] + p[:, None] * v_b.to(tl.float32)
     return m_new, l_i * alpha + p, acc_a, acc_b
+
+
+@triton.jit
+def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+          HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr,
+          PAGE: tl.constexpr, BLOCK: tl.constexpr, KEY_SLOTS: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    """Keys `start .. min(start + BLOCK, end) - 1` loaded and folded into the state (either form).
+    k_ptr/v_ptr already point at (layer, kv head) of entry 0."""
+    _, kmask, rows = _tile_keys(tab, start, end, stride_e, stride_s, PAGE, BLOCK, FULL)
+    k_a, v_a, k_b, v_b = _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM, D_A, D_B, DB_W, FULL)
+    if KEY_SLOTS:  # (one return: the two forms' states have different shapes)
+        m_i, l_i, acc_a, acc_b = _slot_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b, D_B,
+                                            FULL)  # fmt: skip
+    else:
+        m_i, l_i, acc_a, acc_b = _tile_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b, D_B)
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _walk(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+          HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr,
+          PAGE: tl.constexpr, BLOCK: tl.constexpr, KEY_SLOTS: tl.constexpr):  # fmt: skip
+    """The tiles from `start` to `end`, in order. Key slots: the full tiles unmasked, then the partial one
+    (the plain form masks every tile). No tile when `start >= end`."""
+    full_end = end
+    if KEY_SLOTS:
+        full_end = tl.maximum(start, start + (end - start) // BLOCK * BLOCK)
+    if COMPILED:
+        for t in range(start, full_end, BLOCK):
+            m_i, l_i, acc_a, acc_b = _tile(
+                q_a, q_b, k_ptr, v_ptr, tab, t, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK, KEY_SLOTS, KEY_SLOTS,
+            )  # fmt: skip
+    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
+        t = start
+        while t < full_end:
+            m_i, l_i, acc_a, acc_b = _tile(
+                q_a, q_b, k_ptr, v_ptr, tab, t, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK, KEY_SLOTS, KEY_SLOTS,
+            )  # fmt: skip
+            t += BLOCK
+    if KEY_SLOTS:  # noqa: SIM102 (a constexpr test, then a device one)
+        if full_end < end:
+            m_i, l_i, acc_a, acc_b = _tile(
+                q_a, q_b, k_ptr, v_ptr, tab, full_end, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK, True, False,
+            )  # fmt: skip
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _initial_state(BLOCK: tl.constexpr, D_A: tl.constexpr, DB_W: tl.constexpr, KEY_SLOTS: tl.constexpr):
+    """(max, sum, acc_a, acc_b) before any key: scalars and `[W]` accumulators, or per key slot."""
+    if KEY_SLOTS:  # (one return: the two forms' states have different shapes)
+        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK], tl.float32)
+        acc_a = tl.zeros([BLOCK, D_A], tl.float32)
+        acc_b = tl.zeros([BLOCK, DB_W], tl.float32)
+    else:
+        m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        acc_a = tl.zeros([D_A], tl.float32)
+        acc_b = tl.zeros([DB_W], tl.float32)
+    return m_i, l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -223,59 +304,42 @@ def _merge_slots(m_i, l_i, acc_a, acc_b):
 
 
 @triton.jit
-def _slot_segment(q_a, q_b, k_ptr, v_ptr, tab, first, end, stride_e, stride_s,
-                  HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK):  # fmt: skip
-    """`_segment` through `_slot_tile`: the same keys in the same tile order (the full tiles unmasked,
-    then the partial one), merged at the end."""
-    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    acc_a = tl.zeros([BLOCK, D_A], tl.float32)
-    acc_b = tl.zeros([BLOCK, DB_W], tl.float32)
-    full_end = first + (end - first) // BLOCK * BLOCK
-    if COMPILED:
-        for start in range(first, full_end, BLOCK):
-            m_i, l_i, acc_a, acc_b = _slot_tile(
-                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-                HEAD_DIM, D_A, D_B, PAGE, BLOCK, True,
-            )  # fmt: skip
-    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
-        start = first
-        while start < full_end:
-            m_i, l_i, acc_a, acc_b = _slot_tile(
-                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-                HEAD_DIM, D_A, D_B, PAGE, BLOCK, True,
-            )  # fmt: skip
-            start += BLOCK
-    if full_end < end:
-        m_i, l_i, acc_a, acc_b = _slot_tile(
-            q_a, q_b, k_ptr, v_ptr, tab, full_end, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-            HEAD_DIM, D_A, D_B, PAGE, BLOCK, False,
-        )  # fmt: skip
-    return _merge_slots(m_i, l_i, acc_a, acc_b)
+def _early_tile(k_ptr, v_ptr, tab, start, end, stride_e, stride_s, HEAD_DIM: tl.constexpr,
+                PAGE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Before the PDL wait: a tile's key mask and cache row offsets (its page entries, read through L2
+    only: nothing stale can stay in L1), and an L2 prefetch of its keys' K and V rows (a hint: a row the
+    kernel before is still writing costs a wasted prefetch, never a value)."""
+    pos, kmask, rows = _tile_keys(tab, start, end, stride_e, stride_s, PAGE, BLOCK, False, True)
+    _prefetch_rows(k_ptr, v_ptr, rows, kmask, HEAD_DIM)
+    return kmask, rows
 
 
 @triton.jit
-def _segment(q_a, q_b, k_ptr, v_ptr, tab, first, end, stride_e, stride_s,
-             HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK):  # fmt: skip
-    """(max, sum, acc_a, acc_b) of keys `first .. end - 1`, tile after tile from `first` upwards."""
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    acc_a = tl.zeros([D_A], tl.float32)
-    acc_b = tl.zeros([DB_W], tl.float32)
-    if COMPILED:
-        for start in range(first, end, BLOCK):
-            m_i, l_i, acc_a, acc_b = _tile(
-                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-                HEAD_DIM, D_A, D_B, PAGE, BLOCK,
-            )  # fmt: skip
-    else:  # the interpreter cannot take a loaded bound in range() (numpy >= 2): same tiles, same order
-        start = first
-        while start < end:
-            m_i, l_i, acc_a, acc_b = _tile(
-                q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b,
-                HEAD_DIM, D_A, D_B, PAGE, BLOCK,
-            )  # fmt: skip
-            start += BLOCK
+def _prefetch_rows(k_ptr, v_ptr, rows, live, HEAD_DIM: tl.constexpr):
+    """`cp.async.bulk.prefetch.L2` of the K and V rows of one head at `rows` where `live`."""
+    # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
+    size = tl.full(rows.shape, HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    flag = live.to(tl.int32)
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [k_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+
+
+@triton.jit
+def _fold_early(q_a, q_b, k_ptr, v_ptr, start, end, kmask, rows, m_i, l_i, acc_a, acc_b,
+                HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr,
+                KEY_SLOTS: tl.constexpr):  # fmt: skip
+    """After the wait: an early tile's K/V (addressed before it) folded into the state as `_tile` would
+    fold it: the same values in the same order. A tile from `start >= end` changes nothing."""
+    if start < end:
+        k_a, v_a, k_b, v_b = _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM, D_A, D_B, DB_W)
+        if KEY_SLOTS:
+            m_i, l_i, acc_a, acc_b = _slot_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b,
+                                                D_B, False)  # fmt: skip
+        else:
+            m_i, l_i, acc_a, acc_b = _tile_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b,
+                                                D_B)  # fmt: skip
     return m_i, l_i, acc_a, acc_b
 
 
@@ -345,26 +409,20 @@ def _load_q(
 
 
 @triton.jit
-def _prefetch_segment(k_ptr, v_ptr, tab_ptr, ctx_ptr, row, part, shift, stride_t, stride_c, stride_e,
-                      stride_s, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                      MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
-    """L2 prefetch of the K and V rows of the segment's first KEYS keys. Runs before the PDL wait, so it
-    reads the context length and the table through L2 only (`.cg`: nothing stale can stay in L1 for the
-    loads after the wait) and only issues hints: whatever it read, the kernel's values are unchanged."""
+def _prefetch_segment(k_ptr, v_ptr, tab, ctx_ptr, row, part, stride_c, stride_e, stride_s,
+                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr,
+                      MIN_TILES: tl.constexpr, SKIP: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+    """L2 prefetch of the K and V rows of the segment's KEYS keys after its first SKIP (those the early
+    tiles load). Runs before the PDL wait, so it reads the context length and the table through L2 only
+    (`.cg`: nothing stale can stay in L1 for the loads after the wait) and only issues hints: whatever it
+    read, the kernel's values are unchanged."""
     ctx = tl.load(ctx_ptr + row * stride_c, cache_modifier=".cg")
     seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     first = part * seg_keys
-    pos = first + tl.arange(0, KEYS)
+    pos = first + SKIP + tl.arange(0, KEYS)
     live = pos < tl.minimum(first + seg_keys, ctx)
-    entry = tl.load(tab_ptr + row * stride_t + pos // PAGE, mask=live, other=0, cache_modifier=".cg")
-    rows = shift + entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
-    # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
-    size = tl.full([KEYS], HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
-    flag = live.to(tl.int32)
-    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [k_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
+    entry = tl.load(tab + pos // PAGE, mask=live, other=0, cache_modifier=".cg")
+    _prefetch_rows(k_ptr, v_ptr, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s, live, HEAD_DIM)
 
 
 @triton.jit(
@@ -376,30 +434,57 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                  MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEY_SLOTS: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0):  # fmt: skip
+                 PDL: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0,
+                 EARLY_TILES: tl.constexpr = 0):  # fmt: skip
     let_dependents_launch(PDL)
     row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
     shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
+    k_ptr, v_ptr, tab = k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t
     if PREFETCH_KEYS > 0:  # under PDL only: hints while the kernel before finishes
-        _prefetch_segment(k_ptr, v_ptr, tab_ptr, ctx_ptr, row, part, shift, stride_t, stride_c, stride_e,
-                          stride_s, HEAD_DIM, PAGE, BLOCK, MAX_SEGS, MIN_TILES, PREFETCH_KEYS)  # fmt: skip
+        _prefetch_segment(k_ptr, v_ptr, tab, ctx_ptr, row, part, stride_c, stride_e, stride_s, HEAD_DIM, PAGE,
+                          BLOCK, MAX_SEGS, MIN_TILES, EARLY_TILES * BLOCK, PREFETCH_KEYS)  # fmt: skip
+    if EARLY_TILES > 0:
+        # Before the wait: the step's metadata (context lengths and tables: written before the step's first
+        # kernel, `metadata_ready`) and the addresses of the segment's first tiles, with their K/V in flight
+        # to L2; the K/V values themselves are read after the wait.
+        ctx = tl.load(ctx_ptr + row * stride_c, cache_modifier=".cg")
+        seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
+        first = part * seg_keys
+        end = tl.minimum(first + seg_keys, ctx)
+        kmask0, rows0 = _early_tile(k_ptr, v_ptr, tab, first, end, stride_e, stride_s, HEAD_DIM, PAGE, BLOCK)
+        if EARLY_TILES > 1:
+            kmask1, rows1 = _early_tile(
+                k_ptr, v_ptr, tab, first + BLOCK, end, stride_e, stride_s, HEAD_DIM, PAGE, BLOCK
+            )  # fmt: skip
     wait_for_inputs(PDL)
-    ctx = tl.load(ctx_ptr + row * stride_c)
-    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
+    if EARLY_TILES == 0:
+        ctx = tl.load(ctx_ptr + row * stride_c)
+        seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
+        first = part * seg_keys
+        end = tl.minimum(first + seg_keys, ctx)
     parts = tl.cdiv(ctx, seg_keys)
     if part < tl.maximum(parts, 1):  # segment 0 of a ctx-0 row writes its zeros
         q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
-        first = part * seg_keys
+        m_i, l_i, acc_a, acc_b = _initial_state(BLOCK, D_A, DB_W, KEY_SLOTS)
+        start = first
+        if EARLY_TILES > 0:
+            m_i, l_i, acc_a, acc_b = _fold_early(
+                q_a, q_b, k_ptr, v_ptr, first, end, kmask0, rows0, m_i, l_i, acc_a, acc_b, HEAD_DIM, D_A,
+                D_B, DB_W, KEY_SLOTS,
+            )  # fmt: skip
+            start = first + BLOCK
+        if EARLY_TILES > 1:
+            m_i, l_i, acc_a, acc_b = _fold_early(
+                q_a, q_b, k_ptr, v_ptr, start, end, kmask1, rows1, m_i, l_i, acc_a, acc_b, HEAD_DIM, D_A,
+                D_B, DB_W, KEY_SLOTS,
+            )  # fmt: skip
+            start = first + 2 * BLOCK
+        m_i, l_i, acc_a, acc_b = _walk(
+            q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b, HEAD_DIM,
+            D_A, D_B, DB_W, PAGE, BLOCK, KEY_SLOTS,
+        )  # fmt: skip
         if KEY_SLOTS:
-            m_i, l_i, acc_a, acc_b = _slot_segment(
-                q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
-                tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
-            )  # fmt: skip
-        else:
-            m_i, l_i, acc_a, acc_b = _segment(
-                q_a, q_b, k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t, first,
-                tl.minimum(first + seg_keys, ctx), stride_e, stride_s, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK,
-            )  # fmt: skip
+            m_i, l_i, acc_a, acc_b = _merge_slots(m_i, l_i, acc_a, acc_b)
         out = out_ptr + row * stride_or + head * HEAD_DIM
         if parts <= 1:
             _store_out(out, acc_a, acc_b, l_i, HEAD_DIM, D_A, D_B)
@@ -496,6 +581,12 @@ def segment_slots(table_width: int, page: int, cfg: SplitConfig = DEFAULT_SPLIT)
     return min(cfg.max_segments, -(-tiles // cfg.min_tiles))
 
 
+def early_tiles(metadata_ready: bool, pdl: bool) -> int:
+    """Tiles a program addresses before its PDL wait: only for a launch as a dependent whose caller vouches
+    for its metadata (without PDL there is no wait to work before, and the kernel is the same with 0)."""
+    return EARLY_TILES_UNDER_PDL if pdl and metadata_ready else 0
+
+
 def prefetch_keys(cfg: SplitConfig) -> int:
     """Keys per segment whose K/V rows a program prefetches before its PDL wait: the shortest segment."""
     return cfg.block_n * cfg.min_tiles
@@ -509,7 +600,8 @@ def rows_per_launch(rows: int, heads: int, slots: int, dim: int) -> int:
     return min(rows, max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4))) if slots > 1 else rows
 
 
-def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape) -> None:
+def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape,
+            metadata_ready: bool) -> None:  # fmt: skip
     rows, heads, dim = q.shape
     scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
@@ -522,6 +614,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
         MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **launch,
         PREFETCH_KEYS=prefetch_keys(cfg) if launch["PDL"] and PREFETCH_KV_UNDER_PDL else 0,
+        EARLY_TILES=early_tiles(metadata_ready, launch["PDL"]),
     )  # fmt: skip
 
 
@@ -534,6 +627,7 @@ def paged_attention(
     layer_id: int,
     scale: float,
     cfg: SplitConfig | None = None,
+    metadata_ready: bool = False,
 ) -> torch.Tensor:
     """Attention of every row over its own pages; returns `[R, H * D]` in q's dtype.
 
@@ -542,6 +636,11 @@ def paged_attention(
     (may be strided): row r attends to key positions `0 .. ctx_lens[r] - 1`, whose page p slot s sits at
     `k_cache[tables[r, p] + layer_id, s]`. ctx 0 (padding row): zeros. See the module docstring for the
     design and the batch-invariance contract.
+
+    `metadata_ready`: `tables` and `ctx_lens` were written before the first kernel of the chain this launch
+    belongs to (the engine stages a step's metadata by a host-to-device copy before its kernels), so
+    under `kernels.pdl` the kernel may read them, and address its first tiles, before its wait
+    (`EARLY_TILES_UNDER_PDL`). K and V are always read after the wait; the values are the same either way.
     """
     q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
     rows, heads, dim = q.shape
@@ -557,7 +656,7 @@ def paged_attention(
     for first in range(0, rows, per_launch):
         last = min(rows, first + per_launch)
         _launch(q[first:last], k_cache, v_cache, tables[first:last], ctx_lens[first:last], out[first:last],
-                layer_id, scale, cfg, slots, strides, shape)  # fmt: skip
+                layer_id, scale, cfg, slots, strides, shape, metadata_ready)  # fmt: skip
     return out
 
 
