@@ -21,6 +21,11 @@
 #                                          slots; then the attention launch floors
 #   bash bench/h200_issue22.sh early       GPU tests of the kernels touched (attention refactor + early tiles, the
 #                                          GEMV's preload depth, the PDL chains), then the ablation bench
+#   bash bench/h200_issue22.sh slots       key slots as Ouro's attention: the slots sweep, the attention GPU tests,
+#                                          the synthetic token (plain vs slots, attn_prefetch, exact with PDL)
+#   bash bench/h200_issue22.sh engine5     the engine as committed in session 5: profile --compare exactloop fast,
+#                                          diffs (exactloop fast at real shape and ouro-tiny; attn_prefetch R0;
+#                                          base exactloop with the key-slot attention), bench exactloop vs fast
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -239,4 +244,29 @@ if [ "$1" = early ]; then
     | tail -40 > "$OUT/gpu_tests_early_h200.txt"; tail -5 "$OUT/gpu_tests_early_h200.txt"
   timeout 200 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" >> "$LOG" 2>&1; echo "ablation exit $?"
   cat "$OUT/token_ablation_h200.md"
+fi
+if [ "$1" = slots ]; then
+  timeout 130 python3 bench/decode_attention_h200.py --sweep --sweep-set slots --budget-s 100 --out "$OUT" >> "$LOG" 2>&1
+  echo "sweep exit $?"; cat "$OUT/attention_sweep_slots_h200.md"; rm -f "$OUT/attention_sweep_slots_h200.json"
+  timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py tests/engine/test_pdl.py \
+    -p no:cacheprovider --tb=short 2>&1 | tail -15 > "$OUT/gpu_tests_slots_h200.txt"; tail -3 "$OUT/gpu_tests_slots_h200.txt"
+  timeout 120 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast,fast attn-pf,fast slots,fast slots attn-pf,exact,exact slots,exact+pdl,exact+pdl slots attn-pf" >> "$LOG" 2>&1
+  echo "ablation exit $?"; cat "$OUT/token_ablation_h200.md"
+fi
+if [ "$1" = engine5 ]; then
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
+    --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
+  echo "diff fast exit $?"; grep -A3 '"summary"' "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" | head -8
+  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.attn_prefetch=false --model ouro-1.4b --device cuda \
+    -c 4 --prompt-len 128 --max-tokens 16 --format json -o "$OUT/diff_fast_attn_prefetch_ouro-1.4b_c4_h200.json" \
+    > /dev/null 2>> "$LOG"; echo "diff prefetch exit $?"
+  timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-tiny --device cuda --format json \
+    -o "$OUT/diff_exactloop_fast_ouro-tiny_h200.json" > /dev/null 2>> "$LOG"; echo "diff tiny fast exit $?"
+  timeout -s INT 50 python3 -m looptrace diff base exactloop --model ouro-tiny --device cuda 2>&1 | tail -4 | tee -a "$LOG"
+  timeout -s INT "${BENCH_TIMEOUT:-200}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
+    --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
+  echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
 fi

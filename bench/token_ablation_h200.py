@@ -5,18 +5,17 @@
 The synthetic Ouro-1.4B token of `bench/l2_prefetch_h200.py` (the engine's own kernels, random weights of
 the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUDA graph per variant:
 
-    fast                  Triton GEMV + PDL + first weight tile before the wait (the `fast` recipe)
+    fast                  Triton GEMV + PDL + first weight tile before the wait (`fast` of session 4)
     fast -OP              the same without one op (attn, write_kv, norm, silu): its marginal cost is the
                           difference (the chain is dependent, so a kernel's cost is what it adds to it)
     fast gemv-only        only the four projections per layer pass
     fast pre16K           the GEMV loads up to 16 KB of its weight slice before its wait
                           (`gemv.PRELOAD_BYTES`; 8 KB = one tile is `fast`)
     fast attn-pf          the attention prefetches its segment's K/V rows into L2 before its wait
-                          (`paged_attention.PREFETCH_KV_UNDER_PDL`)
-    fast early1/early2    the attention reads its metadata and addresses its segment's first 1/2 tiles
-                          (prefetching their K/V) before its wait (`paged_attention.EARLY_TILES_UNDER_PDL`)
+                          (`kernels.attn_prefetch`)
     fast slots ...        the attention's per-key-slot softmax (`SplitConfig.key_slots`)
     exact, exact+pdl      cuBLAS projections (exactloop), without and with PDL for the Triton kernels
+    ... slots attn-pf     the session-5 attention (key slots) with its K/V prefetch: `fast` as committed
 
 Reports the median ms per token replay (variants interleaved, `--rounds` rounds), each ablation's
 marginal µs per layer pass, and whether each full variant's output is bitwise equal to its family's first
@@ -49,7 +48,6 @@ class Variant:
     pdl: bool = True
     preload_bytes: int = 8192  # the GEMV's weight bytes before its wait (one 32 x 128 tile: `fast`)
     attn_prefetch: bool = False
-    early: int = 0  # attention tiles addressed (and their K/V prefetched) before the wait
     key_slots: bool = False
     skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
     family: str = "fast"  # bitwise comparisons are within a family (the full variants only)
@@ -64,16 +62,15 @@ def variants() -> dict[str, Variant]:
     out["fast gemv-only"] = replace(fast, skip=frozenset({"all"}), family="")
     out["fast pre16K"] = replace(fast, preload_bytes=16384)
     out["fast attn-pf"] = replace(fast, attn_prefetch=True)
-    out["fast early1"] = replace(fast, early=1)
-    out["fast early2"] = replace(fast, early=2)
     out["fast slots"] = replace(fast, key_slots=True, family="slots")
-    out["fast slots early1"] = replace(fast, key_slots=True, early=1, family="slots")
     out["fast slots attn-pf"] = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
     out["exact"] = exact
     out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
     out["exact+pdl"] = replace(exact, pdl=True)
-    out["exact+pdl early2"] = replace(exact, pdl=True, early=2)
-    out["exact+pdl slots early1"] = replace(exact, pdl=True, key_slots=True, early=1, family="exact slots")
+    out["exact slots"] = replace(exact, key_slots=True, family="exact slots")
+    out["exact+pdl slots attn-pf"] = replace(
+        exact, pdl=True, key_slots=True, attn_prefetch=True, family="exact slots"
+    )
     return out
 
 
@@ -125,15 +122,14 @@ def capture_variant(m: dict, v: Variant):
     from looptrace.engine.kernels import paged_attention as pa
 
     linear = gemv.linear if v.gemv else F.linear
-    saved = gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL, pa.EARLY_TILES_UNDER_PDL, pa.DEFAULT_SPLIT
-    gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL = v.preload_bytes, v.attn_prefetch
-    pa.EARLY_TILES_UNDER_PDL = v.early
+    saved = gemv.PRELOAD_BYTES, pa.DEFAULT_SPLIT
+    gemv.PRELOAD_BYTES = v.preload_bytes
     pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
-    try:
-        with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl):  # the warm-ups and the capture
+    try:  # the warm-ups and the capture under the variant's launch mode
+        with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
             return capture(lambda: token_step(m, linear, v.skip))
     finally:
-        gemv.PRELOAD_BYTES, pa.PREFETCH_KV_UNDER_PDL, pa.EARLY_TILES_UNDER_PDL, pa.DEFAULT_SPLIT = saved
+        gemv.PRELOAD_BYTES, pa.DEFAULT_SPLIT = saved
 
 
 def main() -> int:

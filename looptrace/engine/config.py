@@ -224,6 +224,10 @@ class KernelConfig:
     # `griddepcontrol.wait` (no kernel writes weights), so those loads overlap the kernel before. Moves
     # loads, not values (R0); CUDA sm_90+ only.
     gemv_preload: bool = field(default=False, metadata=_meta("R0"))
+    # Beyond the paper, with `pdl`: before its `griddepcontrol.wait` the paged attention reads its row's
+    # context length and page entries through L2 and prefetches its segment's K/V rows into L2 (hints:
+    # they move bytes, not values, whatever the kernel before is writing). R0; CUDA sm_90+ only.
+    attn_prefetch: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper: inside CUDA graphs, each projection first prefetches the next projection's weight
     # into L2 on a side stream (`kernels/l2_prefetch.py`, Hopper bulk prefetch), so it streams while the
     # latency-bound kernels between GEMMs run. Moves bytes, not values (R0); CUDA only.

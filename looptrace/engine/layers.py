@@ -373,13 +373,7 @@ class PagedAttention(nn.Module):
             return K.packed_attn(
                 q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
             )
-        # The tables and context lengths are slices of the traversal's metadata, staged by a host-to-device
-        # copy (or gathered from it) before the traversal's first kernel: under kernels.pdl the kernel
-        # may read them before its wait (`metadata_ready`).
-        layer, scale = self.layer_id, self.scale
-        return K.paged_attn(
-            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, layer, scale, metadata_ready=True
-        )
+        return K.paged_attn(q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale)
 
     def _torch_path(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]

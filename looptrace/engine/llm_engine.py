@@ -220,6 +220,12 @@ class LLMEngine:
         self.weight_preload = self.cfg.kernels.gemv_preload and self.dependent_launches and gemv_on
         if self.cfg.kernels.gemv_preload and not self.weight_preload:
             missing["kernels.gemv_preload"] = "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)"
+        # kernels.attn_prefetch: likewise; it acts only on the Triton paged attention under PDL
+        self.kv_prefetch = (
+            self.cfg.kernels.attn_prefetch and self.dependent_launches and plan.triton_attention
+        )
+        if self.cfg.kernels.attn_prefetch and not self.kv_prefetch:
+            missing["kernels.attn_prefetch"] = "needs kernels.pdl active (CUDA sm_90+) and Triton attention"
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _apply_gemv_inputs(self, gemv_on: bool) -> dict[str, str]:
@@ -883,11 +889,12 @@ class LLMEngine:
 
     def _step_modes(self) -> contextlib.ExitStack:
         """The modes every step's kernels run under: SDPA's backend pin and the launch mode (kernels.pdl,
-        kernels.gemv_preload).
+        kernels.gemv_preload, kernels.attn_prefetch).
         CUDA graphs keep the mode they were captured with."""
         stack = contextlib.ExitStack()
         stack.enter_context(attention_backend(self.device))
-        stack.enter_context(launch_mode.dependent_launches(self.dependent_launches, self.weight_preload))
+        modes = (self.dependent_launches, self.weight_preload, self.kv_prefetch)
+        stack.enter_context(launch_mode.dependent_launches(*modes))
         return stack
 
     def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:

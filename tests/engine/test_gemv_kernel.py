@@ -146,11 +146,13 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     a, b = asdict(fast), asdict(exact)
     assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)
     assert fast.kernels.gemv_preload and not exact.kernels.gemv_preload
-    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload"):
+    assert fast.kernels.attn_prefetch and not exact.kernels.attn_prefetch  # R0, under PDL only
+    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload", "attn_prefetch"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
     assert a == b
     assert toggle_rung("kernels.l2_prefetch", False, True) == "R0"
+    assert toggle_rung("kernels.attn_prefetch", False, True) == "R0"
     assert toggle_rung("kernels.gemv", False, True) == "R3"
 
 

@@ -80,10 +80,9 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             assert calls[:1] == ["await_inputs"], f"{path.name}:{kernel.name} starts with {calls[:3]}"
         else:  # only index math, the launch hint and the weight prefetch may come before the wait
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
-            allowed |= {"tl.zeros", "_weight_tile", "_early_tile"}  # the GEMV's weight preload (weights:
-            # never written); the attention's early addressing (step metadata, `metadata_ready`)
+            allowed |= {"tl.zeros", "_early_tile"}  # the GEMV's weight preload (weights: never written)
+            # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
-            allowed |= {"tl.load.cg", "_segment_keys", "tl.minimum"}  # the attention's metadata reads
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
 
 
@@ -178,25 +177,26 @@ ATTN_SIGNATURE |= {n: "i32" for n in ("stride_t", "stride_c", "stride_or", "seg_
 
 @needs_triton
 @pytest.mark.parametrize("dim", [128, 96])
-def test_sm90_attention_reads_only_metadata_through_l2_before_the_wait(dim):
-    """Early tiles (`metadata_ready`) and the K/V prefetch: before `griddepcontrol.wait` the attention
-    kernel only loads through L2 (`ld.global.cg`: the context length and page entries) and issues bulk
-    L2 prefetches; no plain load (K, V, q), no store, no atomic. Without them nothing comes before it."""
+def test_sm90_attention_prefetch_reads_only_through_l2_before_the_wait(dim):
+    """`kernels.attn_prefetch`: before `griddepcontrol.wait` the attention kernel only loads through L2
+    (`ld.global.cg`: the context length and page entries) and issues bulk L2 prefetches of K/V rows; no
+    plain load (K, V, q), no store, no atomic. Without it nothing comes before the wait."""
     from looptrace.engine.kernels import paged_attention as pa
 
     cfg = pa.split_for_head(dim)
     d_a, d_b = pa.head_split(dim)
     consts = dict(GROUP=1, HEAD_DIM=dim, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), PAGE=16, BLOCK=cfg.block_n,
-                  MAX_SEGS=cfg.max_segments, MIN_TILES=cfg.min_tiles, KEY_SLOTS=False, PDL=True)  # fmt: skip
+                  MAX_SEGS=cfg.max_segments, MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots,
+                  PDL=True)  # fmt: skip
     counts = {}
-    for early, prefetch in ((0, 0), (2, pa.prefetch_keys(cfg))):
-        mode = dict(EARLY_TILES=early, PREFETCH_KEYS=prefetch)
+    for prefetch in (0, pa.prefetch_keys(cfg)):
         compiled = _compile_sm90(
-            pa._attn_kernel, ATTN_SIGNATURE, consts | mode, num_warps=cfg.num_warps, launch_pdl=True
-        )
+            pa._attn_kernel, ATTN_SIGNATURE, consts | dict(PREFETCH_KEYS=prefetch), num_warps=cfg.num_warps,
+            launch_pdl=True,
+        )  # fmt: skip
         ptx = compiled.asm["ptx"].splitlines()
         before = ptx[: _first(ptx, "griddepcontrol.wait")]
-        counts[early] = [
+        counts[prefetch] = [
             sum(bool(re.search(pattern, line)) for line in before)
             for pattern in (
                 r"ld\.global\.cg",
@@ -206,8 +206,8 @@ def test_sm90_attention_reads_only_metadata_through_l2_before_the_wait(dim):
             )
         ]
     assert counts[0] == [0, 0, 0, 0]
-    cg, plain, writes, prefetches = counts[2]
-    assert cg > 0 and prefetches >= 4 and plain == 0 and writes == 0, counts[2]
+    cg, plain, writes, prefetches = counts[pa.prefetch_keys(cfg)]
+    assert cg > 0 and prefetches == 2 and plain == 0 and writes == 0, counts
 
 
 @needs_triton
@@ -283,7 +283,7 @@ def _chain(rows: int, linear, passes: int = 6):
             q, k, v = linear(x, lay["qkv"]).split(HIDDEN, dim=-1)
             q, k, v = (t.view(rows, HEADS, DIM) for t in (q, k, v))
             q = K.rope_half_write_kv(q, k, v, cos, sin, kc, vc, went, woff, i % 2)
-            a = K.paged_attn(q, kc, vc, tables, ctx, i % 2, DIM**-0.5, metadata_ready=True)
+            a = K.paged_attn(q, kc, vc, tables, ctx, i % 2, DIM**-0.5)
             h, x = K.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
             gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
             d = linear(K.silu_and_mul(gate, up), lay["down"])
@@ -296,41 +296,37 @@ def _chain(rows: int, linear, passes: int = 6):
 @gpu
 @pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "gemv+preload4", "cublas+early"])
+@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "gemv+preload4", "cublas+kv"])
 def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection, monkeypatch):
     """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload: one tile, or up to
-    four; for the attention, with its first two tiles addressed and prefetched before its wait, the
+    four; for the attention, with its K/V prefetched into L2 before its wait, kernels.attn_prefetch, the
     newest key written by the kernel just before it): the same bits."""
     import torch.nn.functional as F
 
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import gemv
-    from looptrace.engine.kernels import paged_attention as pa
 
     linear = F.linear if projection.startswith("cublas") else gemv.gemv
-    preload = "+preload" in projection
+    preload, kv = "+preload" in projection, projection.endswith("+kv")
     if projection.endswith("preload4"):
         monkeypatch.setattr(gemv, "PRELOAD_BYTES", 4 * 32 * 128 * 2)
-    if projection.endswith("+early"):
-        monkeypatch.setattr(pa, "EARLY_TILES_UNDER_PDL", 2)
-        monkeypatch.setattr(pa, "PREFETCH_KV_UNDER_PDL", True)
     token = _chain(rows, linear)
     with K.graph_warmup():
         eager = token()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), launch_mode.dependent_launches(True, preload):
+        with torch.cuda.stream(side), launch_mode.dependent_launches(True, preload, kv):
             for _ in range(2):
                 token()  # compiles the PDL variants outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with launch_mode.dependent_launches(True, preload), torch.cuda.graph(graph):
+        with launch_mode.dependent_launches(True, preload, kv), torch.cuda.graph(graph):
             captured = token()
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(eager, captured))
-        with launch_mode.dependent_launches(True, preload):
+        with launch_mode.dependent_launches(True, preload, kv):
             again = token()  # eager launches under PDL as well
     assert all(torch.equal(a, b) for a, b in zip(eager, again))
 

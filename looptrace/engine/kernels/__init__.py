@@ -130,19 +130,14 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     return gemv.residual_norm_linear(y, w_post, eps_post, residual, w_next, eps_next, weight)
 
 
-def paged_attn(
-    q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float, metadata_ready: bool = False
-) -> torch.Tensor:
-    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`;
-    `metadata_ready`: the tables and context lengths were written before the step's first kernel).
+def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
+    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
 
     Named apart from the submodule `paged_attention`: importing it sets the package attribute of that name.
     """
     from looptrace.engine.kernels import paged_attention as pa
 
-    return pa.paged_attention(
-        q, k_cache, v_cache, tables, ctx_lens, layer_id, scale, metadata_ready=metadata_ready
-    )
+    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
 
 
 def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, scale: float) -> torch.Tensor:

@@ -8,7 +8,9 @@ ramp inside each GEMV). With programmatic dependent launch (Hopper, sm_90+) a ke
 `griddepcontrol.launch_dependents`; it then blocks in `griddepcontrol.wait` until that kernel has
 completed and its writes are visible. Only work that reads nothing an earlier kernel writes may run
 before the wait: weights, which no kernel writes (the GEMV's first weight tile under `kernels.gemv_preload`,
-`weight_preload`; its L2 prefetch of the whole slice, `gemv.PREFETCH_UNDER_PDL`, off: measured slower).
+`weight_preload`; its L2 prefetch of the whole slice, `gemv.PREFETCH_UNDER_PDL`, off: measured slower), and
+hints that move no values (the attention's L2 prefetch of its K/V rows under `kernels.attn_prefetch`,
+`kv_prefetch`).
 
 Values never change (R0): every program of every kernel waits before it reads or writes anything another
 kernel touches (`_pdl.await_inputs` is the first statement of each kernel body). The wait covers the
@@ -31,6 +33,7 @@ import torch
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter runs no inline PTX
 _dependent = False
 _preload = False
+_kv_prefetch = False
 
 
 def supported(device: torch.device | str) -> bool:
@@ -45,17 +48,21 @@ def supported(device: torch.device | str) -> bool:
 
 
 @contextmanager
-def dependent_launches(enabled: bool, weight_preload: bool = False) -> Iterator[None]:
+def dependent_launches(
+    enabled: bool, weight_preload: bool = False, kv_prefetch: bool = False
+) -> Iterator[None]:
     """Launch the Triton kernels as programmatic dependents while the scope is open (when `enabled`);
-    `weight_preload`: the one-row GEMV then loads its first weight tile before its wait."""
-    global _dependent, _preload
-    previous = _dependent, _preload
+    `weight_preload`: the one-row GEMV then loads its first weight tile before its wait; `kv_prefetch`:
+    the paged attention asks L2 for its segment's K/V rows before its wait."""
+    global _dependent, _preload, _kv_prefetch
+    previous = _dependent, _preload, _kv_prefetch
     _dependent = bool(enabled) and not _INTERPRETED
     _preload = _dependent and bool(weight_preload)
+    _kv_prefetch = _dependent and bool(kv_prefetch)
     try:
         yield
     finally:
-        _dependent, _preload = previous
+        _dependent, _preload, _kv_prefetch = previous
 
 
 def active() -> bool:
@@ -67,10 +74,15 @@ def weight_preload() -> bool:
     return _preload
 
 
+def kv_prefetch() -> bool:
+    """Under PDL with `kernels.attn_prefetch`: the paged attention prefetches its K/V before the wait."""
+    return _kv_prefetch
+
+
 def pdl_args() -> dict:
     """Keyword arguments for a kernel launch under the current mode: the kernel's `PDL` constexpr (its
     `await_inputs` preamble) and Triton's `launch_pdl` launch option, which always go together."""
     return {"PDL": True, "launch_pdl": True} if _dependent else {"PDL": False}
 
 
-__all__ = ["active", "dependent_launches", "pdl_args", "supported", "weight_preload"]
+__all__ = ["active", "dependent_launches", "kv_prefetch", "pdl_args", "supported", "weight_preload"]

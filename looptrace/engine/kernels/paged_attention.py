@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kernels._fences import triton
 from looptrace.engine.kernels._pdl import await_inputs, let_dependents_launch, wait_for_inputs
 from looptrace.engine.kernels._scratch import tickets as _tickets
@@ -80,14 +81,6 @@ MIN_SEGMENT_TILES = 2
 NUM_WARPS = 2
 LOG2E = math.log2(math.e)
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-# Under `kernels.pdl`: before its wait, each program asks L2 for the K and V rows of its segment's first
-# keys (the K/V of earlier steps is never written by the kernels before it; a prefetch moves no values, so a
-# row the kernel before is still writing costs nothing but a wasted hint).
-PREFETCH_KV_UNDER_PDL = False
-# Under `kernels.pdl`, where the step's metadata is ready before its kernels (`metadata_ready`): the tiles of
-# its segment whose addresses a program reads, and whose K/V it asks L2 for, before its wait (0: none; at
-# most 2).
-EARLY_TILES_UNDER_PDL = 0
 
 
 @dataclass(frozen=True)
@@ -107,9 +100,11 @@ class SplitConfig:
 # The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
 # 2 warps and segments of at least 2 tiles had the lowest mean time/floor at Ouro's 128-wide heads (2.26x,
 # against 3.15x for the 64-key, 4-warp kernel before it; 32 x 640: 54.5 vs 90.4 µs); at Huginn's 96-wide
-# heads 64-key tiles with 2 warps and one-tile segments were best. One config per head size: a constant of
-# the model, so every request, batch and recipe of a model runs the same binary (the R0 contract).
-DEFAULT_SPLIT = SplitConfig()
+# heads 64-key tiles with 2 warps and one-tile segments were best. Ouro's split keeps its softmax state per
+# key slot (session 5: the synthetic batch-1 token 4.87 -> 4.67 ms, bench/results/issue22/session5). One
+# config per head size: a constant of the model, so every request, batch and recipe of a model runs the
+# same binary (the R0 contract).
+DEFAULT_SPLIT = SplitConfig(key_slots=True)
 SPLIT_BY_HEAD_DIM = {96: SplitConfig(block_n=64, min_tiles=1, num_warps=2)}
 
 
@@ -304,17 +299,6 @@ def _merge_slots(m_i, l_i, acc_a, acc_b):
 
 
 @triton.jit
-def _early_tile(k_ptr, v_ptr, tab, start, end, stride_e, stride_s, HEAD_DIM: tl.constexpr,
-                PAGE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Before the PDL wait: a tile's key mask and cache row offsets (its page entries, read through L2
-    only: nothing stale can stay in L1), and an L2 prefetch of its keys' K and V rows (a hint: a row the
-    kernel before is still writing costs a wasted prefetch, never a value)."""
-    pos, kmask, rows = _tile_keys(tab, start, end, stride_e, stride_s, PAGE, BLOCK, False, True)
-    _prefetch_rows(k_ptr, v_ptr, rows, kmask, HEAD_DIM)
-    return kmask, rows
-
-
-@triton.jit
 def _prefetch_rows(k_ptr, v_ptr, rows, live, HEAD_DIM: tl.constexpr):
     """`cp.async.bulk.prefetch.L2` of the K and V rows of one head at `rows` where `live`."""
     # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
@@ -324,23 +308,6 @@ def _prefetch_rows(k_ptr, v_ptr, rows, live, HEAD_DIM: tl.constexpr):
                               pack=1)  # fmt: skip
     tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
                               pack=1)  # fmt: skip
-
-
-@triton.jit
-def _fold_early(q_a, q_b, k_ptr, v_ptr, start, end, kmask, rows, m_i, l_i, acc_a, acc_b,
-                HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DB_W: tl.constexpr,
-                KEY_SLOTS: tl.constexpr):  # fmt: skip
-    """After the wait: an early tile's K/V (addressed before it) folded into the state as `_tile` would
-    fold it: the same values in the same order. A tile from `start >= end` changes nothing."""
-    if start < end:
-        k_a, v_a, k_b, v_b = _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM, D_A, D_B, DB_W)
-        if KEY_SLOTS:
-            m_i, l_i, acc_a, acc_b = _slot_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b,
-                                                D_B, False)  # fmt: skip
-        else:
-            m_i, l_i, acc_a, acc_b = _tile_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b,
-                                                D_B)  # fmt: skip
-    return m_i, l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -411,15 +378,15 @@ def _load_q(
 @triton.jit
 def _prefetch_segment(k_ptr, v_ptr, tab, ctx_ptr, row, part, stride_c, stride_e, stride_s,
                       HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr,
-                      MIN_TILES: tl.constexpr, SKIP: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
-    """L2 prefetch of the K and V rows of the segment's KEYS keys after its first SKIP (those the early
-    tiles load). Runs before the PDL wait, so it reads the context length and the table through L2 only
-    (`.cg`: nothing stale can stay in L1 for the loads after the wait) and only issues hints: whatever it
-    read, the kernel's values are unchanged."""
+                      MIN_TILES: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+    """L2 prefetch of the K and V rows of the segment's first KEYS keys (`kernels.attn_prefetch`). Runs
+    before the PDL wait, so it reads the context length and the table through L2 only (`.cg`: nothing it
+    reads stays in L1 for the loads after the wait) and only issues hints: whatever it read (a row the
+    kernel before is still writing included), the kernel's values are unchanged."""
     ctx = tl.load(ctx_ptr + row * stride_c, cache_modifier=".cg")
     seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     first = part * seg_keys
-    pos = first + SKIP + tl.arange(0, KEYS)
+    pos = first + tl.arange(0, KEYS)
     live = pos < tl.minimum(first + seg_keys, ctx)
     entry = tl.load(tab + pos // PAGE, mask=live, other=0, cache_modifier=".cg")
     _prefetch_rows(k_ptr, v_ptr, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s, live, HEAD_DIM)
@@ -434,54 +401,25 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, ctx_ptr, out_ptr, part_ptr, ml_pt
                  stride_or, seg_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_A: tl.constexpr,
                  D_B: tl.constexpr, DB_W: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                  MAX_SEGS: tl.constexpr, MIN_TILES: tl.constexpr, KEY_SLOTS: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0,
-                 EARLY_TILES: tl.constexpr = 0):  # fmt: skip
+                 PDL: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0):  # fmt: skip
     let_dependents_launch(PDL)
     row, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # rows: axis 0 (2^31)
     shift = layer_id.to(tl.int64) * stride_e + (head // GROUP).to(tl.int64) * stride_kh  # layer, kv head
     k_ptr, v_ptr, tab = k_ptr + shift, v_ptr + shift, tab_ptr + row * stride_t
-    if PREFETCH_KEYS > 0:  # under PDL only: hints while the kernel before finishes
+    if PREFETCH_KEYS > 0:  # kernels.attn_prefetch, under PDL only: hints while the kernel before finishes
         _prefetch_segment(k_ptr, v_ptr, tab, ctx_ptr, row, part, stride_c, stride_e, stride_s, HEAD_DIM, PAGE,
-                          BLOCK, MAX_SEGS, MIN_TILES, EARLY_TILES * BLOCK, PREFETCH_KEYS)  # fmt: skip
-    if EARLY_TILES > 0:
-        # Before the wait: the step's metadata (context lengths and tables: written before the step's first
-        # kernel, `metadata_ready`) and the addresses of the segment's first tiles, with their K/V in flight
-        # to L2; the K/V values themselves are read after the wait.
-        ctx = tl.load(ctx_ptr + row * stride_c, cache_modifier=".cg")
-        seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
-        first = part * seg_keys
-        end = tl.minimum(first + seg_keys, ctx)
-        kmask0, rows0 = _early_tile(k_ptr, v_ptr, tab, first, end, stride_e, stride_s, HEAD_DIM, PAGE, BLOCK)
-        if EARLY_TILES > 1:
-            kmask1, rows1 = _early_tile(
-                k_ptr, v_ptr, tab, first + BLOCK, end, stride_e, stride_s, HEAD_DIM, PAGE, BLOCK
-            )  # fmt: skip
+                          BLOCK, MAX_SEGS, MIN_TILES, PREFETCH_KEYS)  # fmt: skip
     wait_for_inputs(PDL)
-    if EARLY_TILES == 0:
-        ctx = tl.load(ctx_ptr + row * stride_c)
-        seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
-        first = part * seg_keys
-        end = tl.minimum(first + seg_keys, ctx)
+    ctx = tl.load(ctx_ptr + row * stride_c)
+    seg_keys = _segment_keys(ctx, BLOCK, MAX_SEGS, MIN_TILES)
     parts = tl.cdiv(ctx, seg_keys)
     if part < tl.maximum(parts, 1):  # segment 0 of a ctx-0 row writes its zeros
         q_a, q_b = _load_q(q_ptr + row * stride_qr + head * stride_qh, qk_scale, HEAD_DIM, D_A, D_B, DB_W)
         m_i, l_i, acc_a, acc_b = _initial_state(BLOCK, D_A, DB_W, KEY_SLOTS)
-        start = first
-        if EARLY_TILES > 0:
-            m_i, l_i, acc_a, acc_b = _fold_early(
-                q_a, q_b, k_ptr, v_ptr, first, end, kmask0, rows0, m_i, l_i, acc_a, acc_b, HEAD_DIM, D_A,
-                D_B, DB_W, KEY_SLOTS,
-            )  # fmt: skip
-            start = first + BLOCK
-        if EARLY_TILES > 1:
-            m_i, l_i, acc_a, acc_b = _fold_early(
-                q_a, q_b, k_ptr, v_ptr, start, end, kmask1, rows1, m_i, l_i, acc_a, acc_b, HEAD_DIM, D_A,
-                D_B, DB_W, KEY_SLOTS,
-            )  # fmt: skip
-            start = first + 2 * BLOCK
+        first = part * seg_keys
         m_i, l_i, acc_a, acc_b = _walk(
-            q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i, acc_a, acc_b, HEAD_DIM,
-            D_A, D_B, DB_W, PAGE, BLOCK, KEY_SLOTS,
+            q_a, q_b, k_ptr, v_ptr, tab, first, tl.minimum(first + seg_keys, ctx), stride_e, stride_s, m_i,
+            l_i, acc_a, acc_b, HEAD_DIM, D_A, D_B, DB_W, PAGE, BLOCK, KEY_SLOTS,
         )  # fmt: skip
         if KEY_SLOTS:
             m_i, l_i, acc_a, acc_b = _merge_slots(m_i, l_i, acc_a, acc_b)
@@ -581,12 +519,6 @@ def segment_slots(table_width: int, page: int, cfg: SplitConfig = DEFAULT_SPLIT)
     return min(cfg.max_segments, -(-tiles // cfg.min_tiles))
 
 
-def early_tiles(metadata_ready: bool, pdl: bool) -> int:
-    """Tiles a program addresses before its PDL wait: only for a launch as a dependent whose caller vouches
-    for its metadata (without PDL there is no wait to work before, and the kernel is the same with 0)."""
-    return EARLY_TILES_UNDER_PDL if pdl and metadata_ready else 0
-
-
 def prefetch_keys(cfg: SplitConfig) -> int:
     """Keys per segment whose K/V rows a program prefetches before its PDL wait: the shortest segment."""
     return cfg.block_n * cfg.min_tiles
@@ -600,8 +532,7 @@ def rows_per_launch(rows: int, heads: int, slots: int, dim: int) -> int:
     return min(rows, max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4))) if slots > 1 else rows
 
 
-def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape,
-            metadata_ready: bool) -> None:  # fmt: skip
+def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape) -> None:
     rows, heads, dim = q.shape
     scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
@@ -613,8 +544,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
         MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **launch,
-        PREFETCH_KEYS=prefetch_keys(cfg) if launch["PDL"] and PREFETCH_KV_UNDER_PDL else 0,
-        EARLY_TILES=early_tiles(metadata_ready, launch["PDL"]),
+        PREFETCH_KEYS=prefetch_keys(cfg) if launch["PDL"] and launch_mode.kv_prefetch() else 0,
     )  # fmt: skip
 
 
@@ -627,7 +557,6 @@ def paged_attention(
     layer_id: int,
     scale: float,
     cfg: SplitConfig | None = None,
-    metadata_ready: bool = False,
 ) -> torch.Tensor:
     """Attention of every row over its own pages; returns `[R, H * D]` in q's dtype.
 
@@ -636,11 +565,6 @@ def paged_attention(
     (may be strided): row r attends to key positions `0 .. ctx_lens[r] - 1`, whose page p slot s sits at
     `k_cache[tables[r, p] + layer_id, s]`. ctx 0 (padding row): zeros. See the module docstring for the
     design and the batch-invariance contract.
-
-    `metadata_ready`: `tables` and `ctx_lens` were written before the first kernel of the chain this launch
-    belongs to (the engine stages a step's metadata by a host-to-device copy before its kernels), so
-    under `kernels.pdl` the kernel may read them, and address its first tiles, before its wait
-    (`EARLY_TILES_UNDER_PDL`). K and V are always read after the wait; the values are the same either way.
     """
     q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
     rows, heads, dim = q.shape
@@ -656,7 +580,7 @@ def paged_attention(
     for first in range(0, rows, per_launch):
         last = min(rows, first + per_launch)
         _launch(q[first:last], k_cache, v_cache, tables[first:last], ctx_lens[first:last], out[first:last],
-                layer_id, scale, cfg, slots, strides, shape, metadata_ready)  # fmt: skip
+                layer_id, scale, cfg, slots, strides, shape)  # fmt: skip
     return out
 
 
