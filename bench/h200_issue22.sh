@@ -265,7 +265,11 @@ if [ "$1" = engine5 ]; then
     > /dev/null 2>> "$LOG"; echo "diff prefetch exit $?"
   timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-tiny --device cuda --format json \
     -o "$OUT/diff_exactloop_fast_ouro-tiny_h200.json" > /dev/null 2>> "$LOG"; echo "diff tiny fast exit $?"
-  timeout -s INT 50 python3 -m looptrace diff base exactloop --model ouro-tiny --device cuda 2>&1 | tail -4 | tee -a "$LOG"
+  for m in ouro-tiny huginn-tiny; do
+    timeout -s INT 60 python3 -m looptrace diff base exactloop --model $m --device cuda 2>&1 | tail -3 | tee -a "$LOG"
+  done
+  timeout 60 python3 bench/decode_attention_h200.py --old bench/paged_attention_2e6f966.py --out "$OUT" >> "$LOG" 2>&1
+  echo "attention exit $?"; rm -f "$OUT/decode_attention_h200.json"; cat "$OUT/decode_attention_h200.md"
   timeout -s INT "${BENCH_TIMEOUT:-200}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
     --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3

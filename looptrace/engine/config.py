@@ -210,6 +210,11 @@ class KernelConfig:
     # Another reduction order (R3); the Triton kernel is batch invariant, so recipes that share it compare
     # bit for bit.
     attention: Literal["torch", "triton"] = field(default="triton", metadata=_meta("R3"))
+    # Beyond the paper, with Triton attention: the paged kernel keeps its online-softmax state per key slot
+    # (no reduction over keys per tile; `kernels/paged_attention.py`) at head sizes whose default split is
+    # the plain form (Ouro's 128; Huginn's 96 always uses it). Faster for one row, slower for 8-64 rows on
+    # the H200. Another reduction order (R3); still batch invariant. CUDA only.
+    attn_slots: bool = field(default=False, metadata=_meta("R3"))
     # Beyond the paper: projections of at most 8 rows (decode) through a bandwidth-bound split-K Triton GEMV
     # (`kernels/gemv.py`) instead of cuBLAS; another reduction order (R3), CUDA only.
     gemv: bool = field(default=False, metadata=_meta("R3"))

@@ -336,10 +336,19 @@ class AttentionMetadata(nn.Module):
 
 def enable_triton_attention(model: nn.Module) -> int:
     """Switch every paged-attention op to the Triton kernels (CUDA only); returns how many ops."""
+    return _set_attention(model, "triton")
+
+
+def enable_key_slots(model: nn.Module) -> int:
+    """`kernels.attn_slots`: every Triton paged-attention op runs the split's per-key-slot form."""
+    return _set_attention(model, "key_slots")
+
+
+def _set_attention(model: nn.Module, flag: str) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, PagedAttention):
-            module.triton = True
+            setattr(module, flag, True)
             count += 1
     return count
 
@@ -353,6 +362,7 @@ class PagedAttention(nn.Module):
 
     op_kind = "paged_attention"
     triton = False
+    key_slots = False  # kernels.attn_slots: the Triton kernel's per-key-slot form (`enable_key_slots`)
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -373,7 +383,9 @@ class PagedAttention(nn.Module):
             return K.packed_attn(
                 q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
             )
-        return K.paged_attn(q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale)
+        return K.paged_attn(
+            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale, self.key_slots
+        )
 
     def _torch_path(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]

@@ -38,6 +38,7 @@ from looptrace.engine.layers import (
     enable_exact_kernels,
     enable_fused_tails,
     enable_gemv_inputs,
+    enable_key_slots,
     enable_triton_attention,
 )
 from looptrace.engine.model_config import ModelSpec, resolve_preset
@@ -194,6 +195,8 @@ class LLMEngine:
             kernels.warmup(self.device, specs=[kernel_shapes(self.spec)])
         if plan.triton_attention:
             enable_triton_attention(model)
+            if self.cfg.kernels.attn_slots:
+                enable_key_slots(model)
         missing = {
             name: f"no fused kernel for the {self.spec.family} family"
             for name in plan.fused_tails
@@ -220,6 +223,8 @@ class LLMEngine:
         self.weight_preload = self.cfg.kernels.gemv_preload and self.dependent_launches and gemv_on
         if self.cfg.kernels.gemv_preload and not self.weight_preload:
             missing["kernels.gemv_preload"] = "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)"
+        if self.cfg.kernels.attn_slots and not plan.triton_attention:
+            missing["kernels.attn_slots"] = "needs the Triton attention (kernels.attention=triton, CUDA)"
         # kernels.attn_prefetch: likewise; it acts only on the Triton paged attention under PDL
         self.kv_prefetch = (
             self.cfg.kernels.attn_prefetch and self.dependent_launches and plan.triton_attention

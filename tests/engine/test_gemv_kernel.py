@@ -147,12 +147,15 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)
     assert fast.kernels.gemv_preload and not exact.kernels.gemv_preload
     assert fast.kernels.attn_prefetch and not exact.kernels.attn_prefetch  # R0, under PDL only
-    for key in ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload", "attn_prefetch"):
+    assert fast.kernels.attn_slots and not exact.kernels.attn_slots  # R3: one row faster, 8-64 rows slower
+    fast_only = ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload", "attn_prefetch")
+    for key in (*fast_only, "attn_slots"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
     assert a == b
     assert toggle_rung("kernels.l2_prefetch", False, True) == "R0"
     assert toggle_rung("kernels.attn_prefetch", False, True) == "R0"
+    assert toggle_rung("kernels.attn_slots", False, True) == "R3"
     assert toggle_rung("kernels.gemv", False, True) == "R3"
 
 

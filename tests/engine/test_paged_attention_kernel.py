@@ -441,8 +441,10 @@ def test_edge_contexts_cover_the_segment_rules():
     segs = {c: (pa.segment_count(c), pa.segment_keys(c)) for c in EDGE_CONTEXTS if c}
     assert segs[64] == (1, 64) and segs[65] == (2, 64) and segs[1024] == (16, 64)
     assert segs[1025] == (11, 96) and segs[1500] == (16, 96) and segs[4100] == (15, 288)
-    huginn = pa.split_for_head(96)  # 64-key one-tile segments: the same edges
-    assert [pa.segment_count(c, huginn) for c in (64, 65, 1024, 1025)] == [1, 2, 16, 9]
+    huginn = pa.split_for_head(96)  # Ouro's 32-key tiles in two-tile segments (key slots): the same edges
+    assert [pa.segment_count(c, huginn) for c in (64, 65, 1024, 1025)] == [1, 2, 16, 11]
+    old_huginn = pa.SplitConfig(block_n=64, min_tiles=1)  # sessions 2-4: 64-key one-tile segments
+    assert [pa.segment_count(c, old_huginn) for c in (64, 65, 1024, 1025)] == [1, 2, 16, 9]
 
 
 @gpu
@@ -558,3 +560,18 @@ def test_a_65536_row_prefill_step_keeps_each_launchs_partials_bounded():
     assert slots == 16 and per < 65536 and per * 16 * slots * 130 * 4 <= pa.SCRATCH_BYTES
     assert pa.rows_per_launch(64, 16, 16, 128) == 64  # decode batches: one launch
     assert pa.rows_per_launch(65536, 16, 1, 128) == 65536  # no partials: one launch
+
+
+def test_attn_slots_is_r3_switches_every_attention_op_and_is_inactive_off_triton():
+    """`kernels.attn_slots` (R3, in `fast`): `enable_key_slots` flags every paged-attention op of a model;
+    an engine without the Triton attention (CPU) reports the setting inactive, with the reason."""
+    from looptrace.engine.config import toggle_rung
+    from looptrace.engine.layers import PagedAttention, enable_key_slots
+    from tests.helpers import build_engine
+
+    assert toggle_rung("kernels.attn_slots", False, True) == "R3"
+    engine = build_engine("ouro-tiny", kernels__attn_slots=True)
+    ops = [m for m in engine.model.modules() if isinstance(m, PagedAttention)]
+    assert ops and not any(op.key_slots for op in ops)  # CPU: the torch path, nothing switched
+    assert "Triton attention" in engine.inactive_settings["kernels.attn_slots"]
+    assert enable_key_slots(engine.model) == len(ops) and all(op.key_slots for op in ops)

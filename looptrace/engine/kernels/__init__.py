@@ -130,14 +130,17 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     return gemv.residual_norm_linear(y, w_post, eps_post, residual, w_next, eps_next, weight)
 
 
-def paged_attn(q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float) -> torch.Tensor:
-    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`).
+def paged_attn(
+    q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float, key_slots: bool = False
+) -> torch.Tensor:
+    """Triton paged attention over each row's own pages, one launch (`paged_attention.paged_attention`;
+    `key_slots`: the per-key-slot form of the split, `kernels.attn_slots`).
 
     Named apart from the submodule `paged_attention`: importing it sets the package attribute of that name.
     """
     from looptrace.engine.kernels import paged_attention as pa
 
-    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale)
+    return pa.paged_attention(q, k_cache, v_cache, tables, ctx_lens, layer_id, scale, key_slots=key_slots)
 
 
 def packed_attn(q, k_cache, v_cache, tables, ctx_lens, blocks, layer_id: int, scale: float) -> torch.Tensor:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,16 +100,21 @@ class SplitConfig:
 # The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
 # 2 warps and segments of at least 2 tiles had the lowest mean time/floor at Ouro's 128-wide heads (2.26x,
 # against 3.15x for the 64-key, 4-warp kernel before it; 32 x 640: 54.5 vs 90.4 µs); at Huginn's 96-wide
-# heads 64-key tiles with 2 warps and one-tile segments were best. Ouro's split keeps its softmax state per
-# key slot (session 5: the synthetic batch-1 token 4.87 -> 4.67 ms, bench/results/issue22/session5). One
-# config per head size: a constant of the model, so every request, batch and recipe of a model runs the
-# same binary (the R0 contract).
-DEFAULT_SPLIT = SplitConfig(key_slots=True)
-SPLIT_BY_HEAD_DIM = {96: SplitConfig(block_n=64, min_tiles=1, num_warps=2)}
+# heads 64-key tiles with 2 warps and one-tile segments were best, until the per-key-slot form of Ouro's
+# split beat it at every Huginn shape (session 5, attention_sweep_slots_h200.md: 64 x 2112 1,021 -> 849 µs,
+# 79 % of copy bandwidth; 32 x 2112 513 -> 421 µs). At Ouro's heads the key-slot form is faster for one row
+# (1 x 640 6.6 -> 5.9 µs) and slower for 8-64 rows (32 x 640 53.7 -> 57.5 µs: 255 registers per thread),
+# so Ouro keeps the plain form unless a recipe asks for key slots (`kernels.attn_slots`, in `fast`). One
+# config per head size and recipe: never a function of the batch, so every request and batch of a
+# model runs the same binary (the R0 contract).
+DEFAULT_SPLIT = SplitConfig()
+SPLIT_BY_HEAD_DIM = {96: SplitConfig(key_slots=True)}
 
 
-def split_for_head(dim: int) -> SplitConfig:
-    return SPLIT_BY_HEAD_DIM.get(dim, DEFAULT_SPLIT)
+def split_for_head(dim: int, key_slots: bool = False) -> SplitConfig:
+    """The split of a head size; `key_slots` (`kernels.attn_slots`): in its per-key-slot form."""
+    cfg = SPLIT_BY_HEAD_DIM.get(dim, DEFAULT_SPLIT)
+    return replace(cfg, key_slots=True) if key_slots else cfg
 
 
 def segment_keys(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
@@ -557,6 +562,7 @@ def paged_attention(
     layer_id: int,
     scale: float,
     cfg: SplitConfig | None = None,
+    key_slots: bool = False,
 ) -> torch.Tensor:
     """Attention of every row over its own pages; returns `[R, H * D]` in q's dtype.
 
@@ -564,13 +570,14 @@ def paged_attention(
     bases (-1 beyond the row's pages; may be a column slice of the metadata tensor); ctx_lens `[R]` int64
     (may be strided): row r attends to key positions `0 .. ctx_lens[r] - 1`, whose page p slot s sits at
     `k_cache[tables[r, p] + layer_id, s]`. ctx 0 (padding row): zeros. See the module docstring for the
-    design and the batch-invariance contract.
+    design and the batch-invariance contract. `key_slots` (`kernels.attn_slots`): the head size's split in
+    its per-key-slot form (another reduction order); `cfg` overrides both.
     """
     q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
     rows, heads, dim = q.shape
     if rows == 0:
         return out
-    cfg = cfg or split_for_head(dim)
+    cfg = cfg or split_for_head(dim, key_slots)
     del shape["D_PAD"]  # the attention kernel takes D_A + D_B
     slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
     # Rows per launch: the partials of a launch stay under SCRATCH_BYTES (a 65,536-row prefill step of
