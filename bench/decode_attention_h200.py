@@ -37,6 +37,7 @@ CONTEXTS = (128, 640, 2112)
 def load_module(path: str):
     spec = importlib.util.spec_from_file_location("paged_attention_old", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses under `from __future__ import annotations` look it up
     spec.loader.exec_module(module)
     return module
 

@@ -575,3 +575,24 @@ def test_attn_slots_is_r3_switches_every_attention_op_and_is_inactive_off_triton
     assert ops and not any(op.key_slots for op in ops)  # CPU: the torch path, nothing switched
     assert "Triton attention" in engine.inactive_settings["kernels.attn_slots"]
     assert enable_key_slots(engine.model) == len(ops) and all(op.key_slots for op in ops)
+
+
+def test_attn_slots_takes_the_key_slot_form_for_one_row_launches_only():
+    """Measured on the H200: the key-slot form is faster for one decode row and slower for 8-64 rows at
+    Ouro's heads, so `kernels.attn_slots` applies it to launches of at most ONE_ROW_FORMS rows; Huginn's
+    96-wide heads take it at any row count (their default split)."""
+    from looptrace.engine.kernels import paged_attention as pa
+
+    assert pa.ONE_ROW_FORMS == 1
+    assert pa.launch_split(128, 1, key_slots=True).key_slots
+    assert not pa.launch_split(128, 2, key_slots=True).key_slots
+    assert not pa.launch_split(128, 1).key_slots
+    assert pa.launch_split(96, 64).key_slots and pa.launch_split(96, 1, key_slots=True) == pa.launch_split(
+        96, 8
+    )
+    same_tiles = pa.launch_split(128, 1, key_slots=True)
+    assert (same_tiles.block_n, same_tiles.min_tiles, same_tiles.num_warps) == (
+        32,
+        2,
+        2,
+    )  # only the form differs

@@ -109,6 +109,11 @@ class SplitConfig:
 # model runs the same binary (the R0 contract).
 DEFAULT_SPLIT = SplitConfig()
 SPLIT_BY_HEAD_DIM = {96: SplitConfig(key_slots=True)}
+# Launches of at most this many rows take the key-slot form under `kernels.attn_slots` and prefetch their
+# K/V under `kernels.attn_prefetch`: both were measured faster for one decode row; with both at every row
+# count, `fast` decoded 8 and 32 rows 2.4 % and 7 % slower than exactloop (H200, session 5). Like the GEMV's
+# one-row route, this makes a row's bits under `kernels.attn_slots` (R3) depend on whether it decodes alone.
+ONE_ROW_FORMS = 1
 
 
 def split_for_head(dim: int, key_slots: bool = False) -> SplitConfig:
@@ -125,6 +130,12 @@ def segment_keys(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
 
 def segment_count(ctx: int, cfg: SplitConfig = DEFAULT_SPLIT) -> int:
     return -(-ctx // segment_keys(ctx, cfg))
+
+
+def launch_split(dim: int, rows: int, key_slots: bool = False) -> SplitConfig:
+    """The split a launch of `rows` rows runs: the head size's, in its key-slot form under
+    `kernels.attn_slots` for launches of at most ONE_ROW_FORMS rows."""
+    return split_for_head(dim, key_slots and rows <= ONE_ROW_FORMS)
 
 
 def head_split(dim: int) -> tuple[int, int]:
@@ -537,7 +548,8 @@ def rows_per_launch(rows: int, heads: int, slots: int, dim: int) -> int:
     return min(rows, max(1, SCRATCH_BYTES // (heads * slots * (dim + 2) * 4))) if slots > 1 else rows
 
 
-def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape) -> None:
+def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, slots, strides, shape,
+            prefetch: bool) -> None:  # fmt: skip
     rows, heads, dim = q.shape
     scratch = rows * heads * slots if slots > 1 else 1  # one-segment rows never touch it
     partials = torch.empty((scratch, dim), dtype=torch.float32, device=q.device)
@@ -549,7 +561,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, out, layer_id, scale, cfg, sl
         layer_id, float(scale) * LOG2E, *strides, tables.stride(0), ctx_lens.stride(0), out.stride(0), slots,
         **shape, D_A=d_a, D_B=d_b, DB_W=max(d_b, 16), BLOCK=cfg.block_n, MAX_SEGS=cfg.max_segments,
         MIN_TILES=cfg.min_tiles, KEY_SLOTS=cfg.key_slots, num_warps=cfg.num_warps, num_stages=1, **launch,
-        PREFETCH_KEYS=prefetch_keys(cfg) if launch["PDL"] and launch_mode.kv_prefetch() else 0,
+        PREFETCH_KEYS=prefetch_keys(cfg) if prefetch else 0,
     )  # fmt: skip
 
 
@@ -570,14 +582,16 @@ def paged_attention(
     bases (-1 beyond the row's pages; may be a column slice of the metadata tensor); ctx_lens `[R]` int64
     (may be strided): row r attends to key positions `0 .. ctx_lens[r] - 1`, whose page p slot s sits at
     `k_cache[tables[r, p] + layer_id, s]`. ctx 0 (padding row): zeros. See the module docstring for the
-    design and the batch-invariance contract. `key_slots` (`kernels.attn_slots`): the head size's split in
-    its per-key-slot form (another reduction order); `cfg` overrides both.
+    design and the batch-invariance contract. `key_slots` (`kernels.attn_slots`): a launch of at most
+    ONE_ROW_FORMS rows runs the head size's split in its per-key-slot form (another reduction order);
+    `cfg` overrides both.
     """
     q, tables, out, strides, shape = prepare(q, k_cache, v_cache, tables)
     rows, heads, dim = q.shape
     if rows == 0:
         return out
-    cfg = cfg or split_for_head(dim, key_slots)
+    cfg = cfg or launch_split(dim, rows, key_slots)
+    prefetch = launch_mode.kv_prefetch() and rows <= ONE_ROW_FORMS  # kernels.attn_prefetch (under PDL only)
     del shape["D_PAD"]  # the attention kernel takes D_A + D_B
     slots = segment_slots(tables.shape[1], shape["PAGE"], cfg)
     # Rows per launch: the partials of a launch stay under SCRATCH_BYTES (a 65,536-row prefill step of
@@ -587,7 +601,7 @@ def paged_attention(
     for first in range(0, rows, per_launch):
         last = min(rows, first + per_launch)
         _launch(q[first:last], k_cache, v_cache, tables[first:last], ctx_lens[first:last], out[first:last],
-                layer_id, scale, cfg, slots, strides, shape)  # fmt: skip
+                layer_id, scale, cfg, slots, strides, shape, prefetch)  # fmt: skip
     return out
 
 
