@@ -25,8 +25,8 @@
 #                                          the synthetic token (plain vs slots, attn_prefetch, exact with PDL)
 #   bash bench/h200_issue22.sh final5      attention GPU tests (Huginn's key-slot split), attention timings beside the
 #                                          session-4 kernel (bench/paged_attention_2e6f966.py, made here with `git
-#                                          show 2e6f966:looptrace/engine/kernels/paged_attention.py`), profile
-#                                          --compare exactloop fast, bench exactloop vs fast (Ouro C = 1, 8, 32)
+#                                          show 2e6f966:looptrace/engine/kernels/paged_attention.py`), bench
+#                                          exactloop vs fast (Ouro C = 1, 8, 32)
 #   bash bench/h200_issue22.sh engine5     the engine as committed in session 5: profile --compare exactloop fast,
 #                                          diffs (exactloop fast at real shape and ouro-tiny; attn_prefetch R0;
 #                                          base exactloop with the key-slot attention), bench exactloop vs fast
@@ -283,9 +283,6 @@ if [ "$1" = final5 ]; then
     --tb=short 2>&1 | tail -15 > "$OUT/gpu_tests_final5_h200.txt"; tail -2 "$OUT/gpu_tests_final5_h200.txt"
   timeout 60 python3 bench/decode_attention_h200.py --old bench/paged_attention_2e6f966.py --out "$OUT" >> "$LOG" 2>&1
   echo "attention exit $?"; rm -f "$OUT/decode_attention_h200.json"; cat "$OUT/decode_attention_h200.md"
-  timeout -s INT 80 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
-    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
-  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
   timeout -s INT "${BENCH_TIMEOUT:-190}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
     --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" > /dev/null 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
