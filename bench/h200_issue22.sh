@@ -19,8 +19,8 @@
 #   bash bench/h200_issue22.sh ablation    the synthetic Ouro token: ops left out one at a time, the GEMV's deeper
 #                                          weight preload, the attention's K/V prefetch before its wait, key
 #                                          slots; then the attention launch floors
-#   bash bench/h200_issue22.sh early       GPU tests of the kernels touched (attention refactor + early tiles, the
-#                                          GEMV's preload depth, the PDL chains), then the ablation bench
+#   bash bench/h200_issue22.sh early       GPU tests of the kernels touched (attention refactor + early tiles, since
+#                                          removed; the GEMV's preload depth; the PDL chains), then the ablation bench
 #   bash bench/h200_issue22.sh slots       key slots as Ouro's attention: the slots sweep, the attention GPU tests,
 #                                          the synthetic token (plain vs slots, attn_prefetch, exact with PDL)
 #   bash bench/h200_issue22.sh final5      attention GPU tests (Huginn's key-slot split), attention timings beside the

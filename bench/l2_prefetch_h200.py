@@ -132,6 +132,34 @@ def capture(fn):
     return g, out
 
 
+def capture_each(thunks: dict, t0: float) -> tuple[dict, dict]:
+    """One CUDA graph per named thunk (a thunk returns (graph, output)), replayed once; a variant that
+    fails to build is reported and skipped, so it costs the others nothing. Returns (graphs, outputs)."""
+    graphs, outs = {}, {}
+    for name, thunk in thunks.items():
+        try:
+            graphs[name], out = thunk()
+        except Exception as exc:  # noqa: BLE001 - a variant Triton cannot build is a result, not a crash
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        outs[name] = out.clone()
+        print(f"captured {name} ({time.time() - t0:.0f} s)", flush=True)
+    return graphs, outs
+
+
+def time_interleaved(graphs: dict, rounds: int) -> dict[str, list[float]]:
+    """Median ms per replay of every graph, `rounds` rounds with the variants interleaved in each."""
+    from triton.testing import do_bench
+
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            times[name].append(do_bench(g.replay, warmup=5, rep=150, return_mode="median"))
+    return times
+
+
 def variants(args) -> dict:
     from looptrace.engine.kernels import gemv
     from looptrace.engine.kernels.l2_prefetch import prefetch_l2
@@ -187,7 +215,6 @@ def main() -> int:
         print("bench/l2_prefetch_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     import triton
-    from triton.testing import do_bench
 
     from looptrace.engine import kernels as K
 
@@ -195,19 +222,14 @@ def main() -> int:
     K.calibrate("cuda")
     m = build(args.rows, torch.Generator(device="cuda").manual_seed(3))
     side = torch.cuda.Stream()
-    graphs, outs = {}, {}
-    for name, (linear, prefetch, lead) in variants(args).items():
-        graphs[name], out = capture(
-            lambda linear=linear, prefetch=prefetch, lead=lead: token_step(m, linear, prefetch, lead, side)
+    thunks = {
+        name: lambda linear=linear, prefetch=prefetch, lead=lead: capture(
+            lambda: token_step(m, linear, prefetch, lead, side)
         )
-        graphs[name].replay()
-        torch.cuda.synchronize()
-        outs[name] = out.clone()
-        print(f"captured {name} ({time.time() - t0:.0f} s)", flush=True)
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    for _ in range(args.rounds):
-        for name, g in graphs.items():
-            times[name].append(do_bench(g.replay, warmup=5, rep=150, return_mode="median"))
+        for name, (linear, prefetch, lead) in variants(args).items()
+    }
+    graphs, outs = capture_each(thunks, t0)
+    times = time_interleaved(graphs, args.rounds)
     results = []
     for name in graphs:
         base = "gemv" if name.startswith("gemv") else "cublas"

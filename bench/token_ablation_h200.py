@@ -37,7 +37,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from l2_prefetch_h200 import DIM, EPS, HEADS, HIDDEN, LAYERS, LOOPS, build, capture  # noqa: E402
+from l2_prefetch_h200 import (  # noqa: E402
+    DIM,
+    EPS,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    LOOPS,
+    build,
+    capture,
+    capture_each,
+    time_interleaved,
+)
 
 PASSES = LAYERS * LOOPS
 
@@ -142,7 +153,6 @@ def main() -> int:
         print("bench/token_ablation_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     import triton
-    from triton.testing import do_bench
 
     from looptrace.engine import kernels as K
 
@@ -150,21 +160,8 @@ def main() -> int:
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
     chosen = {n: v for n, v in variants().items() if not args.only or n in args.only.split(",")}
-    graphs, outs = {}, {}
-    for name, v in chosen.items():
-        try:
-            graphs[name], out = capture_variant(m, v)
-        except Exception as exc:  # one variant failing to build must not cost the others
-            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            continue
-        graphs[name].replay()
-        torch.cuda.synchronize()
-        outs[name] = out.clone()
-        print(f"captured {name} ({time.time() - t0:.0f} s)", flush=True)
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    for _ in range(args.rounds):
-        for name, g in graphs.items():
-            times[name].append(do_bench(g.replay, warmup=5, rep=150, return_mode="median"))
+    graphs, outs = capture_each({n: lambda v=v: capture_variant(m, v) for n, v in chosen.items()}, t0)
+    times = time_interleaved(graphs, args.rounds)
     median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
     firsts: dict[str, str] = {}
     results = []

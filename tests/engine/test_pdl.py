@@ -235,6 +235,15 @@ def test_the_engine_on_cpu_records_pdl_as_inactive():
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0]) == 2
 
 
+def test_the_engine_on_cpu_records_the_attention_prefetch_as_inactive():
+    """`kernels.attn_prefetch` acts only under PDL on the Triton attention: inactive on CPU, with why."""
+    from tests.helpers import build_engine
+
+    engine = build_engine("ouro-tiny", kernels__attn_prefetch=True)
+    assert not engine.kv_prefetch
+    assert "kernels.pdl" in engine.inactive_settings["kernels.attn_prefetch"]
+
+
 def test_pdl_is_declared_r0_and_off_in_exactloop():
     from looptrace.engine.config import toggle_rung
     from looptrace.recipes import load_recipe

@@ -8,7 +8,7 @@ block_size, kv_heads, head_dim]`; a row's table holds entry bases and layer l re
 
 Kernel design (`_attn_kernel`, split-KV decode): a row's keys are cut into *segments* of
 `segment_keys(ctx)` keys, a whole number of `BLOCK_N`-key tiles (a `SplitConfig` per head size, chosen by
-an H200 sweep: Ouro 32-key tiles and segments of at least 2, Huginn 64-key one-tile segments): the shortest
+H200 sweeps: 32-key tiles and segments of at least 2 for both models): the shortest
 segments up to 16 of them, then as many tiles per segment as keep the count at `MAX_SEGMENTS = 16`
 (the bound keeps the scratch at `R * H * 16` partials whatever the table width: Ouro's 65,536 positions
 would otherwise need 1,024 segments per row). Grid `(R, H, segment slots)` (rows on axis 0, which holds
@@ -19,7 +19,13 @@ Ouro's 1 row x 640 keys x 16 heads runs 10 x 16 = 160 programs on the H200's 132
 table, so pages may lie anywhere in the pool) with an online softmax in fp32: scores `sum(q * k)` with q
 pre-scaled by `scale * log2(e)`, running max and sum, `exp2`, fp32 accumulator `acc = acc * alpha +
 sum(p * v)`. The products and sums are plain fp32 CUDA-core math (no tensor cores: no tf32, no bf16
-rounding of p); decode attention is bound by memory, not arithmetic. A row with one segment writes
+rounding of p); decode attention is bound by memory, not arithmetic. The *key-slot* form (`key_slots`:
+Huginn's split; Ouro's under `kernels.attn_slots` for one-row launches) keeps that state per key slot of
+the tile (slot j sees keys j, j + BLOCK_N, ...), so a tile needs no reduction over keys, and folds the
+slots once per segment (`_merge_slots`): another summation order, the same function. Under
+`kernels.attn_prefetch` (with PDL, one-row launches) a program asks L2 for its segment's K/V rows before
+its `griddepcontrol.wait` (`_prefetch_segment`: it reads the context length and page entries through L2
+only and issues hints, so no value can come from before the wait). A row with one segment writes
 `acc / sum` (one IEEE division, one rounding to q's dtype) and touches no scratch. Otherwise every segment
 stores its (max, sum, acc) partial in a scratch buffer and takes a ticket (an `acq_rel` atomic on a
 per-(row, head) counter, after a barrier so the whole program's stores are released with it); the program
