@@ -9,8 +9,6 @@ the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUD
     fast -OP              the same without one op (attn, write_kv, norm, silu): its marginal cost is the
                           difference (the chain is dependent, so a kernel's cost is what it adds to it)
     fast gemv-only        only the four projections per layer pass
-    fast pre16K           the GEMV loads up to 16 KB of its weight slice before its wait
-                          (`gemv.PRELOAD_BYTES`; 8 KB = one tile is `fast`)
     fast attn-pf          the attention prefetches its segment's K/V rows into L2 before its wait
                           (`kernels.attn_prefetch`)
     fast slots ...        the attention's per-key-slot softmax (`SplitConfig.key_slots`)
@@ -57,7 +55,6 @@ PASSES = LAYERS * LOOPS
 class Variant:
     gemv: bool = True  # Triton GEMV (fast) or cuBLAS (exact)
     pdl: bool = True
-    preload_bytes: int = 8192  # the GEMV's weight bytes before its wait (one 32 x 128 tile: `fast`)
     attn_prefetch: bool = False
     key_slots: bool = False
     skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
@@ -71,7 +68,6 @@ def variants() -> dict[str, Variant]:
     for op in ("attn", "write_kv", "norm", "silu"):
         out[f"fast -{op}"] = replace(fast, skip=frozenset({op}), family="")
     out["fast gemv-only"] = replace(fast, skip=frozenset({"all"}), family="")
-    out["fast pre16K"] = replace(fast, preload_bytes=16384)
     out["fast attn-pf"] = replace(fast, attn_prefetch=True)
     out["fast slots"] = replace(fast, key_slots=True, family="slots")
     out["fast slots attn-pf"] = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
@@ -133,14 +129,13 @@ def capture_variant(m: dict, v: Variant):
     from looptrace.engine.kernels import paged_attention as pa
 
     linear = gemv.linear if v.gemv else F.linear
-    saved = gemv.PRELOAD_BYTES, pa.DEFAULT_SPLIT
-    gemv.PRELOAD_BYTES = v.preload_bytes
+    saved = pa.DEFAULT_SPLIT
     pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
     try:  # the warm-ups and the capture under the variant's launch mode
         with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
             return capture(lambda: token_step(m, linear, v.skip))
     finally:
-        gemv.PRELOAD_BYTES, pa.DEFAULT_SPLIT = saved
+        pa.DEFAULT_SPLIT = saved
 
 
 def main() -> int:

@@ -223,14 +223,14 @@ class LLMEngine:
         self.weight_preload = self.cfg.kernels.gemv_preload and self.dependent_launches and gemv_on
         if self.cfg.kernels.gemv_preload and not self.weight_preload:
             missing["kernels.gemv_preload"] = "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)"
-        if self.cfg.kernels.attn_slots and not plan.triton_attention:
-            missing["kernels.attn_slots"] = "needs the Triton attention (kernels.attention=triton, CUDA)"
         # kernels.attn_prefetch: likewise; it acts only on the Triton paged attention under PDL
         self.kv_prefetch = (
             self.cfg.kernels.attn_prefetch and self.dependent_launches and plan.triton_attention
         )
         if self.cfg.kernels.attn_prefetch and not self.kv_prefetch:
             missing["kernels.attn_prefetch"] = "needs kernels.pdl active (CUDA sm_90+) and Triton attention"
+        if self.cfg.kernels.attn_slots and not plan.triton_attention:
+            missing["kernels.attn_slots"] = "needs the Triton attention (kernels.attention=triton, CUDA)"
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _apply_gemv_inputs(self, gemv_on: bool) -> dict[str, str]:

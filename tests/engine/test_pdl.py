@@ -80,7 +80,7 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             assert calls[:1] == ["await_inputs"], f"{path.name}:{kernel.name} starts with {calls[:3]}"
         else:  # only index math, the launch hint and the weight prefetch may come before the wait
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
-            allowed |= {"tl.zeros", "_early_tile"}  # the GEMV's weight preload (weights: never written)
+            allowed |= {"tl.zeros", "_weight_tile"}  # the GEMV's weight preload (weights: never written)
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
@@ -305,11 +305,11 @@ def _chain(rows: int, linear, passes: int = 6):
 @gpu
 @pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "gemv+preload4", "cublas+kv"])
-def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection, monkeypatch):
-    """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload: one tile, or up to
-    four; for the attention, with its K/V prefetched into L2 before its wait, kernels.attn_prefetch, the
-    newest key written by the kernel just before it): the same bits."""
+@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "cublas+kv"])
+def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection):
+    """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload; for the attention, with
+    its K/V prefetched into L2 before its wait, kernels.attn_prefetch, the newest key written by the kernel
+    just before it): the same bits."""
     import torch.nn.functional as F
 
     from looptrace.engine import kernels as K
@@ -317,8 +317,6 @@ def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, project
 
     linear = F.linear if projection.startswith("cublas") else gemv.gemv
     preload, kv = "+preload" in projection, projection.endswith("+kv")
-    if projection.endswith("preload4"):
-        monkeypatch.setattr(gemv, "PRELOAD_BYTES", 4 * 32 * 128 * 2)
     token = _chain(rows, linear)
     with K.graph_warmup():
         eager = token()

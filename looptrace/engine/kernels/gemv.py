@@ -89,11 +89,6 @@ MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than
 # Off: measured slower on the H200 (bench/results/issue22/pdl_h200.md, Ouro token at 1 row: PDL 5.52 ->
 # 5.05 ms without it, 6.88 ms with it; the early programs' prefetches compete with the kernel before).
 PREFETCH_UNDER_PDL = False
-# Under `kernels.gemv_preload`: the weight tiles of a split loaded before the PDL wait: at least one, as
-# many as fit PRELOAD_BYTES per program, at most MAX_PRELOAD (the kernel's tile registers) and at most
-# the split's own tiles.
-MAX_PRELOAD = 4
-PRELOAD_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -203,49 +198,21 @@ def _weight_tile(w_ptr, stride_wn, n, nmask, k, K: tl.constexpr, EVEN_K: tl.cons
 
 
 @triton.jit
-def _early_tile(w_ptr, stride_wn, n, nmask, k_first, t: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, PRELOAD: tl.constexpr):  # fmt: skip
-    """Weight tile t of the split if it is preloaded (t < PRELOAD), else an unused zero tile (dropped)."""
-    if t < PRELOAD:
-        k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
-        return _weight_tile(w_ptr, stride_wn, n, nmask, k, K, EVEN_K)
-    return tl.zeros([n.shape[0], BLOCK_K], tl.bfloat16)
-
-
-@triton.jit
-def _preloaded_fma(acc_1, w, t: tl.constexpr, x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k_first,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr, X_FORM: tl.constexpr):  # fmt: skip
-    """The loop's iteration t on a tile loaded before the wait: the same FMAs in the same order."""
-    k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, k < K, X_FORM)
-    return tl.fma(w.to(tl.float32), x[None, :], acc_1)
-
-
-@triton.jit
 def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr,
-                   r_y, r_h, w_0, w_1, w_2, w_3, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                   r_y, r_h, w_first, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT: tl.constexpr, PRECISION: tl.constexpr, X_FORM: tl.constexpr,
                    PRELOAD: tl.constexpr):  # fmt: skip
     """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first.
-    PRELOAD (M == 1 on CUDA cores, 0..MAX_PRELOAD): tiles 0 .. PRELOAD - 1 are `w_0 ..`, loaded by the
-    caller before its wait; they take the loop's first iterations, so the sums are the same."""
+    PRELOAD (M == 1 on CUDA cores): tile 0 is `w_first`, loaded by the caller before its wait."""
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M == 1 on CUDA cores: reduced after the loop
     cols = tl.arange(0, M_PAD)
-    if PRELOAD >= 1:
-        acc_1 = _preloaded_fma(acc_1, w_0, 0, x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k_first, K,
-                               BLOCK_K, X_FORM)  # fmt: skip
-    if PRELOAD >= 2:
-        acc_1 = _preloaded_fma(acc_1, w_1, 1, x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k_first, K,
-                               BLOCK_K, X_FORM)  # fmt: skip
-    if PRELOAD >= 3:
-        acc_1 = _preloaded_fma(acc_1, w_2, 2, x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k_first, K,
-                               BLOCK_K, X_FORM)  # fmt: skip
-    if PRELOAD >= 4:
-        acc_1 = _preloaded_fma(acc_1, w_3, 3, x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k_first, K,
-                               BLOCK_K, X_FORM)  # fmt: skip
-    for t in range(PRELOAD, K_TILES):  # the tiles not preloaded
+    if PRELOAD:  # the same FMAs in the same order as the loop's first iteration
+        k = k_first + tl.arange(0, BLOCK_K)
+        x0 = _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, k < K, X_FORM)
+        acc_1 = tl.fma(w_first.to(tl.float32), x0[None, :], acc_1)
+    for t in range(PRELOAD, K_TILES):  # PRELOAD: 1 (tile 0 done above) or 0
         k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
         w = _weight_tile(w_ptr, stride_wn, n, nmask, k, K, EVEN_K)
@@ -335,20 +302,19 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
     let_dependents_launch(PDL)
     if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
         _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
-    # kernels.gemv_preload: weights are never written, so the first PRELOAD tiles may load before the wait
-    k_first = pid_k * (K_TILES * BLOCK_K)
-    w_0 = _early_tile(w_ptr, stride_wn, n, nmask, k_first, 0, K, BLOCK_K, EVEN_K, PRELOAD)
-    w_1 = _early_tile(w_ptr, stride_wn, n, nmask, k_first, 1, K, BLOCK_K, EVEN_K, PRELOAD)
-    w_2 = _early_tile(w_ptr, stride_wn, n, nmask, k_first, 2, K, BLOCK_K, EVEN_K, PRELOAD)
-    w_3 = _early_tile(w_ptr, stride_wn, n, nmask, k_first, 3, K, BLOCK_K, EVEN_K, PRELOAD)
+    w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
+    if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
+        k0 = pid_k * (K_TILES * BLOCK_K) + tl.arange(0, BLOCK_K)
+        w_first = _weight_tile(w_ptr, stride_wn, n, nmask, k0, K, EVEN_K)
     wait_for_inputs(PDL)  # x, y, the partials and the tickets only after the kernel before completed
     r_y = tl.full([1], 1.0, tl.float32)
     r_h = tl.full([1], 1.0, tl.float32)
     if X_FORM == 2:
         r_y, r_h = _residual_scales(x_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K, LANES, VECS, DESC)
     acc = _split_product(
-        x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h,
-        w_0, w_1, w_2, w_3, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM, PRELOAD,
+        x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), u_ptr, res_ptr, wy_ptr,
+        wn_ptr, r_y, r_h, w_first, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
+        PRELOAD,
     )  # fmt: skip
     if X_FORM == 2:  # noqa: SIM102 (a constexpr test, then a device one)
         if (pid_n == 0) & (pid_k == 0):
@@ -400,7 +366,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, 
     partials = torch.empty(scratch, dtype=torch.float32, device=x2.device)
     counters = tickets(x2.device, blocks if split > 1 else 1)
     launch = pdl_args()
-    preload = preload_tiles(cfg, per_split) if m == 1 and not cfg.dot and launch_mode.weight_preload() else 0
     form = form or _unused_inputs(x2)
     # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
     # libdevice without flush-to-zero); the GEMV's own products are explicit FMAs either way
@@ -412,15 +377,9 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, 
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight), **consts,
-        PRELOAD=preload,
+        PRELOAD=int(m == 1 and not cfg.dot and launch_mode.weight_preload()),
     )  # fmt: skip
     return y
-
-
-def preload_tiles(cfg: TileConfig, per_split: int) -> int:
-    """Weight tiles a one-row program loads before its PDL wait (`kernels.gemv_preload`)."""
-    tile_bytes = cfg.block_n * cfg.block_k * 2
-    return min(max(1, PRELOAD_BYTES // tile_bytes), MAX_PRELOAD, per_split)
 
 
 def _unused_inputs(x2: torch.Tensor) -> dict:

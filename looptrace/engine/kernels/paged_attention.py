@@ -162,50 +162,42 @@ def _segment_keys(ctx, BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, MIN_TILES: t
 
 @triton.jit
 def _load_dims(base, rows, kmask, D0: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
-               FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
+               FULL: tl.constexpr = False):  # fmt: skip
     """`[keys, W]` tile (the cache's dtype) of head dims `D0 .. D0 + W - 1` (past HEAD_DIM: 0) at row
-    offsets `rows`. FULL: every key of the tile is valid (no key mask, so no predicates and no zero-fill).
-    CG: through L2 only (`.cg`), for loads before the PDL wait (nothing they read stays in L1)."""
+    offsets `rows`. FULL: every key of the tile is valid (no key mask, so no predicates and no zero-fill)."""
     d = D0 + tl.arange(0, W)
     ptrs = base + rows[:, None] + d[None, :]
     if FULL and D0 + W <= HEAD_DIM:
-        if CG:
-            return tl.load(ptrs, cache_modifier=".cg")
         return tl.load(ptrs)
-    mask = kmask[:, None] & (d < HEAD_DIM)[None, :]
-    if CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=mask, other=0.0)
+    return tl.load(ptrs, mask=kmask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
 
 
 @triton.jit
 def _tile_keys(tab, start, end, stride_e, stride_s, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-               FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
-    """Positions, key mask (`pos < end`) and cache row offsets of keys `start .. start + BLOCK - 1`; a
-    key's page entry comes from the table (masked keys read no entry: padding pages are never touched)."""
+               FULL: tl.constexpr = False):  # fmt: skip
+    """Key mask (`pos < end`) and cache row offsets of keys `start .. start + BLOCK - 1`; a key's page
+    entry comes from the table (masked keys read no entry: padding pages are never touched)."""
     pos = start + tl.arange(0, BLOCK)
     kmask = pos < end  # end <= ctx  =>  page < ceil(ctx / PAGE)
-    if FULL:
+    if FULL:  # noqa: SIM108 (a constexpr test: only one of the loads is compiled)
         entry = tl.load(tab + pos // PAGE)
-    elif CG:
-        entry = tl.load(tab + pos // PAGE, mask=kmask, other=0, cache_modifier=".cg")
     else:
         entry = tl.load(tab + pos // PAGE, mask=kmask, other=0)
-    return pos, kmask, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
+    return kmask, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
 
 
 @triton.jit
 def _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
-             DB_W: tl.constexpr, FULL: tl.constexpr = False, CG: tl.constexpr = False):  # fmt: skip
+             DB_W: tl.constexpr, FULL: tl.constexpr = False):  # fmt: skip
     """K and V of a tile's keys, head dims split as (D_A, D_B) (D_B = 0: `k_b`/`v_b` unused zeros).
     K and V are both requested before any math: one memory round trip per tile, not two."""
-    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL, CG)
-    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL, CG)
+    k_a = _load_dims(k_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
+    v_a = _load_dims(v_ptr, rows, kmask, 0, D_A, HEAD_DIM, FULL)
     k_b = tl.zeros([rows.shape[0], DB_W], k_a.dtype)
     v_b = tl.zeros([rows.shape[0], DB_W], k_a.dtype)
     if D_B > 0:
-        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL, CG)
-        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL, CG)
+        k_b = _load_dims(k_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
+        v_b = _load_dims(v_ptr, rows, kmask, D_A, D_B, HEAD_DIM, FULL)
     return k_a, v_a, k_b, v_b
 
 
@@ -254,7 +246,7 @@ def _tile(q_a, q_b, k_ptr, v_ptr, tab, start, end, stride_e, stride_s, m_i, l_i,
           PAGE: tl.constexpr, BLOCK: tl.constexpr, KEY_SLOTS: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
     """Keys `start .. min(start + BLOCK, end) - 1` loaded and folded into the state (either form).
     k_ptr/v_ptr already point at (layer, kv head) of entry 0."""
-    _, kmask, rows = _tile_keys(tab, start, end, stride_e, stride_s, PAGE, BLOCK, FULL)
+    kmask, rows = _tile_keys(tab, start, end, stride_e, stride_s, PAGE, BLOCK, FULL)
     k_a, v_a, k_b, v_b = _tile_kv(k_ptr, v_ptr, rows, kmask, HEAD_DIM, D_A, D_B, DB_W, FULL)
     if KEY_SLOTS:  # (one return: the two forms' states have different shapes)
         m_i, l_i, acc_a, acc_b = _slot_math(q_a, q_b, k_a, v_a, k_b, v_b, kmask, m_i, l_i, acc_a, acc_b, D_B,
@@ -318,18 +310,6 @@ def _merge_slots(m_i, l_i, acc_a, acc_b):
     m = tl.max(m_i, axis=0)  # finite: the segment holds at least one key
     w = tl.exp2(m_i - m)  # slots that saw no key: exp2(-inf) = 0
     return m, tl.sum(l_i * w, axis=0), tl.sum(acc_a * w[:, None], axis=0), tl.sum(acc_b * w[:, None], axis=0)
-
-
-@triton.jit
-def _prefetch_rows(k_ptr, v_ptr, rows, live, HEAD_DIM: tl.constexpr):
-    """`cp.async.bulk.prefetch.L2` of the K and V rows of one head at `rows` where `live`."""
-    # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
-    size = tl.full(rows.shape, HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
-    flag = live.to(tl.int32)
-    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [k_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -411,7 +391,14 @@ def _prefetch_segment(k_ptr, v_ptr, tab, ctx_ptr, row, part, stride_c, stride_e,
     pos = first + tl.arange(0, KEYS)
     live = pos < tl.minimum(first + seg_keys, ctx)
     entry = tl.load(tab + pos // PAGE, mask=live, other=0, cache_modifier=".cg")
-    _prefetch_rows(k_ptr, v_ptr, entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s, live, HEAD_DIM)
+    rows = entry.to(tl.int64) * stride_e + (pos % PAGE) * stride_s
+    # whole rows of one head (bf16: Ouro 256, Huginn 192 bytes; bulk sizes are 16-byte units)
+    size = tl.full(rows.shape, HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    flag = live.to(tl.int32)
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [k_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [v_ptr + rows, size, flag], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
 
 
 @triton.jit(
