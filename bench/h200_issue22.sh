@@ -30,6 +30,10 @@
 #   bash bench/h200_issue22.sh engine5     the engine as committed in session 5: profile --compare exactloop fast,
 #                                          diffs (exactloop fast at real shape and ouro-tiny; attn_prefetch R0;
 #                                          base exactloop with the key-slot attention), bench exactloop vs fast
+#   bash bench/h200_issue22.sh outforms    session 6: the GEMV's fused output forms (kernels.gemv_silu_out,
+#                                          gemv_norm_out): GPU tests, the synthetic token with them, the GEMV-only
+#                                          chain's tile sweep, profile --compare fast without / with them, their
+#                                          R0 diff at real shape
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -286,4 +290,22 @@ if [ "$1" = final5 ]; then
   timeout -s INT "${BENCH_TIMEOUT:-190}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
     --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" > /dev/null 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
+fi
+if [ "$1" = outforms ]; then
+  timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_fused_outputs.py tests/engine/test_gemv_fused_inputs.py \
+    tests/engine/test_pdl.py tests/engine/test_gpu_kernels.py tests/engine/test_fused_tails.py -p no:cacheprovider 2>&1 \
+    | tail -25 > "$OUT/gpu_tests_outforms_h200.txt"; tail -4 "$OUT/gpu_tests_outforms_h200.txt"
+  timeout 120 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast slots attn-pf,\
+fast slots attn-pf silu-out,fast slots attn-pf norm-out,fast slots attn-pf silu-out norm-out" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -6 "$OUT/token_ablation_h200.md"
+  timeout 170 python3 bench/token_ablation_h200.py --gemv-sweep --rounds 3 --out "$OUT" >> "$LOG" 2>&1
+  echo "sweep exit $?"; sort -t'|' -k3 -n "$OUT/gemv_sweep_h200.md" | head -14
+  OFF="--a-set kernels.gemv_silu_out=false --a-set kernels.gemv_norm_out=false"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast $OFF \
+    -o "$OUT/profile_compare_fast_outforms_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.gemv_silu_out=false --b-set kernels.gemv_norm_out=false \
+    --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16 --format json \
+    -o "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"; echo "diff exit $?"
+  grep -A3 '"summary"' "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" | head -8
 fi

@@ -40,6 +40,7 @@ from l2_prefetch_h200 import (  # noqa: E402
     EPS,
     HEADS,
     HIDDEN,
+    INTER,
     LAYERS,
     LOOPS,
     build,
@@ -49,6 +50,10 @@ from l2_prefetch_h200 import (  # noqa: E402
 )
 
 PASSES = LAYERS * LOOPS
+# bytes of the four projections' weights read per token (qkv, o, gate_up, down) and the copy bandwidth
+# measured on the H200 (issue #22): the GEMVs' floor is their quotient, 2.31 ms
+WEIGHT_BYTES_PER_TOKEN = PASSES * 2 * HIDDEN * (3 * HIDDEN + HIDDEN + 2 * INTER + INTER)
+COPY_BW = 4.28e12
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class Variant:
     pdl: bool = True
     attn_prefetch: bool = False
     key_slots: bool = False
+    silu_out: bool = False  # kernels.gemv_silu_out: the gate/up GEMV stores SiLU·mul itself
+    norm_out: bool = False  # kernels.gemv_norm_out: the o / down GEMVs run the residual norm themselves
+    tiles: tuple = ()  # (weight name, TileConfig) overrides of the GEMV's tile table (--gemv-sweep)
     skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
     family: str = "fast"  # bitwise comparisons are within a family (the full variants only)
 
@@ -71,6 +79,10 @@ def variants() -> dict[str, Variant]:
     out["fast attn-pf"] = replace(fast, attn_prefetch=True)
     out["fast slots"] = replace(fast, key_slots=True, family="slots")
     out["fast slots attn-pf"] = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
+    committed = replace(fast, key_slots=True, attn_prefetch=True, family="slots")  # fast of session 5
+    out["fast slots attn-pf silu-out"] = replace(committed, silu_out=True)
+    out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
+    out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
     out["exact"] = exact
     out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
     out["exact+pdl"] = replace(exact, pdl=True)
@@ -81,9 +93,11 @@ def variants() -> dict[str, Variant]:
     return out
 
 
-def token_step(m: dict, linear, skip: frozenset):
-    """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state."""
+def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False):
+    """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state.
+    silu_out / norm_out: the GEMV's fused output forms (the same bits as the launches they replace)."""
     from looptrace.engine import kernels as K
+    from looptrace.engine.kernels import gemv as G
 
     h = m["h0"]
     x = K.rms_norm(h, m["layers"][0]["n1"], EPS)
@@ -105,18 +119,24 @@ def token_step(m: dict, linear, skip: frozenset):
             a = K.paged_attn(
                 q.view(rows, HEADS, DIM), m["kc"], m["vc"], m["tables"], m["ctx"], it % LAYERS, scale
             )
-        y = linear(a, lay["o"])
-        if "norm" in skip:
-            x = y
-        else:
-            h, x = K.residual_rms_norm(y, lay["n1"], EPS, h, lay["n2"], EPS)
-        gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
-        d = linear(gate if "silu" in skip else K.silu_and_mul(gate, up), lay["down"])
         nxt = m["layers"][(it + 1) % LAYERS]["n1"]
-        if "norm" in skip:
-            x = d
+        if norm_out:
+            h, x = G.linear_residual_norm(a, lay["o"], lay["n1"], EPS, h, lay["n2"], EPS)
+        elif "norm" in skip:
+            x = linear(a, lay["o"])
         else:
-            h, x = K.residual_rms_norm(d, lay["n2"], EPS, h, nxt, EPS)
+            h, x = K.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
+        if silu_out:
+            act = G.gate_up_silu(x, lay["gate_up"])
+        else:
+            gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
+            act = gate if "silu" in skip else K.silu_and_mul(gate, up)
+        if norm_out:
+            h, x = G.linear_residual_norm(act, lay["down"], lay["n2"], EPS, h, nxt, EPS)
+        elif "norm" in skip:
+            x = linear(act, lay["down"])
+        else:
+            h, x = K.residual_rms_norm(linear(act, lay["down"]), lay["n2"], EPS, h, nxt, EPS)
     return x if "norm" in skip or "all" in skip else h
 
 
@@ -129,19 +149,50 @@ def capture_variant(m: dict, v: Variant):
     from looptrace.engine.kernels import paged_attention as pa
 
     linear = gemv.linear if v.gemv else F.linear
-    saved = pa.DEFAULT_SPLIT
+    saved, saved_pick = pa.DEFAULT_SPLIT, gemv.pick_config
     pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
+    if v.tiles:  # this variant's tile for each overridden weight shape, the table's for the others
+        shapes = {tuple(m["layers"][0][name].shape): cfg for name, cfg in v.tiles}
+        gemv.pick_config = lambda rows, n, k: shapes.get((n, k)) or saved_pick(rows, n, k)
     try:  # the warm-ups and the capture under the variant's launch mode
         with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
-            return capture(lambda: token_step(m, linear, v.skip))
+            return capture(lambda: token_step(m, linear, v.skip, v.silu_out, v.norm_out))
     finally:
-        pa.DEFAULT_SPLIT = saved
+        pa.DEFAULT_SPLIT, gemv.pick_config = saved, saved_pick
+
+
+def gemv_sweep() -> dict[str, Variant]:
+    """The four projections alone (the GEMV-only chain) with one weight's tile config replaced at a time:
+    a tile that streams better in the dependent chain than alone shows here (`--gemv-sweep`)."""
+    from looptrace.engine.kernels.gemv import TileConfig
+
+    only = replace(Variant(), skip=frozenset({"all"}), family="")
+    out = {"gemv-only": only}
+    candidates = {
+        "32x128 w4": TileConfig(block_n=32, block_k=128),
+        "16x256 w4": TileConfig(block_n=16, block_k=256),
+        "16x512 w4 s2": TileConfig(block_n=16, block_k=512, num_stages=2),
+        "32x256 w4": TileConfig(block_n=32, block_k=256),
+        "64x128 w4": TileConfig(block_n=64, block_k=128),
+        "32x128 w8": TileConfig(block_n=32, block_k=128, num_warps=8),
+        "32x128 w2": TileConfig(block_n=32, block_k=128, num_warps=2),
+        "16x128 w2 s4": TileConfig(block_n=16, block_k=128, num_warps=2, num_stages=4),
+        "64x256 w8 s2": TileConfig(block_n=64, block_k=256, num_warps=8, num_stages=2),
+        "8x512 w2 s2": TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2),
+    }
+    for weight in ("qkv", "o", "gate_up", "down"):
+        for label, cfg in candidates.items():
+            out[f"gemv-only {weight} {label}"] = replace(only, tiles=((weight, cfg),))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="comma-separated variant names")
+    parser.add_argument(
+        "--gemv-sweep", action="store_true", help="the GEMV-only chain, tiles swept per weight"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -154,10 +205,12 @@ def main() -> int:
     t0 = time.time()
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
-    chosen = {n: v for n, v in variants().items() if not args.only or n in args.only.split(",")}
+    pool = gemv_sweep() if args.gemv_sweep else variants()
+    chosen = {n: v for n, v in pool.items() if not args.only or n in args.only.split(",")}
     graphs, outs = capture_each({n: lambda v=v: capture_variant(m, v) for n, v in chosen.items()}, t0)
     times = time_interleaved(graphs, args.rounds)
     median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    ref = "gemv-only" if args.gemv_sweep else "fast"  # the "vs" column's arm
     firsts: dict[str, str] = {}
     results = []
     for name in graphs:
@@ -173,7 +226,8 @@ def main() -> int:
                 "variant": name,
                 "ms_per_token": median[name],
                 "rounds": times[name],
-                "vs_fast": median[name] / median["fast"] if "fast" in median else None,
+                "vs_ref": median[name] / median[ref] if ref in median else None,
+                "copy_bw_fraction": WEIGHT_BYTES_PER_TOKEN / COPY_BW / (median[name] / 1000),
                 "marginal_us_per_pass": marginal,
                 "bitwise_vs": first,
                 "bitwise": bool(torch.equal(outs[name], outs[first])) if first else None,
@@ -182,31 +236,35 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    flags = " --gemv-sweep" if args.gemv_sweep else ""
     lines = [
         "# Ouro-1.4B batch-1 decode token: ablations and early loads under PDL (issue #22)",
         "",
         f"Device: {device}; {versions}. Command: `python bench/token_ablation_h200.py --rounds "
-        f"{args.rounds}` "
+        f"{args.rounds}{flags}` "
         f"({time.time() - t0:.0f} s). Median ms per replay of a one-token CUDA graph (96 layer passes), "
-        "variants interleaved; marginal = what the left-out op adds per layer pass.",
+        "variants interleaved; marginal = what the left-out op adds per layer pass; weights at copy bw = "
+        f"the token's {WEIGHT_BYTES_PER_TOKEN / 1e9:.2f} GB of projection weights at "
+        f"{COPY_BW / 1e12:.2f} TB/s over the token's time.",
         "",
-        "| variant | ms/token | vs fast | marginal µs/pass | bitwise = |",
-        "|---|---|---|---|---|",
+        f"| variant | ms/token | vs {ref} | weights at copy bw | marginal µs/pass | bitwise = |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
-        ratio = f"{r['vs_fast']:.3f}" if r["vs_fast"] else "-"
+        ratio = f"{r['vs_ref']:.3f}" if r["vs_ref"] else "-"
         marg = f"{r['marginal_us_per_pass']:.2f}" if r["marginal_us_per_pass"] is not None else "-"
         same = (
             f"{r['bitwise_vs']}: {r['bitwise']}"
             if r["bitwise_vs"] and r["bitwise_vs"] != r["variant"]
             else "-"
         )
-        lines.append(f"| {r['variant']} | {r['ms_per_token']:.3f} | {ratio} | {marg} | {same} |")
-    out = Path(args.out)
-    (out / "token_ablation_h200.json").write_text(
+        bw = f"{r['copy_bw_fraction']:.0%}"
+        lines.append(f"| {r['variant']} | {r['ms_per_token']:.3f} | {ratio} | {bw} | {marg} | {same} |")
+    out, stem = Path(args.out), "gemv_sweep_h200" if args.gemv_sweep else "token_ablation_h200"
+    (out / f"{stem}.json").write_text(
         json.dumps({"device": device, "versions": versions, "results": results}, indent=1)
     )
-    (out / "token_ablation_h200.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0
 

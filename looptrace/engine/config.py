@@ -225,6 +225,14 @@ class KernelConfig:
     # arithmetic of the exact kernel it replaces, so the GEMV sees the same input bits (R0); CUDA only.
     gemv_silu: bool = field(default=False, metadata=_meta("R0"))
     gemv_norm: bool = field(default=False, metadata=_meta("R0"))
+    # Beyond the paper, with `gemv`: fused output forms of the one-row GEMV (`kernels/gemv.py`, Y_FORM).
+    # gemv_silu_out: the gate/up GEMV computes each block's gate and up columns in one program and stores
+    # SiLU(gate)·up (no SiLU·mul launch); gemv_norm_out (with `residual_norm`): the o / down GEMV's program
+    # that completes the row runs the sandwich block's residual norm over it (no residual-norm launch).
+    # Each runs the fenced arithmetic of the exact kernel it replaces on the same GEMV outputs (R0); Ouro
+    # only (the models with those kernels), CUDA only.
+    gemv_silu_out: bool = field(default=False, metadata=_meta("R0"))
+    gemv_norm_out: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper, with `gemv` and `pdl`: the one-row GEMV loads its first weight tile before its
     # `griddepcontrol.wait` (no kernel writes weights), so those loads overlap the kernel before. Moves
     # loads, not values (R0); CUDA sm_90+ only.

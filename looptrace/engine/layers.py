@@ -86,6 +86,52 @@ def materialized(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return x.materialize() if isinstance(x, PendingNorm) else x
 
 
+@dataclass
+class ResidualTail:
+    """What follows a sandwich block's output projection y = proj(a) in the fused chain
+    (`kernels.residual_norm`): h' = residual + post(y), x' = nxt(h'). `finish(proj, a)` runs both and
+    returns (h', x'):
+    - `in_gemv` (`kernels.gemv_norm_out`, one routed row): the norm runs inside the projection's GEMV
+      launch (`gemv.linear_residual_norm`), bit for bit;
+    - `defer` (`kernels.gemv_norm`, one row): the norm is left to the next projection (h' None, x' a
+      PendingNorm);
+    - else the projection, then the `ResidualRMSNorm` launch.
+    The residual stream is h, or, where the block's input x was a PendingNorm, the h its consumer recorded
+    (read at `finish`, after the block has read x)."""
+
+    launch: ResidualRMSNorm
+    h: torch.Tensor | None
+    x: torch.Tensor | PendingNorm
+    post: RMSNorm
+    nxt: RMSNorm
+    defer: bool = False
+    in_gemv: bool = False
+
+    @property
+    def residual(self) -> torch.Tensor:
+        return self.x.h if isinstance(self.x, PendingNorm) else self.h
+
+    def finish(self, proj: nn.Linear, a: torch.Tensor):
+        """(h', x') of y = proj(a)."""
+        residual, w_post, w_next = self.residual, self.post.weight, self.nxt.weight
+        if self.in_gemv and K.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
+            return K.linear_residual_norm(
+                a, proj.weight, w_post, self.post.eps, residual, w_next, self.nxt.eps
+            )
+        return self.after(proj(a))
+
+    def after(self, y: torch.Tensor):
+        """(h', x') of a y already projected."""
+        if self.defer:
+            return None, PendingNorm(y, self.residual, self.post, self.nxt, self.launch)
+        return self.launch(y, self.residual, self.post, self.nxt)
+
+
+def finish(proj: nn.Linear, a: torch.Tensor, tail: ResidualTail | None):
+    """`proj(a)`, or with a tail the tail's (h', x') (see ResidualTail)."""
+    return proj(a) if tail is None else tail.finish(proj, a)
+
+
 def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torch.Tensor:
     """`linear(x, weight)`; for a PendingNorm, one GEMV launch that also computes the norm where the fused
     form applies (one routed row: `gemv.residual_norm_fusable`), else the norm's own launch first."""
@@ -116,10 +162,11 @@ def _switch_on(model: nn.Module, flags: dict[str, bool]) -> int:
     return count
 
 
-def enable_gemv_inputs(model: nn.Module, gemv_silu: bool, gemv_norm: bool) -> int:
-    """Switch on the Triton GEMV's fused input forms (`kernels.gemv_silu`, `kernels.gemv_norm`) in every
-    module that declares them; returns how many modules."""
-    return _switch_on(model, {"gemv_silu": gemv_silu, "gemv_norm": gemv_norm})
+def enable_gemv_form(model: nn.Module, flag: str) -> int:
+    """Switch on one of the Triton GEMV's fused forms (`kernels.<flag>`: the input forms gemv_silu and
+    gemv_norm, the output forms gemv_silu_out and gemv_norm_out) in every module that declares it; returns
+    how many modules."""
+    return _switch_on(model, {flag: True})
 
 
 class Embedding(nn.Embedding):

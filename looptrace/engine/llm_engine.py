@@ -37,7 +37,7 @@ from looptrace.engine.kv_cache import BlockManager, KVPool, size_pool_blocks
 from looptrace.engine.layers import (
     enable_exact_kernels,
     enable_fused_tails,
-    enable_gemv_inputs,
+    enable_gemv_form,
     enable_key_slots,
     enable_triton_attention,
 )
@@ -212,7 +212,7 @@ class LLMEngine:
         gemv_on = self.cfg.kernels.gemv and kernels.apply_gemv(model, self.device) > 0  # after the fusing
         if self.cfg.kernels.gemv and not gemv_on:
             missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
-        missing.update(self._apply_gemv_inputs(gemv_on))
+        missing.update(self._apply_gemv_forms(gemv_on))
         if self.cfg.kernels.l2_prefetch and not kernels.apply_l2_prefetch(model, self.device):  # wraps gemv
             missing["kernels.l2_prefetch"] = "the L2 prefetch runs only on CUDA with Triton"
         pdl_ok = kernels.available() and launch_mode.supported(self.device)
@@ -233,20 +233,22 @@ class LLMEngine:
             missing["kernels.attn_slots"] = "needs the Triton attention (kernels.attention=triton, CUDA)"
         return in_report_order({**plan.inactive_settings, **missing})
 
-    def _apply_gemv_inputs(self, gemv_on: bool) -> dict[str, str]:
-        """`kernels.gemv_silu` / `kernels.gemv_norm` switched on in the model where they can act; returns
-        the inactive ones with why."""
+    def _apply_gemv_forms(self, gemv_on: bool) -> dict[str, str]:
+        """The GEMV's fused forms (`kernels.gemv_silu`, `gemv_norm`, `gemv_silu_out`, `gemv_norm_out`)
+        switched on in the model where they can act; returns the inactive ones with why."""
         k, missing = self.cfg.kernels, {}
-        asked = {"kernels.gemv_silu": k.gemv_silu, "kernels.gemv_norm": k.gemv_norm}
-        for name in [n for n, on in asked.items() if on]:
+        asked = ("gemv_silu", "gemv_norm", "gemv_silu_out", "gemv_norm_out")
+        for flag in [f for f in asked if getattr(k, f)]:
+            name = f"kernels.{flag}"
             if not gemv_on:
                 missing[name] = "needs kernels.gemv active (CUDA with Triton)"
-            elif name == "kernels.gemv_norm" and "kernels.residual_norm" not in self.plan.fused_tails:
-                missing[name] = "needs kernels.residual_norm active"
-            elif not enable_gemv_inputs(
-                self.model, gemv_silu=name == "kernels.gemv_silu", gemv_norm=name == "kernels.gemv_norm"
+            elif (
+                flag in ("gemv_norm", "gemv_norm_out")
+                and "kernels.residual_norm" not in self.plan.fused_tails
             ):
-                missing[name] = f"no fused GEMV input for the {self.spec.family} family"
+                missing[name] = "needs kernels.residual_norm active"
+            elif not enable_gemv_form(self.model, flag):
+                missing[name] = f"no fused GEMV form for the {self.spec.family} family"
         return missing
 
     def _build_kv(self) -> tuple[BlockManager, KVPool]:

@@ -80,6 +80,7 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             assert calls[:1] == ["await_inputs"], f"{path.name}:{kernel.name} starts with {calls[:3]}"
         else:  # only index math, the launch hint and the weight prefetch may come before the wait
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
+            allowed |= {"_weight_rows"}  # the GEMV's row indices (index math only)
             allowed |= {"tl.zeros", "_weight_tile"}  # the GEMV's weight preload (weights: never written)
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}

@@ -130,6 +130,39 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     return gemv.residual_norm_linear(y, w_post, eps_post, residual, w_next, eps_next, weight)
 
 
+def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`kernels.gemv_silu_out` applies: one routed bf16 row on CUDA (`gemv.gate_up_silu_fusable`)."""
+    if not (x.is_cuda and available()):
+        return False
+    from looptrace.engine.kernels import gemv
+
+    return gemv.gate_up_silu_fusable(x, weight)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(*(x @ weight.T).chunk(2, -1))` as one GEMV launch, bit for bit (`gemv.gate_up_silu`)."""
+    from looptrace.engine.kernels import gemv
+
+    return gemv.gate_up_silu(x, weight)
+
+
+def linear_norm_fusable(a, weight, residual, w_post, w_next) -> bool:
+    """`kernels.gemv_norm_out` applies: one routed bf16 row on CUDA (`gemv.linear_norm_fusable`)."""
+    if not (a.is_cuda and available()):
+        return False
+    from looptrace.engine.kernels import gemv
+
+    return gemv.linear_norm_fusable(a, weight, residual, w_post, w_next)
+
+
+def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, eps_next: float):
+    """`residual_rms_norm(a @ weight.T, ...)` as one GEMV launch, bit for bit; returns (h, x)
+    (`gemv.linear_residual_norm`)."""
+    from looptrace.engine.kernels import gemv
+
+    return gemv.linear_residual_norm(a, weight, w_post, eps_post, residual, w_next, eps_next)
+
+
 def paged_attn(
     q, k_cache, v_cache, tables, ctx_lens, layer_id: int, scale: float, key_slots: bool = False
 ) -> torch.Tensor:
@@ -287,9 +320,13 @@ __all__ = [
     "apply_l2_prefetch",
     "available",
     "calibrate",
+    "gate_up_silu",
+    "gate_up_silu_fusable",
     "graph_warmup",
     "is_capturing",
     "join_prefetches",
+    "linear_norm_fusable",
+    "linear_residual_norm",
     "paged_attn",
     "residual_norm_fusable",
     "residual_norm_linear",

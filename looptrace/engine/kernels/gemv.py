@@ -71,7 +71,7 @@ from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.reduce_order import mean_factor, reduce_shape
 from looptrace.engine.kernels.rmsnorm import _row_mean as row_mean
-from looptrace.engine.kernels.rmsnorm import residual_row_mean, residual_value
+from looptrace.engine.kernels.rmsnorm import residual_norm_row, residual_row_mean, residual_value
 from looptrace.engine.kernels.silu_mul import _exp as exp_like_aten
 
 tl = triton.language
@@ -169,6 +169,58 @@ def _load_x(x_ptr, stride_xm, k, kmask, M: tl.constexpr, M_PAD: tl.constexpr):
 # RESIDUAL_NORM: x = nxt(h + post(y)) (`kernels.gemv_norm`: a sandwich block's residual norm folded into
 # the next projection, `rmsnorm.residual_rms_norm`'s values; program (0, 0) also stores the new h).
 PLAIN, SILU_MUL, RESIDUAL_NORM = 0, 1, 2
+
+# What the one-row kernel does with its output (`Y_FORM`, a constexpr): store y (PLAIN_OUT), or finish the
+# exact kernel that would otherwise run after it, with that kernel's fenced arithmetic, so the bits are the
+# same as the two launches':
+# SILU_OUT: W is gate/up stacked ([gate; up], 2 I rows); program j computes gate and up columns of one
+# block and stores silu(gate) * up (`kernels.gemv_silu_out`: Ouro's gate/up without `silu_mul.py`'s launch);
+# NORM_OUT: y is a sandwich block's output (o or down projection); the program that completes the row's
+# last column block applies `rmsnorm.residual_rms_norm` to the whole row: h = res + post(y), x = nxt(h)
+# (`kernels.gemv_norm_out`: without the residual norm's launch).
+PLAIN_OUT, SILU_OUT, NORM_OUT = 0, 1, 2
+
+
+@triton.jit
+def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, Y_FORM: tl.constexpr):
+    """(W rows, mask) of column block pid_n: BLOCK_N consecutive rows; SILU_OUT: BLOCK_N / 2 gate rows and
+    the up rows N further (N: the output width, I). Each row's products are the plain GEMV's."""
+    if Y_FORM == 1:
+        j = tl.arange(0, BLOCK_N)
+        col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+        n = tl.where(j < BLOCK_N // 2, col, col + N)
+        nmask = col < N
+    else:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+    return n, nmask
+
+
+@triton.jit
+def _store_silu_mul(acc, y_ptr, pid_n, N, BLOCK_N: tl.constexpr):
+    """SILU_OUT (one row): the gate and up halves of acc rounded to bf16 as the plain GEMV stores them,
+    then `silu_mul.py`'s arithmetic: rn_bf16(rn_bf16(g / (1 + exp(-g))) * u), stored to y [1, N]."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2]), (1, 0)))
+    g, u = round_bf16(gate), round_bf16(up)
+    one = tl.full([BLOCK_N // 2], 1.0, tl.float32)
+    silu = round_bf16(div_rn(g, add_rn(one, exp_like_aten(neg(g)))))
+    col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + col, to_bf16(mul_rn(silu, u)), mask=col < N)
+
+
+@triton.jit
+def _finish_row(y_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, x_out_ptr, ticket_ptr, factor, eps_y, eps_n,
+                NORM_N: tl.constexpr, LANES: tl.constexpr, VECS: tl.constexpr, DESC: tl.constexpr,
+                CHUNK: tl.constexpr):  # fmt: skip
+    """NORM_OUT, called once per column block after its y is stored: the block's program takes the row's
+    ticket (the counter after the column blocks' ones); the one that draws the last runs the residual norm
+    over the whole row (`rmsnorm.residual_norm_row`, the exact kernel's code) and resets the counter."""
+    tl.debug_barrier()  # all of this program's y stores happen before its ticket releases them
+    row_ticket = ticket_ptr + tl.num_programs(0)
+    if tl.atomic_add(row_ticket, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        residual_norm_row(y_ptr, wy_ptr, res_ptr, h_ptr, wn_ptr, x_out_ptr, factor, eps_y, eps_n, NORM_N,
+                          LANES, VECS, DESC, CHUNK)  # fmt: skip
+        tl.store(row_ticket, 0)
 
 
 @triton.jit
@@ -289,16 +341,16 @@ def _store_residual(y_ptr, res_ptr, wy_ptr, h_ptr, r_y, K: tl.constexpr, CHUNK: 
 
 @triton.jit(do_not_specialize=["stride_xm", "stride_ym"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride_wn, stride_ym,
-                 u_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, factor, eps_y, eps_n,
+                 u_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, x_out_ptr, factor, eps_y, eps_n,
                  K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
                  PREFETCH: tl.constexpr = False, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
                  VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1,
-                 PRELOAD: tl.constexpr = 0):  # fmt: skip
+                 PRELOAD: tl.constexpr = 0, Y_FORM: tl.constexpr = 0,
+                 NORM_N: tl.constexpr = 1):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    n, nmask = _weight_rows(pid_n, N, BLOCK_N, Y_FORM)
     let_dependents_launch(PDL)
     if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
         _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
@@ -321,14 +373,22 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
             _store_residual(x_ptr, res_ptr, wy_ptr, h_ptr, r_y, K, CHUNK)
     cols = tl.arange(0, M_PAD)
     mask = nmask[:, None] & (cols < M)[None, :]
-    if SPLIT_K == 1:
+    if Y_FORM == 1:  # SILU_OUT: one split (the launch makes sure), gate and up in this program
+        _store_silu_mul(acc, y_ptr, pid_n, N, BLOCK_N)
+    elif SPLIT_K == 1:
         tl.store(y_ptr + cols[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if Y_FORM == 2:
+            _finish_row(y_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, x_out_ptr, ticket_ptr, factor, eps_y, eps_n,
+                        NORM_N, LANES, VECS, DESC, CHUNK)  # fmt: skip
     else:
         tl.store(part_ptr + pid_k * M * N + cols[None, :] * N + n[:, None], acc, mask=mask)
         tl.debug_barrier()  # all of this program's stores happen before its ticket releases them
         if tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split to finish
             _combine(part_ptr, y_ptr, stride_ym, n, nmask, N, M, M_PAD, SPLIT_K)
             tl.store(ticket_ptr + pid_n, 0)  # every split has drawn: ready for the next launch
+            if Y_FORM == 2:
+                _finish_row(y_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, x_out_ptr, ticket_ptr, factor, eps_y,
+                            eps_n, NORM_N, LANES, VECS, DESC, CHUNK)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ launch
@@ -353,18 +413,26 @@ def _check_weight(weight: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with K contiguous")
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, consts=None) -> torch.Tensor:
-    """One `_gemv_kernel` launch over the `[M, K]` rows x2, or (`form`: the input form's tensors and
-    scalars, `consts`: X_FORM and its constants) over the one row the kernel computes from them, x2 being
-    their first input. Returns y `[M, N]`."""
+def _launch(
+    x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, consts=None, y_form: int = PLAIN_OUT
+) -> torch.Tensor:
+    """One `_gemv_kernel` launch over the `[M, K]` rows x2, or (`form`: the fused form's tensors and
+    scalars, `consts`: X_FORM or Y_FORM's constants) over the one row the kernel computes from them, x2
+    being their first input. Returns y `[M, N]` (SILU_OUT: N is half the weight's rows)."""
     (m, k), n = x2.shape, weight.shape[0]
+    columns = cfg.block_n  # output columns per program
+    if y_form == SILU_OUT:  # gate and up of one column block in one program, one split
+        n, columns = n // 2, cfg.block_n // 2
+        split, per_split = 1, triton.cdiv(k, cfg.block_k)
+    else:
+        split, per_split = split_for(n, k, cfg)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    split, per_split = split_for(n, k, cfg)
-    blocks = triton.cdiv(n, cfg.block_n)
+    blocks = triton.cdiv(n, columns)
     even_k = k % cfg.block_k == 0 and split * per_split == triton.cdiv(k, cfg.block_k)
     scratch = (split, m, n) if split > 1 else (1,)  # one split stores y directly: no partials, no ticket
     partials = torch.empty(scratch, dtype=torch.float32, device=x2.device)
-    counters = tickets(x2.device, blocks if split > 1 else 1)
+    # a ticket per column block when K is split; NORM_OUT: the row's after them (at index `blocks`)
+    counters = tickets(x2.device, blocks + 1 if y_form == NORM_OUT else blocks if split > 1 else 1)
     launch = pdl_args()
     form = form or _unused_inputs(x2)
     # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
@@ -377,14 +445,16 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, 
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight), **consts,
-        PRELOAD=int(m == 1 and not cfg.dot and launch_mode.weight_preload()),
+        PRELOAD=int(m == 1 and not cfg.dot and launch_mode.weight_preload()), Y_FORM=y_form,
     )  # fmt: skip
     return y
 
 
 def _unused_inputs(x2: torch.Tensor) -> dict:
     """The fused forms' arguments where the kernel does not read them (PLAIN; the silu form's norm ones)."""
-    return dict(u_ptr=x2, res_ptr=x2, wy_ptr=x2, wn_ptr=x2, h_ptr=x2, factor=1.0, eps_y=0.0, eps_n=0.0)
+    return dict(
+        u_ptr=x2, res_ptr=x2, wy_ptr=x2, wn_ptr=x2, h_ptr=x2, x_out_ptr=x2, factor=1.0, eps_y=0.0, eps_n=0.0
+    )
 
 
 # ------------------------------------------------------------------------- GEMVs with a fused input form
@@ -453,13 +523,83 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     h = torch.empty_like(residual)
     form = dict(
         u_ptr=y, res_ptr=residual.reshape(1, k), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
-        h_ptr=h, factor=mean_factor(1, k), eps_y=eps_post, eps_n=eps_next,
+        h_ptr=h, x_out_ptr=y, factor=mean_factor(1, k), eps_y=eps_post, eps_n=eps_next,
     )  # fmt: skip
     order = rmsnorm.shuffle_order()
     consts = dict(LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=order == "desc", CHUNK=min(k, 2048))
     out = _launch(y.reshape(1, k), weight, _one_row_config(weight.shape[0], k), form,
                   dict(X_FORM=RESIDUAL_NORM, **consts))  # fmt: skip
     return out.reshape(*y.shape[:-1], weight.shape[0]), h
+
+
+# ------------------------------------------------------------------------ GEMVs with a fused output form
+
+
+def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`gate_up_silu` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV and a stacked
+    `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row)."""
+    cfg = _one_row_config(weight.shape[0], x.shape[-1])
+    return (
+        routes(x, weight)
+        and weight.shape[1] == x.shape[-1]
+        and weight.shape[0] % 2 == 0
+        and cfg is not None
+        and cfg.block_n >= 2
+    )
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_mul(*gemv(x, weight).chunk(2, -1))` in one launch (`kernels.gemv_silu_out`): each program
+    computes a block of gate columns and the same block of up columns (the plain GEMV's products, in its
+    order) and stores SiLU·mul of them with `silu_mul.py`'s fenced arithmetic, so the result is bitwise the
+    two launches'. `weight` is `[gate; up]` (`[2 I, K]`); returns `[..., I]`. Call only where
+    `gate_up_silu_fusable`."""
+    k = x.shape[-1]
+    _check_weight(weight, k)
+    x2 = x.reshape(1, k)
+    cfg = _one_row_config(weight.shape[0], k)
+    y = _launch(x2, weight, cfg, consts=dict(X_FORM=PLAIN), y_form=SILU_OUT)
+    return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def linear_norm_fusable(
+    a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, w_post, w_next
+) -> bool:
+    """`linear_residual_norm` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV whose
+    output row `[1, N]` the one-kernel residual norm takes (`rmsnorm.residual_supported`)."""
+    from looptrace.engine.kernels import rmsnorm
+
+    return (
+        routes(a, weight)
+        and weight.shape[1] == a.shape[-1]
+        and residual.shape[-1] == weight.shape[0]
+        and residual.numel() == weight.shape[0]
+        and residual.stride(-1) == 1
+        and rmsnorm.residual_supported(residual, residual, w_post, w_next)
+        and _one_row_config(weight.shape[0], a.shape[-1]) is not None
+    )
+
+
+def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, eps_next: float):
+    """`residual_rms_norm(gemv(a, weight), w_post, eps_post, residual, w_next, eps_next)` in one launch
+    (`kernels.gemv_norm_out`): the program that completes the row's last column block runs the residual
+    norm over the whole row with the exact kernel's code (`rmsnorm.residual_norm_row`), so h and x are
+    bitwise the two launches'. Returns (h, x), each shaped like `residual`. Call only where
+    `linear_norm_fusable`."""
+    from looptrace.engine.kernels import rmsnorm
+
+    k, n = a.shape[-1], weight.shape[0]
+    _check_weight(weight, k)
+    shape = reduce_shape(1, n)
+    h, x = torch.empty_like(residual), torch.empty_like(residual)
+    form = dict(
+        u_ptr=a, res_ptr=residual.reshape(1, n), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
+        h_ptr=h, x_out_ptr=x, factor=mean_factor(1, n), eps_y=eps_post, eps_n=eps_next,
+    )  # fmt: skip
+    consts = dict(X_FORM=PLAIN, LANES=shape.lanes, VECS=shape.vectors_per_lane,
+                  DESC=rmsnorm.shuffle_order() == "desc", CHUNK=rmsnorm._chunk(n), NORM_N=n)  # fmt: skip
+    _launch(a.reshape(1, k), weight, _one_row_config(n, k), form, consts, y_form=NORM_OUT)
+    return h, x
 
 
 def prefetch_aligned(weight: torch.Tensor) -> bool:
@@ -530,7 +670,11 @@ __all__ = [
     "TILE_TABLE",
     "TileConfig",
     "apply_gemv",
+    "gate_up_silu",
+    "gate_up_silu_fusable",
     "gemv",
+    "linear_norm_fusable",
+    "linear_residual_norm",
     "linear",
     "pick_config",
     "split_for",

@@ -51,30 +51,20 @@ def _square_kernel(x_ptr, sq_ptr, stride_xm, N: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
-def _norm_tail(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    row,
-    stride_xm,
-    stride_om,
-    r,
-    N: tl.constexpr,
-    CHUNK: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-):
-    """out = rn( rn_bf16(x * r) * w ) over one row, CHUNK columns at a time; r: fp32 [1] tensor."""
+def _norm_tail(x_row, w_ptr, out_row, r, N: tl.constexpr, CHUNK: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out = rn( rn_bf16(x * r) * w ) over the row at `x_row` into `out_row`, CHUNK columns at a time;
+    r: fp32 [1] tensor."""
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         m = cols < N
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         h = round_bf16(mul_rn(x, r))
         o = mul_rn(h, w)
         if OUT_BF16:
-            tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, to_bf16(o), mask=m)
+            tl.store(out_row + cols, to_bf16(o), mask=m)
         else:
-            tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, o, mask=m)
+            tl.store(out_row + cols, o, mask=m)
 
 
 @triton.jit
@@ -95,7 +85,8 @@ def _tail_kernel(
     row = tl.program_id(0)
     mean = tl.load(mean_ptr + row + tl.zeros([1], tl.int32))
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
-    _norm_tail(x_ptr, w_ptr, out_ptr, row, stride_xm, stride_om, r, N, CHUNK, OUT_BF16)
+    rows = row.to(tl.int64)
+    _norm_tail(x_ptr + rows * stride_xm, w_ptr, out_ptr + rows * stride_om, r, N, CHUNK, OUT_BF16)
 
 
 @triton.jit
@@ -219,7 +210,8 @@ def _fused_kernel(
     if STORE_MEAN:
         tl.store(mean_ptr + row + tl.zeros([1], tl.int32), mean)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
-    _norm_tail(x_ptr, w_ptr, out_ptr, row, stride_xm, stride_om, r, N, CHUNK, OUT_BF16)
+    rows = row.to(tl.int64)
+    _norm_tail(x_ptr + rows * stride_xm, w_ptr, out_ptr + rows * stride_om, r, N, CHUNK, OUT_BF16)
 
 
 @triton.jit
@@ -246,23 +238,46 @@ def _residual_norm_kernel(
 ):
     """h_out = h + norm(y) * wy (bf16 add), out = norm(h_out) * wn: three eager ops, one program per row."""
     await_inputs(PDL)
-    row = tl.program_id(0)
-    rows = row.to(tl.int64)
-    mean = _row_mean(y_ptr + rows * stride_y, factor, N, LANES, K, DESC)
+    rows = tl.program_id(0).to(tl.int64)
+    residual_norm_row(
+        y_ptr + rows * stride_y,
+        wy_ptr,
+        h_ptr + rows * stride_h,
+        h_out_ptr + rows * stride_ho,
+        wn_ptr,
+        out_ptr + rows * stride_o,
+        factor,
+        eps_y,
+        eps_n,
+        N,
+        LANES,
+        K,
+        DESC,
+        CHUNK,
+    )
+
+
+@triton.jit
+def residual_norm_row(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n,
+                      N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr,
+                      CHUNK: tl.constexpr):  # fmt: skip
+    """One row of `_residual_norm_kernel` (h_out = h + post(y), out = nxt(h_out)) by the calling program;
+    also the epilogue of the GEMV's NORM_OUT form, so both compute the same bits."""
+    mean = _row_mean(y_row, factor, N, LANES, K, DESC)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps_y, tl.float32)))
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         m = cols < N
-        y = tl.load(y_ptr + rows * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols, mask=m, other=0.0).to(tl.float32)
         w = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + rows * stride_h + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_out_ptr + rows * stride_ho + cols, to_bf16(residual_value(y, h, w, r)), mask=m)
+        h = tl.load(h_row + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_out_row + cols, to_bf16(residual_value(y, h, w, r)), mask=m)
     # The next norm reads the new residual row back in its own lane order: every thread's stores above
     # must be visible to the whole program first.
     tl.debug_barrier()
-    mean_n = _row_mean(h_out_ptr + rows * stride_ho, factor, N, LANES, K, DESC)
+    mean_n = _row_mean(h_out_row, factor, N, LANES, K, DESC)
     r_n = rsqrt_approx(add_rn(mean_n, tl.full([1], eps_n, tl.float32)))
-    _norm_tail(h_out_ptr, wn_ptr, out_ptr, row, stride_ho, stride_o, r_n, N, CHUNK, True)
+    _norm_tail(h_out_row, wn_ptr, out_row, r_n, N, CHUNK, True)
 
 
 def _prep(x: torch.Tensor, weight: torch.Tensor):

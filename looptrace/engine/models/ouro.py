@@ -17,9 +17,11 @@ from looptrace.engine.layers import (
     PagedAttention,
     PendingNorm,
     ResidualRMSNorm,
+    ResidualTail,
     RMSNorm,
     RotaryHalf,
     exact_kernels_on,
+    finish,
     materialized,
     project,
 )
@@ -49,7 +51,8 @@ class OuroAttention(nn.Module):
         checkpoint names unchanged)."""
         self.qkv = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
+        """o_proj of the attention output; with a tail, the tail's (h', x') after it (`finish`)."""
         nh, kvh, d = self.shape
         if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
             q, k, v = project(x, self.qkv, self.fused_linear).split([nh * d, kvh * d, kvh * d], dim=-1)
@@ -62,15 +65,16 @@ class OuroAttention(nn.Module):
                 q, k, v, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
                 self.paged.layer_id,
             )  # fmt: skip
-            return self.o_proj(self.paged.attend_written(q, ctx))
+            return finish(self.o_proj, self.paged.attend_written(q, ctx), tail)
         q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
-        return self.o_proj(self.paged(q, k, v, ctx))
+        return finish(self.o_proj, self.paged(q, k, v, ctx), tail)
 
 
 class OuroMLP(nn.Module):
     op_kind = "mlp"
     exact = False  # kernels.exact
     gemv_silu = False  # kernels.gemv_silu: the one-row down projection computes SiLU·mul itself
+    gemv_silu_out = False  # kernels.gemv_silu_out: the one-row gate/up GEMV stores SiLU·mul itself
     fused_linear = staticmethod(F.linear)  # the fused gate/up GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -84,17 +88,23 @@ class OuroMLP(nn.Module):
     def fuse_projections(self) -> None:
         self.gate_up = _fuse([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
+        """down_proj of SiLU(gate)·up; with a tail, the tail's (h', x') after it (`finish`)."""
+        if self.gemv_silu_out and self.gate_up is not None:
+            x = materialized(x)
+            if K.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
+                return finish(self.down_proj, K.gate_up_silu(x, self.gate_up), tail)
         if self.gate_up is not None:
             gate, up = project(x, self.gate_up, self.fused_linear).chunk(2, dim=-1)
         else:
             x = materialized(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.gemv_silu and K.silu_mul_fusable(gate, up, self.down_proj.weight):
-            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
-        if self.exact and exact_kernels_on(x.shape[0]):
-            return self.down_proj(K.silu_and_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+            y = K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
+            return y if tail is None else tail.after(y)
+        if self.exact and exact_kernels_on(gate.shape[0]):
+            return finish(self.down_proj, K.silu_and_mul(gate, up), tail)
+        return finish(self.down_proj, F.silu(gate) * up, tail)
 
 
 def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
@@ -115,7 +125,8 @@ class OuroLayer(nn.Module):
     is one `ResidualRMSNorm` launch, the last one with the next layer's input norm (or the loop's final
     norm), so the layer returns (h, next_norm(h)). Same ops, same order, same bits as the plain form.
     With `defer` (`kernels.gemv_norm`, one row) each of those launches is left to the projection that
-    reads its x: the layer takes and returns (None, PendingNorm) in place of (h, x)."""
+    reads its x: the layer takes and returns (None, PendingNorm) in place of (h, x). With
+    `gemv_norm_out` (one row) each runs inside the o / down GEMV launch before it (`ResidualTail`)."""
 
     op_kind = "layer"
 
@@ -131,28 +142,20 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(spec.hidden_size, eps)
         self.residual_attn, self.residual_mlp = ResidualRMSNorm(), ResidualRMSNorm()
 
+    gemv_norm_out = False  # kernels.gemv_norm_out: one-row o / down GEMVs apply the residual norm themselves
+
     def forward(self, h, ctx: AttnContext, x=None, next_norm: RMSNorm | None = None, defer: bool = False):
         if next_norm is not None:
-            y = self.self_attn(x, ctx)
-            h, x = _residual_norm(self.residual_attn, y, _residual(h, x), self.input_layernorm_2,
-                                  self.post_attention_layernorm, defer)  # fmt: skip
-            y = self.mlp(x)
-            return _residual_norm(self.residual_mlp, y, _residual(h, x), self.post_attention_layernorm_2,
-                                  next_norm, defer)  # fmt: skip
+            norms = (self.input_layernorm_2, self.post_attention_layernorm)
+            h, x = self.self_attn(x, ctx, self._tail(self.residual_attn, h, x, *norms, defer))
+            norms = (self.post_attention_layernorm_2, next_norm)
+            return self.mlp(x, self._tail(self.residual_mlp, h, x, *norms, defer))
         h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
-
-def _residual(h, x):
-    """The residual stream once x has been read: a PendingNorm's consumer recorded it."""
-    return x.h if isinstance(x, PendingNorm) else h
-
-
-def _residual_norm(launch: ResidualRMSNorm, y, h, post: RMSNorm, nxt: RMSNorm, defer: bool):
-    """(h', nxt(h')) with h' = h + post(y): launched now, or (None, PendingNorm) left to the next GEMV."""
-    if defer:
-        return None, PendingNorm(y, h, post, nxt, launch)
-    return launch(y, h, post, nxt)
+    def _tail(self, launch: ResidualRMSNorm, h, x, post: RMSNorm, nxt: RMSNorm, defer: bool) -> ResidualTail:
+        """The fused chain's h' = h + post(y), x' = nxt(h') after the block reading x (see ResidualTail)."""
+        return ResidualTail(launch, h, x, post, nxt, defer=defer, in_gemv=self.gemv_norm_out)
 
 
 class OuroModel(nn.Module):

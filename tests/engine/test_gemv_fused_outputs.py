@@ -1,0 +1,274 @@
+"""The GEMV's fused output forms and their R0 claim: bitwise the GEMV + the exact kernel run after it.
+
+- `gemv.gate_up_silu` (`kernels.gemv_silu_out`): the gate/up GEMV stores SiLU(gate)·up itself.
+- `gemv.linear_residual_norm` (`kernels.gemv_norm_out`): the o / down GEMV's last column block applies the
+  sandwich block's residual norm (h = res + post(y), x = nxt(h)) to the whole row.
+
+CPU: the kernels run in the Triton interpreter in a child process, with the CUDA-only gates opened for CPU
+tensors there (`test_gemv_fused_inputs._open_cuda_gates`): fused against the two launches (bitwise), against
+float64, run to run, with and without a split K and the weight preload; the ticket counters left at zero.
+GPU (`gpu` marker): Ouro-1.4B's shapes (gate_up 11264 x 2048; o 2048 x 2048 and down 2048 x 5632 before a
+residual norm), bitwise against the two launches in bf16, eager, replayed in a CUDA graph and under PDL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.engine.test_gemv_fused_inputs import _open_cuda_gates, _rel_err, _replayed
+from tests.helpers import interpreted_checks
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+gpu = pytest.mark.gpu
+EPS = 1e-6
+
+
+def _reference_silu_out(x, w):
+    """float64 `silu(gate) * up` of `x @ w.T` with w = [gate; up]."""
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _reference_norm_out(a, w, res, w_post, w_next):
+    """float64 (h, x) of `h = res + post(a @ w.T)`, `x = nxt(h)`."""
+
+    def norm(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+
+    h = res.double() + norm(a.double() @ w.double().T, w_post)
+    return h, norm(h, w_next)
+
+
+def _norm_inputs(gen, hidden: int, k: int):
+    a = torch.randn(1, k, generator=gen).bfloat16()
+    w = (torch.randn(hidden, k, generator=gen) / 8).bfloat16()
+    res = torch.randn(1, hidden, generator=gen).bfloat16()
+    w_post = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
+    w_next = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
+    return a, w, res, w_post, w_next
+
+
+def _cpu_checks() -> dict:
+    """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
+    from looptrace.engine.kernels import _scratch, launch_mode, rmsnorm, silu_mul
+    from looptrace.engine.kernels import gemv as G
+
+    _open_cuda_gates()
+    gen = torch.Generator().manual_seed(11)
+    res: dict = {}
+    for split in (1, 2):  # the norm form after one split and after a split-K combine
+        cfg = G.TileConfig(block_n=16, block_k=32, split_k=split)
+        G.pick_config = lambda m, n, k, cfg=cfg: cfg
+
+        x = torch.randn(1, 96, generator=gen).bfloat16()
+        w = (torch.randn(2 * 40, 96, generator=gen) / 8).bfloat16()  # [gate; up], I = 40: a partial block
+        fused = G.gate_up_silu(x, w)
+        two = silu_mul.silu_mul(*G.gemv(x, w).chunk(2, dim=-1))
+        res[f"silu_fusable_{split}"] = [G.gate_up_silu_fusable(x, w), None]
+        res[f"silu_bitwise_{split}"] = [torch.equal(fused, two), _rel_err(fused, two.double())]
+        res[f"silu_vs_float64_{split}"] = [_rel_err(fused, _reference_silu_out(x, w)) < 0.03, None]
+
+        a, wo, resid, w_post, w_next = _norm_inputs(gen, 256, 96)
+        h, xn = G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
+        h_two, x_two = rmsnorm.residual_rms_norm(G.gemv(a, wo), w_post, EPS, resid, w_next, EPS)
+        h_ref, x_ref = _reference_norm_out(a, wo, resid, w_post, w_next)
+        res[f"norm_fusable_{split}"] = [G.linear_norm_fusable(a, wo, resid, w_post, w_next), None]
+        res[f"norm_bitwise_{split}"] = [torch.equal(h, h_two) and torch.equal(xn, x_two), _rel_err(xn, x_ref)]
+        res[f"norm_vs_float64_{split}"] = [_rel_err(h, h_ref) < 0.02 and _rel_err(xn, x_ref) < 0.03, None]
+        again = G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
+        res[f"norm_deterministic_{split}"] = [torch.equal(again[0], h) and torch.equal(again[1], xn), None]
+    runs = []
+    for preload in (False, True):  # the preload path of both forms (no PDL here: the same loads, earlier)
+        launch_mode.weight_preload = lambda preload=preload: preload
+        runs.append((G.gate_up_silu(x, w), *G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)))
+    res["preload_bitwise"] = [all(torch.equal(p, q) for p, q in zip(*runs)), None]
+    two_rows = torch.cat([a, a])
+    res["refuses_two_rows"] = [
+        not G.gate_up_silu_fusable(torch.cat([x, x]), w)
+        and not G.linear_norm_fusable(two_rows, wo, resid, w_post, w_next),
+        None,
+    ]
+    res["norm_refuses_width_mismatch"] = [not G.linear_norm_fusable(a, wo[:128], resid, w_post, w_next), None]
+    res["silu_refuses_odd_rows"] = [not G.gate_up_silu_fusable(x, w[:79]), None]
+    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
+    res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
+    return res
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    return interpreted_checks("tests.engine.test_gemv_fused_outputs")
+
+
+CPU_CHECKS = [
+    f"{name}_{split}"
+    for split in (1, 2)
+    for name in (
+        "silu_fusable",
+        "silu_bitwise",
+        "silu_vs_float64",
+        "norm_fusable",
+        "norm_bitwise",
+        "norm_vs_float64",
+        "norm_deterministic",
+    )
+] + ["preload_bitwise", "refuses_two_rows", "norm_refuses_width_mismatch", "silu_refuses_odd_rows",
+     "counters_left_zero"]  # fmt: skip
+
+
+@pytest.mark.parametrize("check", CPU_CHECKS)
+def test_interpreted_fused_output_forms(cpu_results, check):
+    ok, detail = cpu_results[check]
+    assert ok, f"{check}: {detail}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+@pytest.mark.parametrize(("form", "n", "k"), [(1, 11264, 2048), (2, 2048, 2048), (2, 2048, 5632)])
+def test_sm90_fused_output_forms_compile_and_wait_before_any_global_access(form, n, k):
+    """Ouro-1.4B's fused launches (gate_up with SiLU·mul; o and down with the residual norm) compile for
+    sm_90 on the CPU with their launch options; under PDL only weight loads may come before the wait."""
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels._fences import EXACT_OPTIONS
+    from looptrace.engine.kernels.reduce_order import reduce_shape
+    from tests.engine.test_pdl import GEMV_SIGNATURE, _compile_sm90, _first, one_row_gemv
+
+    sig = GEMV_SIGNATURE | {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
+    sig |= {"x_out_ptr": "*bf16", "factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
+    shape = reduce_shape(1, n)
+    cfg, consts = one_row_gemv(n, k, PDL=True, PREFETCH=False, X_FORM=0, LANES=shape.lanes,
+                               VECS=shape.vectors_per_lane, DESC=True, CHUNK=2048, PRELOAD=0, Y_FORM=form,
+                               NORM_N=n if form == 2 else 1)  # fmt: skip
+    if form == 1:  # gate and up in one program, one split
+        consts |= dict(K_TILES=k // cfg.block_k, SPLIT_K=1)
+    compiled = _compile_sm90(
+        G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
+        **EXACT_OPTIONS,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"].splitlines()
+    assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
+    if form == 2:  # the split's ticket (o and down split K), then the row's
+        assert sum(bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", line)) for line in ptx) == 2
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda():
+    if not (torch.cuda.is_available() and HAS_TRITON):
+        pytest.skip("needs CUDA and Triton")
+    return torch.device("cuda")
+
+
+def _maybe_pdl(pdl: bool):
+    from looptrace.engine.kernels import launch_mode
+
+    return launch_mode.dependent_launches(pdl, weight_preload=pdl)
+
+
+@gpu
+@pytest.mark.parametrize(("graph", "pdl"), [(False, False), (True, False), (True, True)])
+def test_gpu_gate_up_silu_is_bitwise_gemv_then_silu_mul(graph, pdl):
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import silu_mul
+
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(5)
+    x = torch.randn(1, 2048, generator=gen, device=dev).bfloat16()
+    w = (torch.randn(11264, 2048, generator=gen, device=dev) / 16).bfloat16()
+    assert G.gate_up_silu_fusable(x, w)
+
+    def both():
+        return G.gate_up_silu(x, w), silu_mul.silu_mul(*G.gemv(x, w).chunk(2, dim=-1))
+
+    with _maybe_pdl(pdl):
+        fused, two = _replayed(both) if graph else both()
+    assert torch.equal(fused, two), _rel_err(fused, two.double())
+    assert _rel_err(fused, _reference_silu_out(x, w)) < 0.02
+
+
+@gpu
+@pytest.mark.parametrize(("graph", "pdl"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("k", [2048, 5632])
+def test_gpu_linear_residual_norm_is_bitwise_gemv_then_residual_norm(k, graph, pdl):
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import rmsnorm
+
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(k)
+    a = torch.randn(1, k, generator=gen, device=dev).bfloat16()
+    w = (torch.randn(2048, k, generator=gen, device=dev) / 32).bfloat16()
+    res = torch.randn(1, 2048, generator=gen, device=dev).bfloat16()
+    w_post = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
+    w_next = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
+    assert G.linear_norm_fusable(a, w, res, w_post, w_next)
+
+    def both():
+        fused = G.linear_residual_norm(a, w, w_post, EPS, res, w_next, EPS)
+        return (*fused, *rmsnorm.residual_rms_norm(G.gemv(a, w), w_post, EPS, res, w_next, EPS))
+
+    with _maybe_pdl(pdl):
+        h, x, h_two, x_two = _replayed(both) if graph else both()
+    assert torch.equal(h, h_two) and torch.equal(x, x_two), _rel_err(x, x_two.double())
+    h_ref, x_ref = _reference_norm_out(a, w, res, w_post, w_next)
+    assert _rel_err(h, h_ref) < 0.02 and _rel_err(x, x_ref) < 0.03
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def test_both_output_forms_are_declared_r0_and_inactive_on_cpu():
+    from looptrace.engine.config import toggle_rung
+    from tests.helpers import build_engine
+
+    assert toggle_rung("kernels.gemv_silu_out", False, True) == "R0"
+    assert toggle_rung("kernels.gemv_norm_out", False, True) == "R0"
+    engine = build_engine("ouro-tiny", kernels__gemv=True, kernels__gemv_silu_out=True,
+                          kernels__gemv_norm_out=True)  # fmt: skip
+    for name in ("kernels.gemv_silu_out", "kernels.gemv_norm_out"):
+        assert engine.inactive_settings[name] == "needs kernels.gemv active (CUDA with Triton)"
+    flags = ("gemv_silu_out", "gemv_norm_out")
+    assert not any(getattr(m, flag, False) for m in engine.model.modules() for flag in flags)
+
+
+@gpu
+def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(monkeypatch):
+    """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
+    on and off; with them on, both fused launches ran, and no residual-norm or SiLU·mul launch at one row."""
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.engine import kernels as K
+    from looptrace.recipes import load_recipe
+    from tests.engine.test_gemv_fused_inputs import _mid_ouro
+
+    _cuda()
+    calls = {"gate_up_silu": 0, "linear_residual_norm": 0}
+    for name in calls:
+        real = getattr(K, name)
+
+        def spy(*args, _real=real, _key=name):
+            calls[_key] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(K, name, spy)
+    prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
+    outs = []
+    for on in (False, True):
+        flag = str(on).lower()
+        sets = [f"kernels.gemv_silu_out={flag}", f"kernels.gemv_norm_out={flag}",
+                "scheduler.max_model_len=256", "kv.num_blocks=2048"]  # fmt: skip
+        engine = LLMEngine.from_spec(_mid_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
+        assert not {"kernels.gemv_silu_out", "kernels.gemv_norm_out"} & set(engine.inactive_settings)
+        outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
+        outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
+        if not on:
+            assert calls == {"gate_up_silu": 0, "linear_residual_norm": 0}
+        del engine
+        torch.cuda.empty_cache()
+    assert calls["gate_up_silu"] > 0 and calls["linear_residual_norm"] > 0
+    assert outs[0] == outs[2] and outs[1] == outs[3]
