@@ -34,6 +34,10 @@
 #                                          gemv_norm_out): GPU tests, the synthetic token with them, the GEMV-only
 #                                          chain's tile sweep, profile --compare fast without / with them, their
 #                                          R0 diff at real shape
+#   bash bench/h200_issue22.sh onepass     session 6: the residual norm in one pass (GPU tests of the changed
+#                                          kernels), the synthetic token (steps vs one pass, silu-out, the tuned
+#                                          GEMV tiles, norm-out; exact), the tuned tiles in the GEMV-only chain,
+#                                          profile --compare exactloop fast
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -308,4 +312,18 @@ fast slots attn-pf silu-out,fast slots attn-pf norm-out,fast slots attn-pf silu-
     --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16 --format json \
     -o "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"; echo "diff exit $?"
   grep -A3 '"summary"' "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" | head -8
+fi
+if [ "$1" = onepass ]; then
+  timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_fused_outputs.py tests/engine/test_gemv_fused_inputs.py \
+    tests/engine/test_pdl.py tests/engine/test_gpu_kernels.py tests/engine/test_fused_tails.py -p no:cacheprovider 2>&1 \
+    | tail -80 > "$OUT/gpu_tests_onepass_h200.txt"; tail -6 "$OUT/gpu_tests_onepass_h200.txt"
+  timeout 150 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast slots attn-pf,\
+fast slots attn-pf steps,fast slots attn-pf silu-out,fast slots attn-pf silu-out tuned,\
+fast slots attn-pf silu-out norm-out,exact steps,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -9 "$OUT/token_ablation_h200.md"
+  timeout 60 python3 bench/token_ablation_h200.py --gemv-sweep --rounds 7 --only "gemv-only,gemv-only tuned" \
+    --out "$OUT" >> "$LOG" 2>&1; echo "sweep exit $?"; tail -3 "$OUT/gemv_sweep_h200.md"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
 fi

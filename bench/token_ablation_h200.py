@@ -13,7 +13,12 @@ the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUD
                           (`kernels.attn_prefetch`)
     fast slots ...        the attention's per-key-slot softmax (`SplitConfig.key_slots`)
     exact, exact+pdl      cuBLAS projections (exactloop), without and with PDL for the Triton kernels
-    ... slots attn-pf     the session-5 attention (key slots) with its K/V prefetch: `fast` as committed
+    ... slots attn-pf     the session-5 attention (key slots) with its K/V prefetch: `fast` of session 5
+    ... steps             the residual norm in its step form (session 5's kernel), not in one pass
+    ... silu-out/norm-out the GEMV's fused output forms (`kernels.gemv_silu_out`, `kernels.gemv_norm_out`)
+    ... tuned             the GEMV tiles of `_tuned_tiles` (the first --gemv-sweep's per-weight winners)
+
+With --gemv-sweep: the four projections alone, one weight's tile replaced at a time (`gemv_sweep`).
 
 Reports the median ms per token replay (variants interleaved, `--rounds` rounds), each ablation's
 marginal µs per layer pass, and whether each full variant's output is bitwise equal to its family's first
@@ -65,6 +70,7 @@ class Variant:
     silu_out: bool = False  # kernels.gemv_silu_out: the gate/up GEMV stores SiLU·mul itself
     norm_out: bool = False  # kernels.gemv_norm_out: the o / down GEMVs run the residual norm themselves
     tiles: tuple = ()  # (weight name, TileConfig) overrides of the GEMV's tile table (--gemv-sweep)
+    one_pass: bool = True  # the residual norm's one-pass form at one row (`rmsnorm.ONE_PASS_ROWS`)
     skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
     family: str = "fast"  # bitwise comparisons are within a family (the full variants only)
 
@@ -80,9 +86,12 @@ def variants() -> dict[str, Variant]:
     out["fast slots"] = replace(fast, key_slots=True, family="slots")
     out["fast slots attn-pf"] = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
     committed = replace(fast, key_slots=True, attn_prefetch=True, family="slots")  # fast of session 5
+    out["fast slots attn-pf steps"] = replace(committed, one_pass=False)
     out["fast slots attn-pf silu-out"] = replace(committed, silu_out=True)
+    out["fast slots attn-pf silu-out tuned"] = replace(committed, silu_out=True, tiles=TUNED_TILES)
     out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
     out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
+    out["exact steps"] = replace(exact, one_pass=False)
     out["exact"] = exact
     out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
     out["exact+pdl"] = replace(exact, pdl=True)
@@ -91,6 +100,9 @@ def variants() -> dict[str, Variant]:
         exact, pdl=True, key_slots=True, attn_prefetch=True, family="exact slots"
     )
     return out
+
+
+TUNED_TILES: tuple = ()  # set in main() (imports Triton): `_tuned_tiles()`
 
 
 def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False):
@@ -145,12 +157,13 @@ def gate_width(lay: dict) -> int:
 
 
 def capture_variant(m: dict, v: Variant):
-    from looptrace.engine.kernels import gemv, launch_mode
+    from looptrace.engine.kernels import gemv, launch_mode, rmsnorm
     from looptrace.engine.kernels import paged_attention as pa
 
     linear = gemv.linear if v.gemv else F.linear
-    saved, saved_pick = pa.DEFAULT_SPLIT, gemv.pick_config
+    saved, saved_pick, saved_pass = pa.DEFAULT_SPLIT, gemv.pick_config, rmsnorm.ONE_PASS_ROWS
     pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
+    rmsnorm.ONE_PASS_ROWS = v.one_pass
     if v.tiles:  # this variant's tile for each overridden weight shape, the table's for the others
         shapes = {tuple(m["layers"][0][name].shape): cfg for name, cfg in v.tiles}
         gemv.pick_config = lambda rows, n, k: shapes.get((n, k)) or saved_pick(rows, n, k)
@@ -158,7 +171,7 @@ def capture_variant(m: dict, v: Variant):
         with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
             return capture(lambda: token_step(m, linear, v.skip, v.silu_out, v.norm_out))
     finally:
-        pa.DEFAULT_SPLIT, gemv.pick_config = saved, saved_pick
+        pa.DEFAULT_SPLIT, gemv.pick_config, rmsnorm.ONE_PASS_ROWS = saved, saved_pick, saved_pass
 
 
 def gemv_sweep() -> dict[str, Variant]:
@@ -183,7 +196,20 @@ def gemv_sweep() -> dict[str, Variant]:
     for weight in ("qkv", "o", "gate_up", "down"):
         for label, cfg in candidates.items():
             out[f"gemv-only {weight} {label}"] = replace(only, tiles=((weight, cfg),))
+    out["gemv-only tuned"] = replace(only, tiles=TUNED_TILES)
     return out
+
+
+def _tuned_tiles() -> tuple:
+    """Each weight's fastest tile of session 6's first sweep (gemv_sweep_h200.md, 3 rounds), where it beat
+    the table's by more than 1 %: qkv 8x512 (2 warps, 2 stages), o 32x128 (8 warps), gate_up 16x256."""
+    from looptrace.engine.kernels.gemv import TileConfig
+
+    return (
+        ("qkv", TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)),
+        ("o", TileConfig(block_n=32, block_k=128, num_warps=8)),
+        ("gate_up", TileConfig(block_n=16, block_k=256)),
+    )
 
 
 def main() -> int:
@@ -203,6 +229,8 @@ def main() -> int:
     from looptrace.engine import kernels as K
 
     t0 = time.time()
+    global TUNED_TILES
+    TUNED_TILES = _tuned_tiles()
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
     pool = gemv_sweep() if args.gemv_sweep else variants()

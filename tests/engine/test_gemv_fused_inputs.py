@@ -289,8 +289,14 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_fused_forms(mon
     outs = []
     for on in (False, True):
         flag = str(on).lower()
-        sets = [f"kernels.gemv_silu={flag}", f"kernels.gemv_norm={flag}", "scheduler.max_model_len=256",
-                "kv.num_blocks=2048"]  # fmt: skip
+        sets = [
+            f"kernels.gemv_silu={flag}",
+            f"kernels.gemv_norm={flag}",
+            "scheduler.max_model_len=256",
+            "kv.num_blocks=2048",
+            "kernels.gemv_silu_out=false",
+            "kernels.gemv_norm_out=false",
+        ]  # fmt: skip (the output forms would take their place)
         engine = LLMEngine.from_spec(_mid_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
         assert not {"kernels.gemv_silu", "kernels.gemv_norm"} & set(engine.inactive_settings)
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))

@@ -38,6 +38,9 @@ tl = triton.language
 # disable the one-kernel form (False) when neither order matches on this GPU / torch build.
 _ORDER: str | None = None
 _ONE_KERNEL_ENABLED = True
+# The residual norm's one-pass form for rows of one vector per lane (`_residual_norm_lanes`); False runs
+# the step form at every width (the same bits: bench/token_ablation_h200.py measures one against the other).
+ONE_PASS_ROWS = True
 
 
 @triton.jit
@@ -235,6 +238,7 @@ def _residual_norm_kernel(
     DESC: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
+    ONE_PASS: tl.constexpr = True,
 ):
     """h_out = h + norm(y) * wy (bf16 add), out = norm(h_out) * wn: three eager ops, one program per row."""
     await_inputs(PDL)
@@ -254,15 +258,33 @@ def _residual_norm_kernel(
         K,
         DESC,
         CHUNK,
+        ONE_PASS,
     )
 
 
 @triton.jit
 def residual_norm_row(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n,
                       N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr,
-                      CHUNK: tl.constexpr):  # fmt: skip
+                      CHUNK: tl.constexpr, ONE_PASS: tl.constexpr = True):  # fmt: skip
     """One row of `_residual_norm_kernel` (h_out = h + post(y), out = nxt(h_out)) by the calling program;
-    also the epilogue of the GEMV's NORM_OUT form, so both compute the same bits."""
+    also the epilogue of the GEMV's NORM_OUT form, so both compute the same bits. A row of one vector per
+    lane (K == 1: one-row launches up to 2,048 wide) takes `_residual_norm_lanes`, the same values in one
+    pass (`ONE_PASS`, off only to measure the step form: `ONE_PASS_ROWS`); wider rows read the row again
+    for each step."""
+    if K == 1 and ONE_PASS:
+        _residual_norm_lanes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n, N, LANES,
+                             DESC)  # fmt: skip
+    else:
+        _residual_norm_passes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n, N,
+                              LANES, K, DESC, CHUNK)  # fmt: skip
+
+
+@triton.jit
+def _residual_norm_passes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n,
+                          N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr,
+                          CHUNK: tl.constexpr):  # fmt: skip
+    """`residual_norm_row` in steps that each read their inputs from memory: the mean of y, h_out stored,
+    the mean of h_out read back, out from h_out read back."""
     mean = _row_mean(y_row, factor, N, LANES, K, DESC)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps_y, tl.float32)))
     for c0 in range(0, N, CHUNK):
@@ -278,6 +300,74 @@ def residual_norm_row(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, 
     mean_n = _row_mean(h_out_row, factor, N, LANES, K, DESC)
     r_n = rsqrt_approx(add_rn(mean_n, tl.full([1], eps_n, tl.float32)))
     _norm_tail(h_out_row, wn_ptr, out_row, r_n, N, CHUNK, True)
+
+
+@triton.jit
+def _lane_vec(ptr, vec, m):
+    """Each lane's 4-vector (the layout `_lane_mean` reads) as four fp32 `[1, LANES]` components, 0 where
+    masked."""
+    base = ptr + vec * 4
+    return (
+        tl.load(base + 0, mask=m, other=0.0).to(tl.float32),
+        tl.load(base + 1, mask=m, other=0.0).to(tl.float32),
+        tl.load(base + 2, mask=m, other=0.0).to(tl.float32),
+        tl.load(base + 3, mask=m, other=0.0).to(tl.float32),
+    )
+
+
+@triton.jit
+def _squares_mean(x0, x1, x2, x3, factor, LANES: tl.constexpr, DESC: tl.constexpr):
+    """`_lane_mean` of values already in registers (one vector per lane): the same adds in the same order."""
+    zero = tl.zeros([1, LANES], tl.float32)
+    acc0, acc1 = add_rn(zero, mul_rn(x0, x0)), add_rn(zero, mul_rn(x1, x1))
+    acc2, acc3 = add_rn(zero, mul_rn(x2, x2)), add_rn(zero, mul_rn(x3, x3))
+    return _lanes_mean(acc0, acc1, acc2, acc3, factor, LANES, DESC)
+
+
+@triton.jit
+def _residual_lane(y, res, wy, r, m):
+    """The bf16-rounded residual value of one lane component (0 where masked, as a stored row reads)."""
+    return tl.where(m, round_bf16(residual_value(y, res, wy, r)), 0.0)
+
+
+@triton.jit
+def _store_lanes(out_row, vec, m, x0, x1, x2, x3):
+    """The four components back to their columns, rounded to bf16."""
+    tl.store(out_row + vec * 4 + 0, to_bf16(x0), mask=m)
+    tl.store(out_row + vec * 4 + 1, to_bf16(x1), mask=m)
+    tl.store(out_row + vec * 4 + 2, to_bf16(x2), mask=m)
+    tl.store(out_row + vec * 4 + 3, to_bf16(x3), mask=m)
+
+
+@triton.jit
+def _normed(h, wn, r):
+    """`_norm_tail`'s arithmetic before its store: rn_bf16(h * r) * wn."""
+    return mul_rn(round_bf16(mul_rn(h, r)), wn)
+
+
+@triton.jit
+def _residual_norm_lanes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, factor, eps_y, eps_n,
+                         N: tl.constexpr, LANES: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
+    """`_residual_norm_passes` for a row of at most one 4-vector per lane, in one pass: y, h, wy and wn
+    are loaded once, up front, in the lanes' layout; both means reduce the values held in registers in
+    `_lane_mean`'s order (h_out's as its stored bf16 values), so every result has the same bits. The
+    multi-step form waits on a memory round trip per step (mean, h_out, mean of h_out, out)."""
+    vec = tl.arange(0, LANES)[None, :]
+    m = vec < N // 4
+    y0, y1, y2, y3 = _lane_vec(y_row, vec, m)
+    s0, s1, s2, s3 = _lane_vec(h_row, vec, m)
+    a0, a1, a2, a3 = _lane_vec(wy_ptr, vec, m)
+    b0, b1, b2, b3 = _lane_vec(wn_ptr, vec, m)
+    r = rsqrt_approx(
+        add_rn(_squares_mean(y0, y1, y2, y3, factor, LANES, DESC), tl.full([1], eps_y, tl.float32))
+    )
+    h0, h1 = _residual_lane(y0, s0, a0, r, m), _residual_lane(y1, s1, a1, r, m)
+    h2, h3 = _residual_lane(y2, s2, a2, r, m), _residual_lane(y3, s3, a3, r, m)
+    _store_lanes(h_out_row, vec, m, h0, h1, h2, h3)
+    mean_n = _squares_mean(h0, h1, h2, h3, factor, LANES, DESC)
+    r_n = rsqrt_approx(add_rn(mean_n, tl.full([1], eps_n, tl.float32)))
+    _store_lanes(out_row, vec, m, _normed(h0, b0, r_n), _normed(h1, b1, r_n), _normed(h2, b2, r_n),
+                 _normed(h3, b3, r_n))  # fmt: skip
 
 
 def _prep(x: torch.Tensor, weight: torch.Tensor):
@@ -440,6 +530,7 @@ def residual_rms_norm(
         K=shape.vectors_per_lane,
         DESC=shuffle_order() == "desc",
         CHUNK=_chunk(n),
+        ONE_PASS=ONE_PASS_ROWS,
         num_warps=num_warps or one_kernel_warps(shape.lanes),
         **pdl_args(),
         **EXACT_OPTIONS,
