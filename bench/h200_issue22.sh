@@ -38,6 +38,10 @@
 #                                          kernels), the synthetic token (steps vs one pass, silu-out, the tuned
 #                                          GEMV tiles, norm-out; exact), the tuned tiles in the GEMV-only chain,
 #                                          profile --compare exactloop fast
+#   bash bench/h200_issue22.sh final6      session 6 as committed: GPU tests (GEMV, output forms, PDL), the token
+#                                          (fast vs session 5's tiles; exact), profile --compare exactloop fast,
+#                                          diffs (exactloop fast at real shape and ouro-tiny; gemv_silu_out R0),
+#                                          bench exactloop vs fast (Ouro C = 1, 8, 32)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -326,4 +330,25 @@ fast slots attn-pf silu-out norm-out,exact steps,exact" >> "$LOG" 2>&1
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
     -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
   grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+fi
+if [ "$1" = final6 ]; then
+  timeout 170 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_kernel.py tests/engine/test_gemv_fused_outputs.py \
+    tests/engine/test_pdl.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests_final6_h200.txt"
+  tail -4 "$OUT/gpu_tests_final6_h200.txt"
+  timeout 100 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast slots attn-pf steps,\
+fast slots attn-pf silu-out s5-tiles,fast slots attn-pf silu-out,exact steps,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -7 "$OUT/token_ablation_h200.md"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
+    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
+    --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
+  echo "diff fast exit $?"; grep -A3 '"summary"' "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" | head -6
+  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.gemv_silu_out=false --model ouro-1.4b --device cuda \
+    -c 4 --prompt-len 128 --max-tokens 16 --format json -o "$OUT/diff_fast_silu_out_ouro-1.4b_c4_h200.json" \
+    > /dev/null 2>> "$LOG"; echo "diff silu_out exit $?"
+  grep -A3 '"summary"' "$OUT/diff_fast_silu_out_ouro-1.4b_c4_h200.json" | head -6
+  timeout -s INT 300 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 \
+    --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" >> "$LOG" 2>&1
+  echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -8
 fi

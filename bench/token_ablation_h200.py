@@ -16,7 +16,7 @@ the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUD
     ... slots attn-pf     the session-5 attention (key slots) with its K/V prefetch: `fast` of session 5
     ... steps             the residual norm in its step form (session 5's kernel), not in one pass
     ... silu-out/norm-out the GEMV's fused output forms (`kernels.gemv_silu_out`, `kernels.gemv_norm_out`)
-    ... tuned             the GEMV tiles of `_tuned_tiles` (the first --gemv-sweep's per-weight winners)
+    ... s5-tiles          the GEMV tiles of session 5's table (`_session5_tiles`), before session 6's sweep
 
 With --gemv-sweep: the four projections alone, one weight's tile replaced at a time (`gemv_sweep`).
 
@@ -88,7 +88,7 @@ def variants() -> dict[str, Variant]:
     committed = replace(fast, key_slots=True, attn_prefetch=True, family="slots")  # fast of session 5
     out["fast slots attn-pf steps"] = replace(committed, one_pass=False)
     out["fast slots attn-pf silu-out"] = replace(committed, silu_out=True)
-    out["fast slots attn-pf silu-out tuned"] = replace(committed, silu_out=True, tiles=TUNED_TILES)
+    out["fast slots attn-pf silu-out s5-tiles"] = replace(committed, silu_out=True, tiles=S5_TILES)
     out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
     out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
     out["exact steps"] = replace(exact, one_pass=False)
@@ -102,7 +102,7 @@ def variants() -> dict[str, Variant]:
     return out
 
 
-TUNED_TILES: tuple = ()  # set in main() (imports Triton): `_tuned_tiles()`
+S5_TILES: tuple = ()  # set in main() (imports Triton): `_session5_tiles()`
 
 
 def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False):
@@ -196,20 +196,17 @@ def gemv_sweep() -> dict[str, Variant]:
     for weight in ("qkv", "o", "gate_up", "down"):
         for label, cfg in candidates.items():
             out[f"gemv-only {weight} {label}"] = replace(only, tiles=((weight, cfg),))
-    out["gemv-only tuned"] = replace(only, tiles=TUNED_TILES)
+    out["gemv-only s5-tiles"] = replace(only, tiles=S5_TILES)
     return out
 
 
-def _tuned_tiles() -> tuple:
-    """Each weight's fastest tile of session 6's first sweep (gemv_sweep_h200.md, 3 rounds), where it beat
-    the table's by more than 1 %: qkv 8x512 (2 warps, 2 stages), o 32x128 (8 warps), gate_up 16x256."""
+def _session5_tiles() -> tuple:
+    """The tiles session 5's table gave Ouro's qkv, o and gate/up at one row, before session 6's sweep put
+    each weight's fastest tile in the table (qkv 8x512 with 2 warps, o 32x128 with 8, gate/up 16x256)."""
     from looptrace.engine.kernels.gemv import TileConfig
 
-    return (
-        ("qkv", TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)),
-        ("o", TileConfig(block_n=32, block_k=128, num_warps=8)),
-        ("gate_up", TileConfig(block_n=16, block_k=256)),
-    )
+    plain = TileConfig(block_n=32, block_k=128)
+    return (("qkv", plain), ("o", plain), ("gate_up", TileConfig(block_n=16, block_k=512, num_stages=2)))
 
 
 def main() -> int:
@@ -229,8 +226,8 @@ def main() -> int:
     from looptrace.engine import kernels as K
 
     t0 = time.time()
-    global TUNED_TILES
-    TUNED_TILES = _tuned_tiles()
+    global S5_TILES
+    S5_TILES = _session5_tiles()
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
     pool = gemv_sweep() if args.gemv_sweep else variants()

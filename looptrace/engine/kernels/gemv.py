@@ -106,11 +106,20 @@ class TileConfig:
 # Ouro-1.4B's decode chain 3.97 ms against cuBLAS's 4.11 ms). At M >= 2 no candidate measured beat cuBLAS
 # (the tensor-core path reads W once but runs at 36-76 % of copy bandwidth): the entry below is the best
 # of them, kept so `fast` runs one kernel family; tuning it is open work.
-DEFAULT = TileConfig(block_n=32, block_k=128)  # M = 1, K = 2048-5632, N <= 8191: Ouro's qkv, o, down
+DEFAULT = TileConfig(block_n=32, block_k=128)  # M = 1, K = 2048-5632, N <= 8191: Ouro's down
 _WIDE = TileConfig(block_n=32, block_k=256)  # lm_heads, Huginn's fc: 94-98 % of copy bandwidth
 _LONG_ROWS = TileConfig(block_n=16, block_k=512, num_stages=2)
+# Ouro's other one-row projections (hidden 2048), tuned inside the dependent token chain, where a tile
+# runs differently than alone (bench/token_ablation_h200.py --gemv-sweep, then the whole token: 4.39 ->
+# 4.19 ms with all three; bench/results/issue22/session6)
+_OURO_QKV = TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)  # 6144 x 2048
+_OURO_O = TileConfig(block_n=32, block_k=128, num_warps=8)  # 2048 x 2048
+_OURO_GATE_UP = TileConfig(block_n=16, block_k=256)  # 11264 x 2048
 TILE_TABLE: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int], TileConfig], ...] = (
     ((1, 1 << 30), (1, 1 << 30), (2, MAX_ROWS), TileConfig(block_n=64, block_k=128, dot=True)),
+    ((11264, 11264), (2048, 2048), (1, 1), _OURO_GATE_UP),
+    ((6144, 6144), (2048, 2048), (1, 1), _OURO_QKV),
+    ((2048, 2048), (2048, 2048), (1, 1), _OURO_O),
     ((32768, 1 << 30), (1, 1 << 30), (1, 1), _WIDE),
     ((8192, 32767), (1, 1 << 30), (1, 1), _LONG_ROWS),  # Ouro gate_up, Huginn qkv
     ((4096, 8191), (5000, 6000), (1, 1), _LONG_ROWS),  # Huginn o (not Ouro down: N 2048)
@@ -537,14 +546,17 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
 
 def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`gate_up_silu` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV and a stacked
-    `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row)."""
-    cfg = _one_row_config(weight.shape[0], x.shape[-1])
+    `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row), where
+    the plain GEMV would not split K (the form runs one split: with a split, its sums would differ)."""
+    n, k = weight.shape
+    cfg = _one_row_config(n, k)
     return (
         routes(x, weight)
-        and weight.shape[1] == x.shape[-1]
-        and weight.shape[0] % 2 == 0
+        and k == x.shape[-1]
+        and n % 2 == 0
         and cfg is not None
         and cfg.block_n >= 2
+        and split_for(n, k, cfg)[0] == 1
     )
 
 
