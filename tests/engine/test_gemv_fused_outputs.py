@@ -247,6 +247,18 @@ def test_both_output_forms_are_declared_r0_and_inactive_on_cpu():
     assert not any(getattr(m, flag, False) for m in engine.model.modules() for flag in flags)
 
 
+def _small_ouro():
+    """Ouro's structure where both output forms act: hidden 256 (the one-kernel residual norm applies)
+    and a gate/up whose plain one-row GEMV runs one split (K = 256: two tiles), as Ouro-1.4B's does."""
+    from dataclasses import replace
+
+    from looptrace.engine.model_config import PRESETS
+
+    tiny = PRESETS["ouro-tiny"]
+    return replace(tiny, name="ouro-small", hidden_size=256, intermediate_size=704, head_dim=128, num_heads=2,
+                   num_kv_heads=2)  # fmt: skip
+
+
 @gpu
 def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(monkeypatch):
     """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
@@ -254,7 +266,6 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(mo
     from looptrace.engine import LLMEngine, SamplingParams
     from looptrace.engine import kernels as K
     from looptrace.recipes import load_recipe
-    from tests.engine.test_gemv_fused_inputs import _mid_ouro
 
     _cuda()
     calls = {"gate_up_silu": 0, "linear_residual_norm": 0}
@@ -272,7 +283,7 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(mo
         flag = str(on).lower()
         sets = [f"kernels.gemv_silu_out={flag}", f"kernels.gemv_norm_out={flag}",
                 "scheduler.max_model_len=256", "kv.num_blocks=2048"]  # fmt: skip
-        engine = LLMEngine.from_spec(_mid_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
+        engine = LLMEngine.from_spec(_small_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
         inactive = {"kernels.gemv_silu_out", "kernels.gemv_norm_out"} & set(engine.inactive_settings)
         assert not inactive, {name: engine.inactive_settings[name] for name in inactive}
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
