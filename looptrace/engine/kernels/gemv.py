@@ -33,6 +33,13 @@ Design (`_gemv_kernel`):
   - `X_FORM` (`kernels.gemv_silu` / `kernels.gemv_norm`): the input row is computed in the kernel from the
     inputs of the exact kernel it replaces (`silu_mul_linear`, `residual_norm_linear`), bit for bit. Measured
     slower on the H200, so off in `fast`.
+  - `Y_FORM` (`kernels.gemv_silu_out` / `kernels.gemv_norm_out`): the kernel finishes the exact kernel that
+    would run after it, bit for bit: SiLU·mul of the gate/up GEMV's output (`gate_up_silu`: one program
+    holds a block of gate rows and the same block of up rows; one split only, so it refuses shapes where the
+    plain GEMV splits K) or the sandwich residual norm after o / down (`linear_residual_norm`: the program
+    that completes the row's last column block, after a second ticket, runs it over the whole row). On the
+    H200 the first pays (one launch fewer) and the second does not (a one-program tail after a ticket costs
+    more than a separate launch under PDL): on and off in `fast`.
 
 Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
 fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,
