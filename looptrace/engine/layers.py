@@ -89,15 +89,16 @@ def materialized(x: torch.Tensor | PendingNorm) -> torch.Tensor:
 @dataclass
 class ResidualTail:
     """What follows a sandwich block's output projection y = proj(a) in the fused chain
-    (`kernels.residual_norm`): h' = residual + post(y), x' = nxt(h'). `finish(proj, a)` runs both and
-    returns (h', x'):
-    - `in_gemv` (`kernels.gemv_norm_out`, one routed row): the norm runs inside the projection's GEMV
-      launch (`gemv.linear_residual_norm`), bit for bit;
+    (`kernels.residual_norm`): h' = residual + post(y), x' = nxt(h'). `after(y)` runs it on a projected y;
+    `finish(proj, a)` (`kernels.gemv_norm_out`: the block hands its output projection to the tail) runs
+    the projection too. Both return (h', x'):
+    - `in_gemv` (one routed row): the norm runs inside the projection's GEMV launch
+      (`gemv.linear_residual_norm`), bit for bit;
     - `defer` (`kernels.gemv_norm`, one row): the norm is left to the next projection (h' None, x' a
       PendingNorm);
-    - else the projection, then the `ResidualRMSNorm` launch.
+    - else the `ResidualRMSNorm` launch.
     The residual stream is h, or, where the block's input x was a PendingNorm, the h its consumer recorded
-    (read at `finish`, after the block has read x)."""
+    (read when the tail runs, after the block has read x)."""
 
     launch: ResidualRMSNorm
     h: torch.Tensor | None

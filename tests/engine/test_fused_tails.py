@@ -18,17 +18,20 @@ import torch
 
 from looptrace.engine import SamplingParams
 from looptrace.engine import kernels as K
-from looptrace.engine.layers import enable_fused_tails
+from looptrace.engine.layers import enable_fused_tails, enable_gemv_form
 from tests.helpers import Recorder, build_engine, interpreted_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 PROMPTS = [[5 + i, 9, 13 + 2 * i, 7, 21, 3 + i] for i in range(3)]
 
 
-def _hidden_states(fused: bool, prompts, max_tokens: int):
-    engine = build_engine("ouro-tiny", noise="sequential")
+def _hidden_states(fused: bool, prompts, max_tokens: int, gemv_forms: bool = False, **settings):
+    engine = build_engine("ouro-tiny", noise="sequential", **settings)
     if fused:
         assert enable_fused_tails(engine.model, residual_norm=True, rope_kv_write=False) == 1
+    if gemv_forms:  # the GEMV's output forms' wiring; their fused launches decline on CPU
+        for flag in ("gemv_silu_out", "gemv_norm_out"):
+            assert enable_gemv_form(engine.model, flag) > 0
     rec = Recorder(hidden=True)
     engine.attach(rec)
     # graph_warmup: every call takes the exact-kernel path (as under capture), so the chained core runs
@@ -45,6 +48,23 @@ def test_chained_ouro_core_equals_the_plain_layers_bit_for_bit():
     assert plain_states.keys() == fused_states.keys() and len(plain_states) > 0
     bad = [key for key, h in plain_states.items() if not torch.equal(h, fused_states[key])]
     assert bad == []
+
+
+def test_chained_layers_with_the_gemv_output_forms_switched_on_keep_the_bits(monkeypatch):
+    """`kernels.gemv_silu_out` / `gemv_norm_out` set on the model: the MLP asks for the fused gate/up and
+    each sandwich block hands its output projection to the `ResidualTail` (`finish`); on CPU both fused
+    launches decline, so the same eager ops run and every hidden state keeps the plain model's bits."""
+    asked = {"silu": 0, "norm": 0}
+    real_silu, real_norm = K.gate_up_silu_fusable, K.linear_norm_fusable
+    monkeypatch.setattr(K, "gate_up_silu_fusable", lambda *a: asked.__setitem__("silu", 1) or real_silu(*a))
+    monkeypatch.setattr(K, "linear_norm_fusable", lambda *a: asked.__setitem__("norm", 1) or real_norm(*a))
+    fused_qkv = {"kernels__fused_projections": True}  # the silu form takes the fused gate/up weight
+    plain_out, plain_states = _hidden_states(False, PROMPTS, 4, **fused_qkv)
+    forms_out, forms_states = _hidden_states(True, PROMPTS, 4, gemv_forms=True, **fused_qkv)
+    assert asked == {"silu": 1, "norm": 1}  # both paths were taken (and declined: CPU)
+    assert forms_out == plain_out
+    assert plain_states.keys() == forms_states.keys() and len(plain_states) > 0
+    assert [key for key, h in plain_states.items() if not torch.equal(h, forms_states[key])] == []
 
 
 def test_chained_core_is_used_only_where_exact_kernels_run(monkeypatch):

@@ -99,9 +99,8 @@ class OuroMLP(nn.Module):
         else:
             x = materialized(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.gemv_silu and K.silu_mul_fusable(gate, up, self.down_proj.weight):
-            y = K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
-            return y if tail is None else tail.after(y)
+        if self.gemv_silu and tail is None and K.silu_mul_fusable(gate, up, self.down_proj.weight):
+            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
         if self.exact and exact_kernels_on(gate.shape[0]):
             return finish(self.down_proj, K.silu_and_mul(gate, up), tail)
         return finish(self.down_proj, F.silu(gate) * up, tail)
@@ -129,6 +128,7 @@ class OuroLayer(nn.Module):
     `gemv_norm_out` (one row) each runs inside the o / down GEMV launch before it (`ResidualTail`)."""
 
     op_kind = "layer"
+    gemv_norm_out = False  # kernels.gemv_norm_out: one-row o / down GEMVs apply the residual norm themselves
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
         super().__init__()
@@ -142,20 +142,25 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(spec.hidden_size, eps)
         self.residual_attn, self.residual_mlp = ResidualRMSNorm(), ResidualRMSNorm()
 
-    gemv_norm_out = False  # kernels.gemv_norm_out: one-row o / down GEMVs apply the residual norm themselves
-
     def forward(self, h, ctx: AttnContext, x=None, next_norm: RMSNorm | None = None, defer: bool = False):
         if next_norm is not None:
             norms = (self.input_layernorm_2, self.post_attention_layernorm)
-            h, x = self.self_attn(x, ctx, self._tail(self.residual_attn, h, x, *norms, defer))
+            h, x = self._block(
+                self.self_attn, (x, ctx), ResidualTail(self.residual_attn, h, x, *norms, defer)
+            )
             norms = (self.post_attention_layernorm_2, next_norm)
-            return self.mlp(x, self._tail(self.residual_mlp, h, x, *norms, defer))
+            return self._block(self.mlp, (x,), ResidualTail(self.residual_mlp, h, x, *norms, defer))
         h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), ctx))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
-    def _tail(self, launch: ResidualRMSNorm, h, x, post: RMSNorm, nxt: RMSNorm, defer: bool) -> ResidualTail:
-        """The fused chain's h' = h + post(y), x' = nxt(h') after the block reading x (see ResidualTail)."""
-        return ResidualTail(launch, h, x, post, nxt, defer=defer, in_gemv=self.gemv_norm_out)
+    def _block(self, block: nn.Module, args: tuple, tail: ResidualTail):
+        """(h', x') of the fused chain after `block(*args)` (attention or MLP): with `gemv_norm_out` the
+        block's output projection runs the tail (`finish`); otherwise the tail runs after the block
+        returns, so the residual norm stays an op of its own beside it, as profiles and probes expect."""
+        if self.gemv_norm_out:
+            tail.in_gemv = True
+            return block(*args, tail)
+        return tail.after(block(*args))
 
 
 class OuroModel(nn.Module):
