@@ -47,6 +47,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
+# profile --compare exactloop fast at Ouro-1.4B batch 1, prompt 512 (the TPOT targets' figure)
+profile_exactloop_fast() {
+  profile_exactloop_fast
+}
+# diff_real STEM DIFF-ARGS...: `looptrace diff DIFF-ARGS` at Ouro-1.4B's real shape, 4 requests x 16 tokens
+diff_real() {
+  local stem=$1; shift
+  timeout -s INT 70 python3 -m looptrace diff "$@" --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
+    --max-tokens 16 --format json -o "$OUT/diff_${stem}_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
+  echo "diff $stem exit $?"; grep -A3 '"summary"' "$OUT/diff_${stem}_ouro-1.4b_c4_h200.json" | head -6
+}
 if [ "$1" = attention ]; then
   timeout 240 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py -p no:cacheprovider 2>&1 \
     | tail -15 > "$OUT/gpu_tests_split_kv_h200.txt"; tail -3 "$OUT/gpu_tests_split_kv_h200.txt"
@@ -226,9 +237,7 @@ if [ "$1" = fast_cells ]; then
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
     --a-set kernels.gemv_preload=false -o "$OUT/profile_compare_fast_nopreload_preload_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
   echo "profile exit $?"
-  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
-    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
-  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  profile_exactloop_fast
   timeout -s INT "${BENCH_TIMEOUT:-200}" python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 \
     --runs 3 --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" 2>> "$LOG"
   echo "bench exit $?"; grep "B/A" "$LOG" | tail -3
@@ -270,9 +279,7 @@ if [ "$1" = slots ]; then
   echo "ablation exit $?"; cat "$OUT/token_ablation_h200.md"
 fi
 if [ "$1" = engine5 ]; then
-  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
-    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
-  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  profile_exactloop_fast
   timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
     --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
   echo "diff fast exit $?"; grep -A3 '"summary"' "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" | head -8
@@ -312,10 +319,7 @@ fast slots attn-pf silu-out,fast slots attn-pf norm-out,fast slots attn-pf silu-
   timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast $OFF \
     -o "$OUT/profile_compare_fast_outforms_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
   grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
-  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.gemv_silu_out=false --b-set kernels.gemv_norm_out=false \
-    --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16 --format json \
-    -o "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"; echo "diff exit $?"
-  grep -A3 '"summary"' "$OUT/diff_fast_outforms_ouro-1.4b_c4_h200.json" | head -8
+  diff_real fast_outforms fast --b-set kernels.gemv_silu_out=false --b-set kernels.gemv_norm_out=false
 fi
 if [ "$1" = onepass ]; then
   timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_fused_outputs.py tests/engine/test_gemv_fused_inputs.py \
@@ -327,9 +331,7 @@ fast slots attn-pf silu-out norm-out,exact steps,exact" >> "$LOG" 2>&1
   echo "token exit $?"; tail -9 "$OUT/token_ablation_h200.md"
   timeout 60 python3 bench/token_ablation_h200.py --gemv-sweep --rounds 7 --only "gemv-only,gemv-only tuned" \
     --out "$OUT" >> "$LOG" 2>&1; echo "sweep exit $?"; tail -3 "$OUT/gemv_sweep_h200.md"
-  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
-    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
-  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
+  profile_exactloop_fast
 fi
 if [ "$1" = final6 ]; then
   timeout 170 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_kernel.py tests/engine/test_gemv_fused_outputs.py \
@@ -338,16 +340,9 @@ if [ "$1" = final6 ]; then
   timeout 100 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast slots attn-pf steps,\
 fast slots attn-pf silu-out s5-tiles,fast slots attn-pf silu-out,exact steps,exact" >> "$LOG" 2>&1
   echo "token exit $?"; tail -7 "$OUT/token_ablation_h200.md"
-  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare exactloop fast \
-    -o "$OUT/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile exit $?"
-  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT"/profile_compare_*.txt
-  timeout -s INT 70 python3 -m looptrace diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
-    --max-tokens 16 --format json -o "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
-  echo "diff fast exit $?"; grep -A3 '"summary"' "$OUT/diff_exactloop_fast_ouro-1.4b_c4_h200.json" | head -6
-  timeout -s INT 60 python3 -m looptrace diff fast --b-set kernels.gemv_silu_out=false --model ouro-1.4b --device cuda \
-    -c 4 --prompt-len 128 --max-tokens 16 --format json -o "$OUT/diff_fast_silu_out_ouro-1.4b_c4_h200.json" \
-    > /dev/null 2>> "$LOG"; echo "diff silu_out exit $?"
-  grep -A3 '"summary"' "$OUT/diff_fast_silu_out_ouro-1.4b_c4_h200.json" | head -6
+  profile_exactloop_fast
+  diff_real exactloop_fast exactloop fast
+  diff_real fast_silu_out fast --b-set kernels.gemv_silu_out=false
   timeout -s INT 300 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 \
     --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" >> "$LOG" 2>&1
   echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -8

@@ -46,6 +46,14 @@ def interpreted_checks(module: str) -> dict:
     )
 
 
+def tickets_left_zero() -> list:
+    """[ok, detail] of the check that every split-combine ticket counter is back at zero (`_scratch`)."""
+    from looptrace.engine.kernels import _scratch
+
+    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
+    return [all(c == 0 for c in counters), counters]
+
+
 def build_config(noise: str = "zeros", **settings: Any) -> EngineConfig:
     cfg = EngineConfig(noise=noise)
     for key, value in settings.items():

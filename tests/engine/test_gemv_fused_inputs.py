@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_checks, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -60,8 +60,8 @@ def _open_cuda_gates():
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import _scratch, rmsnorm, silu_mul
     from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import rmsnorm, silu_mul
 
     _open_cuda_gates()
     gen = torch.Generator().manual_seed(7)
@@ -97,8 +97,7 @@ def _cpu_checks() -> dict:
     two_rows = torch.randn(2, hidden, generator=gen).bfloat16()
     res["norm_refuses_two_rows"] = [not G.residual_norm_fusable(two_rows, two_rows, w_post, w_next, w2), None]
     res.update(_preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps))
-    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
-    res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
+    res["counters_left_zero"] = tickets_left_zero()
     return res
 
 
@@ -150,21 +149,9 @@ def test_interpreted_fused_input_forms(cpu_results, check):
 def test_sm90_fused_forms_compile_and_wait_before_any_global_access(form, n, k):
     """Ouro-1.4B's fused launches (down from gate/up; gate_up and qkv from a residual norm) compile for
     sm_90 on the CPU with their launch options; under PDL the norm prologue's loads come after the wait."""
-    from looptrace.engine.kernels import gemv as G
-    from looptrace.engine.kernels._fences import EXACT_OPTIONS
-    from looptrace.engine.kernels.reduce_order import reduce_shape
-    from tests.engine.test_pdl import GEMV_SIGNATURE, _compile_sm90, _first, one_row_gemv
+    from tests.engine.test_pdl import _first, fused_gemv_ptx
 
-    sig = GEMV_SIGNATURE | {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
-    sig |= {"factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
-    shape = reduce_shape(1, k)
-    cfg, consts = one_row_gemv(n, k, PDL=True, PREFETCH=False, X_FORM=form, LANES=shape.lanes,
-                               VECS=shape.vectors_per_lane, DESC=True, CHUNK=2048, PRELOAD=0)  # fmt: skip
-    compiled = _compile_sm90(
-        G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
-        **EXACT_OPTIONS,
-    )  # fmt: skip
-    ptx = compiled.asm["ptx"].splitlines()
+    ptx = fused_gemv_ptx(n, k, k, X_FORM=form)
     assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
 
 
@@ -267,43 +254,50 @@ def _mid_ouro():
     return replace(tiny, name="ouro-mid", hidden_size=512, intermediate_size=1408, head_dim=128)
 
 
-@gpu
-def test_gpu_fast_generates_the_same_tokens_with_and_without_the_fused_forms(monkeypatch):
-    """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
-    on and off; with them on, both fused launches ran."""
+def fast_with_and_without(monkeypatch, spec, toggles: tuple[str, ...], spied: tuple[str, ...], off=()):
+    """fast on `spec` (CUDA) with the `toggles` off, then on (and the settings `off` off in both): the
+    tokens of 4 requests batched and of the first alone, and how often each `kernels` function in `spied`
+    ran with them off and with them on. Returns (tokens off, tokens on, calls off, calls on)."""
     from looptrace.engine import LLMEngine, SamplingParams
     from looptrace.engine import kernels as K
     from looptrace.recipes import load_recipe
 
-    _cuda()
-    calls = {"silu": 0, "norm": 0}
-    for key, name in (("silu", "silu_mul_linear"), ("norm", "residual_norm_linear")):
+    calls = dict.fromkeys(spied, 0)
+    for name in spied:
         real = getattr(K, name)
 
-        def spy(*args, _real=real, _key=key):
-            calls[_key] += 1
+        def spy(*args, _real=real, _name=name):
+            calls[_name] += 1
             return _real(*args)
 
         monkeypatch.setattr(K, name, spy)
     prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
-    outs = []
+    tokens, counts = [], []
     for on in (False, True):
-        flag = str(on).lower()
-        sets = [
-            f"kernels.gemv_silu={flag}",
-            f"kernels.gemv_norm={flag}",
-            "scheduler.max_model_len=256",
-            "kv.num_blocks=2048",
-            "kernels.gemv_silu_out=false",
-            "kernels.gemv_norm_out=false",
-        ]  # fmt: skip (the output forms would take their place)
-        engine = LLMEngine.from_spec(_mid_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
-        assert not {"kernels.gemv_silu", "kernels.gemv_norm"} & set(engine.inactive_settings)
-        outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
-        outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
-        if not on:
-            assert calls == {"silu": 0, "norm": 0}
+        sets = [f"{t}={str(on).lower()}" for t in toggles] + [f"{t}=false" for t in off]
+        sets += ["scheduler.max_model_len=256", "kv.num_blocks=2048"]
+        engine = LLMEngine.from_spec(spec, load_recipe("fast", sets).config, device="cuda", seed=1)
+        inactive = set(toggles) & set(engine.inactive_settings)
+        assert not inactive, {name: engine.inactive_settings[name] for name in inactive}
+        batched = engine.generate(prompts, SamplingParams(max_tokens=12, seed=3))
+        tokens.append((batched, engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3))))
+        counts.append(dict(calls))
         del engine
         torch.cuda.empty_cache()
-    assert calls["silu"] > 0 and calls["norm"] > 0
-    assert outs[0] == outs[2] and outs[1] == outs[3]
+    return tokens[0], tokens[1], counts[0], {k: counts[1][k] - counts[0][k] for k in spied}
+
+
+@gpu
+def test_gpu_fast_generates_the_same_tokens_with_and_without_the_fused_forms(monkeypatch):
+    """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
+    on and off; with them on, both fused launches ran. (The output forms, which would take their place,
+    stay off.)"""
+    _cuda()
+    off, on, calls_off, calls_on = fast_with_and_without(
+        monkeypatch, _mid_ouro(), ("kernels.gemv_silu", "kernels.gemv_norm"),
+        ("silu_mul_linear", "residual_norm_linear"), off=("kernels.gemv_silu_out", "kernels.gemv_norm_out"),
+    )  # fmt: skip
+    assert calls_off == {"silu_mul_linear": 0, "residual_norm_linear": 0}
+    assert calls_on["silu_mul_linear"] > 0 and calls_on["residual_norm_linear"] > 0
+    assert off[0] == on[0], "batch 4: the forms do not act, the tokens must not change"
+    assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.test_gemv_fused_inputs import _open_cuda_gates, _rel_err, _replayed
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_checks, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -55,8 +55,8 @@ def _norm_inputs(gen, hidden: int, k: int):
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import _scratch, launch_mode, rmsnorm, silu_mul
     from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import launch_mode, rmsnorm, silu_mul
 
     _open_cuda_gates()
     gen = torch.Generator().manual_seed(11)
@@ -107,8 +107,7 @@ def _cpu_checks() -> dict:
     ]
     res["norm_refuses_width_mismatch"] = [not G.linear_norm_fusable(a, wo[:128], resid, w_post, w_next), None]
     res["silu_refuses_odd_rows"] = [not G.gate_up_silu_fusable(x, w[:79]), None]
-    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
-    res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
+    res["counters_left_zero"] = tickets_left_zero()
     return res
 
 
@@ -144,24 +143,10 @@ def test_interpreted_fused_output_forms(cpu_results, check):
 def test_sm90_fused_output_forms_compile_and_wait_before_any_global_access(form, n, k):
     """Ouro-1.4B's fused launches (gate_up with SiLU·mul; o and down with the residual norm) compile for
     sm_90 on the CPU with their launch options; under PDL only weight loads may come before the wait."""
-    from looptrace.engine.kernels import gemv as G
-    from looptrace.engine.kernels._fences import EXACT_OPTIONS
-    from looptrace.engine.kernels.reduce_order import reduce_shape
-    from tests.engine.test_pdl import GEMV_SIGNATURE, _compile_sm90, _first, one_row_gemv
+    from tests.engine.test_pdl import _first, fused_gemv_ptx
 
-    sig = GEMV_SIGNATURE | {name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr")}
-    sig |= {"x_out_ptr": "*bf16", "factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
-    shape = reduce_shape(1, n)
-    cfg, consts = one_row_gemv(n, k, PDL=True, PREFETCH=False, X_FORM=0, LANES=shape.lanes,
-                               VECS=shape.vectors_per_lane, DESC=True, CHUNK=2048, PRELOAD=0, Y_FORM=form,
-                               NORM_N=n if form == 2 else 1)  # fmt: skip
-    if form == 1:  # gate and up in one program, one split
-        consts |= dict(K_TILES=k // cfg.block_k, SPLIT_K=1)
-    compiled = _compile_sm90(
-        G._gemv_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
-        **EXACT_OPTIONS,
-    )  # fmt: skip
-    ptx = compiled.asm["ptx"].splitlines()
+    # the silu form: gate and up in one program, one split
+    ptx = fused_gemv_ptx(n, k, n, one_split=form == 1, X_FORM=0, Y_FORM=form, NORM_N=n if form == 2 else 1)
     assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
     if form == 2:  # the split's ticket (o and down split K), then the row's
         assert sum(bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", line)) for line in ptx) == 2
@@ -262,36 +247,15 @@ def _small_ouro():
 @gpu
 def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(monkeypatch):
     """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
-    on and off; with them on, both fused launches ran, and no residual-norm or SiLU·mul launch at one row."""
-    from looptrace.engine import LLMEngine, SamplingParams
-    from looptrace.engine import kernels as K
-    from looptrace.recipes import load_recipe
+    on and off; with them on, both fused launches ran."""
+    from tests.engine.test_gemv_fused_inputs import fast_with_and_without
 
     _cuda()
-    calls = {"gate_up_silu": 0, "linear_residual_norm": 0}
-    for name in calls:
-        real = getattr(K, name)
-
-        def spy(*args, _real=real, _key=name):
-            calls[_key] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(K, name, spy)
-    prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
-    outs = []
-    for on in (False, True):
-        flag = str(on).lower()
-        sets = [f"kernels.gemv_silu_out={flag}", f"kernels.gemv_norm_out={flag}",
-                "scheduler.max_model_len=256", "kv.num_blocks=2048"]  # fmt: skip
-        engine = LLMEngine.from_spec(_small_ouro(), load_recipe("fast", sets).config, device="cuda", seed=1)
-        inactive = {"kernels.gemv_silu_out", "kernels.gemv_norm_out"} & set(engine.inactive_settings)
-        assert not inactive, {name: engine.inactive_settings[name] for name in inactive}
-        outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
-        outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
-        if not on:
-            assert calls == {"gate_up_silu": 0, "linear_residual_norm": 0}
-        del engine
-        torch.cuda.empty_cache()
-    assert calls["gate_up_silu"] > 0 and calls["linear_residual_norm"] > 0, calls
-    assert outs[0] == outs[2], "batch 4: the forms do not act, the tokens must not change"
-    assert outs[1] == outs[3], f"batch 1: {outs[1]} vs {outs[3]}"
+    off, on, calls_off, calls_on = fast_with_and_without(
+        monkeypatch, _small_ouro(), ("kernels.gemv_silu_out", "kernels.gemv_norm_out"),
+        ("gate_up_silu", "linear_residual_norm"),
+    )  # fmt: skip
+    assert calls_off == {"gate_up_silu": 0, "linear_residual_norm": 0}
+    assert calls_on["gate_up_silu"] > 0 and calls_on["linear_residual_norm"] > 0, calls_on
+    assert off[0] == on[0], "batch 4: the forms do not act, the tokens must not change"
+    assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"

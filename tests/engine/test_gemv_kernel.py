@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import ROOT, interpreted_checks
+from tests.helpers import ROOT, interpreted_checks, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -66,7 +66,6 @@ CPU_CASES = {
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import _scratch
     from looptrace.engine.kernels import gemv as G
 
     gen = torch.Generator().manual_seed(22)
@@ -85,8 +84,7 @@ def _cpu_checks() -> dict:
     w = torch.randn(24, 64, generator=gen)
     y3 = G.gemv(x3, w, G.TileConfig(block_n=16, block_k=16, split_k=2))
     res["three_d_input"] = [y3.shape == (2, 3, 24) and within_bound(y3, x3, w, True)[0], None]
-    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
-    res["counters_left_zero"] = [all(c == 0 for c in counters), counters]
+    res["counters_left_zero"] = tickets_left_zero()
     return res
 
 

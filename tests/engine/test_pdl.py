@@ -119,6 +119,31 @@ def one_row_gemv(n: int, k: int, **more):
     return cfg, consts | more
 
 
+def fused_gemv_ptx(n: int, k: int, norm_width: int, one_split: bool = False, **consts) -> list[str]:
+    """The sm_90 PTX lines of the one-row GEMV for W [n, k] in a fused form (`consts`: X_FORM or Y_FORM and
+    what they change), compiled on the CPU with the forms' launch options under PDL; the norm constants are
+    those of a row `norm_width` wide; `one_split`: K not split (the SiLU output form's launch)."""
+    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels._fences import EXACT_OPTIONS
+    from looptrace.engine.kernels.reduce_order import reduce_shape
+
+    sig = GEMV_SIGNATURE | {
+        name: "*bf16" for name in ("u_ptr", "res_ptr", "wy_ptr", "wn_ptr", "h_ptr", "x_out_ptr")
+    }
+    sig |= {"factor": "fp32", "eps_y": "fp32", "eps_n": "fp32"}
+    shape = reduce_shape(1, norm_width)
+    norm = dict(LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=True, CHUNK=2048)
+    cfg, constexprs = one_row_gemv(n, k, PDL=True, PREFETCH=False, PRELOAD=0, **norm)
+    if one_split:
+        constexprs |= dict(K_TILES=k // cfg.block_k, SPLIT_K=1)
+    constexprs |= consts
+    compiled = _compile_sm90(
+        G._gemv_kernel, sig, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
+        **EXACT_OPTIONS,
+    )  # fmt: skip
+    return compiled.asm["ptx"].splitlines()
+
+
 def _first(ptx: list[str], pattern: str) -> int:
     hits = [i for i, line in enumerate(ptx) if re.search(pattern, line)]
     return hits[0] if hits else -1
