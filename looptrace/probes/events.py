@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looptrace.probes import runtime as rt
+
 # Categories whose names are CUDA API calls (the only ones that carry CUPTI's `_vNNNN` suffix).
 API_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 
@@ -214,11 +216,15 @@ def charge_replay_overlaps(events: list[TraceEvent]) -> int:
     of kernel time in a 5.3 ms token). A kernel that starts before the previous kernel of its replay and
     stream ends starts, here, at that end (the waiting is the other kernel's time); its raw start and
     duration stay in its args (`raw_ts`, `raw_dur`); the replay's busy time is unchanged. A replay is the
-    kernels sharing a `cudaGraphLaunch` correlation id; eager kernels are left as they are."""
+    kernels sharing a `cudaGraphLaunch` correlation id: a kernel belongs to one when it has a nonzero
+    `graph id` or (traces without the id, as torch 2.11's on the H200) its correlation is a graph launch's,
+    the rule of `classify.is_graph_kernel`; eager kernels are left as they are."""
+    launches = {e.correlation for e in events if e.cat in API_CATS and rt.api_kind(e.name) == rt.GRAPH_LAUNCH}
     replays: dict[tuple[Any, Any, int], list[TraceEvent]] = {}
     for e in events:
-        graph = e.args.get("graph id") if e.cat == "kernel" else None
-        if graph not in (None, 0) and e.correlation is not None:
+        if e.cat != "kernel" or e.correlation is None:
+            continue
+        if e.args.get("graph id") not in (None, 0) or e.correlation in launches:
             replays.setdefault((e.pid, e.tid, e.correlation), []).append(e)
     changed = 0
     for kernels in replays.values():
