@@ -217,8 +217,8 @@ def charge_replay_overlaps(events: list[TraceEvent]) -> int:
     stream ends starts, here, at that end (the waiting is the other kernel's time); its raw start and
     duration stay in its args (`raw_ts`, `raw_dur`); the replay's busy time is unchanged. A replay is the
     kernels sharing a `cudaGraphLaunch` correlation id: a kernel belongs to one when it has a nonzero
-    `graph id` or (traces without the id, as torch 2.11's on the H200) its correlation is a graph launch's,
-    the rule of `classify.is_graph_kernel`; eager kernels are left as they are."""
+    `graph id` or (traces without the id: torch 2.11's on the H200, evidently) its correlation is a graph
+    launch's, the rule of `classify.is_graph_kernel`; eager kernels are left as they are."""
     launches = {e.correlation for e in events if e.cat in API_CATS and rt.api_kind(e.name) == rt.GRAPH_LAUNCH}
     replays: dict[tuple[Any, Any, int], list[TraceEvent]] = {}
     for e in events:
