@@ -162,7 +162,7 @@ def _stored_residual(y_base, h_base, wy_ptr, r, cols, m):
     y = tl.load(y_base + cols, mask=m, other=0.0).to(tl.float32)
     h = tl.load(h_base + cols, mask=m, other=0.0).to(tl.float32)
     wy = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    return tl.where(m, round_bf16(residual_value(y, h, wy, r)), 0.0)
+    return _residual_lane(y, h, wy, r, m)
 
 
 @triton.jit
@@ -326,7 +326,8 @@ def _squares_mean(x0, x1, x2, x3, factor, LANES: tl.constexpr, DESC: tl.constexp
 
 @triton.jit
 def _residual_lane(y, res, wy, r, m):
-    """The bf16-rounded residual value of one lane component (0 where masked, as a stored row reads)."""
+    """The bf16-rounded residual value (0 where masked, as a stored row reads): of one lane component here,
+    of the columns `_stored_residual` loads there."""
     return tl.where(m, round_bf16(residual_value(y, res, wy, r)), 0.0)
 
 
