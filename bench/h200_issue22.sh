@@ -42,6 +42,9 @@
 #                                          (fast vs session 5's tiles; exact), profile --compare exactloop fast,
 #                                          diffs (exactloop fast at real shape and ouro-tiny; gemv_silu_out R0),
 #                                          bench exactloop vs fast (Ouro C = 1, 8, 32)
+#   bash bench/h200_issue22.sh explore7    session 7: the GEMV's L2 prefetch of its next tiles before the PDL wait
+#                                          (TileConfig.prefetch_tiles) and o / down without the split-K tail: PDL
+#                                          GPU tests, the GEMV-only chain (--gemv-sweep7), the synthetic token
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -49,7 +52,13 @@ LOG="$OUT/logs.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
 # profile --compare exactloop fast at Ouro-1.4B batch 1, prompt 512 (the TPOT targets' figure)
 profile_exactloop_fast() {
-  profile_exactloop_fast
+  profile_compare exactloop fast
+}
+# profile_compare A B: `looptrace profile --compare A B` at Ouro-1.4B batch 1, prompt 512
+profile_compare() {
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare "$1" "$2" \
+    -o "$OUT/profile_compare_$1_$2_ouro-1.4b_c1_p512.txt" 2>> "$LOG"; echo "profile $1 $2 exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT/profile_compare_$1_$2_ouro-1.4b_c1_p512.txt"
 }
 # diff_real STEM DIFF-ARGS...: `looptrace diff DIFF-ARGS` at Ouro-1.4B's real shape, 4 requests x 16 tokens
 diff_real() {
@@ -346,4 +355,14 @@ fast slots attn-pf silu-out s5-tiles,fast slots attn-pf silu-out,exact steps,exa
   timeout -s INT 300 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 \
     --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" >> "$LOG" 2>&1
   echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -8
+fi
+if [ "$1" = explore7 ]; then
+  timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py -k "chain" -p no:cacheprovider 2>&1 \
+    | tail -30 > "$OUT/gpu_tests_explore7_h200.txt"; tail -3 "$OUT/gpu_tests_explore7_h200.txt"
+  timeout 150 python3 bench/token_ablation_h200.py --rounds 3 --gemv-sweep7 --out "$OUT" >> "$LOG" 2>&1
+  echo "sweep exit $?"; tail -36 "$OUT/gemv_sweep7_h200.md"
+  timeout 150 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 pf1,fast6 pf1 no-down,\
+fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 pf4 no-down,fast6 o+down 4x512 w2 k1,fast6 o+down 8x256 w2 k1,\
+fast6 o+down 8x256 w4 k2,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -13 "$OUT/token_ablation_h200.md"
 fi

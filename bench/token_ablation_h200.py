@@ -91,6 +91,16 @@ def variants() -> dict[str, Variant]:
     out["fast slots attn-pf silu-out s5-tiles"] = replace(committed, silu_out=True, tiles=S5_TILES)
     out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
     out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
+    fast6 = replace(committed, silu_out=True, family="fast6")  # fast of session 6 (as committed)
+    out["fast6"] = fast6
+    for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast6
+        out[f"fast6 pf{depth}"] = replace(fast6, tiles=prefetched(depth))
+        out[f"fast6 pf{depth} no-down"] = replace(fast6, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
+    from looptrace.engine.kernels.gemv import TileConfig
+
+    for label in ("4x512 w2 k1", "8x256 w2 k1", "8x256 w4 k2"):  # R3: other sums than fast6
+        cfg = TileConfig(**UNSPLIT[label])
+        out[f"fast6 o+down {label}"] = replace(fast6, tiles=(("o", cfg), ("down", cfg)), family="")
     out["exact steps"] = replace(exact, one_pass=False)
     out["exact"] = exact
     out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
@@ -200,6 +210,53 @@ def gemv_sweep() -> dict[str, Variant]:
     return out
 
 
+# Session 7: o and down (N = 2048) without the split-K tail (no partials, no ticket, no combine: each
+# program streams whole rows), and split in two at most
+UNSPLIT = {
+    "4x512 w2 k1": dict(block_n=4, block_k=512, num_warps=2, split_k=1),
+    "4x512 w4 k1": dict(block_n=4, block_k=512, split_k=1),
+    "8x256 w2 k1": dict(block_n=8, block_k=256, num_warps=2, split_k=1),
+    "8x512 w4 s2 k1": dict(block_n=8, block_k=512, num_stages=2, split_k=1),
+    "2x1024 w2 k1": dict(block_n=2, block_k=1024, num_warps=2, split_k=1),
+    "4x1024 w4 s2 k1": dict(block_n=4, block_k=1024, num_stages=2, split_k=1),
+    "8x256 w4 k2": dict(block_n=8, block_k=256, split_k=2),
+    "16x256 w4 k2": dict(block_n=16, block_k=256, split_k=2),
+}
+PREFETCH_DEPTHS = (1, 2, 4)  # tiles after the preloaded one asked of L2 before the PDL wait
+
+
+def table_tile(weight: str):
+    """The tile the GEMV's table gives one of Ouro's projections at one row."""
+    from looptrace.engine.kernels import gemv
+
+    n, k = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+            "down": (HIDDEN, INTER)}[weight]  # fmt: skip
+    return gemv.pick_config(1, n, k)
+
+
+def prefetched(depth: int, weights=("qkv", "o", "gate_up", "down")) -> tuple:
+    """Tile overrides: the table's tile of each weight with `depth` tiles prefetched before the wait."""
+    return tuple((w, replace(table_tile(w), prefetch_tiles=depth)) for w in weights)
+
+
+def gemv_sweep7() -> dict[str, Variant]:
+    """`--gemv-sweep7`: the GEMV-only chain with o / down unsplit (`UNSPLIT`), and each weight's table
+    tile prefetching 1, 2 or 4 tiles into L2 before its wait (`TileConfig.prefetch_tiles`)."""
+    from looptrace.engine.kernels.gemv import TileConfig
+
+    only = replace(Variant(), skip=frozenset({"all"}), family="")
+    out = {"gemv-only": only}
+    for weight in ("o", "down"):
+        for label, kw in UNSPLIT.items():
+            out[f"gemv-only {weight} {label}"] = replace(only, tiles=((weight, TileConfig(**kw)),))
+    for weight in ("qkv", "o", "gate_up", "down"):
+        for depth in PREFETCH_DEPTHS:
+            out[f"gemv-only {weight} pf{depth}"] = replace(only, tiles=prefetched(depth, (weight,)))
+    for depth in PREFETCH_DEPTHS:
+        out[f"gemv-only all pf{depth}"] = replace(only, tiles=prefetched(depth))
+    return out
+
+
 def _session5_tiles() -> tuple:
     """The tiles session 5's table gave Ouro's qkv, o and gate/up at one row, before session 6's sweep put
     each weight's fastest tile in the table (qkv 8x512 with 2 warps, o 32x128 with 8, gate/up 16x256)."""
@@ -216,6 +273,9 @@ def main() -> int:
     parser.add_argument(
         "--gemv-sweep", action="store_true", help="the GEMV-only chain, tiles swept per weight"
     )
+    parser.add_argument(
+        "--gemv-sweep7", action="store_true", help="the GEMV-only chain: o / down unsplit, L2 prefetch depths"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -230,12 +290,13 @@ def main() -> int:
     S5_TILES = _session5_tiles()
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
-    pool = gemv_sweep() if args.gemv_sweep else variants()
+    sweep = args.gemv_sweep or args.gemv_sweep7
+    pool = gemv_sweep() if args.gemv_sweep else gemv_sweep7() if args.gemv_sweep7 else variants()
     chosen = {n: v for n, v in pool.items() if not args.only or n in args.only.split(",")}
     graphs, outs = capture_each({n: lambda v=v: capture_variant(m, v) for n, v in chosen.items()}, t0)
     times = time_interleaved(graphs, args.rounds)
     median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-    ref = "gemv-only" if args.gemv_sweep else "fast"  # the "vs" column's arm
+    ref = "gemv-only" if sweep else "fast"  # the "vs" column's arm
     firsts: dict[str, str] = {}
     results = []
     for name in graphs:
@@ -261,7 +322,7 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, Triton {triton.__version__}"
-    flags = " --gemv-sweep" if args.gemv_sweep else ""
+    flags = " --gemv-sweep" if args.gemv_sweep else " --gemv-sweep7" if args.gemv_sweep7 else ""
     lines = [
         "# Ouro-1.4B batch-1 decode token: ablations and early loads under PDL (issue #22)",
         "",
@@ -285,7 +346,8 @@ def main() -> int:
         )
         bw = f"{r['copy_bw_fraction']:.0%}"
         lines.append(f"| {r['variant']} | {r['ms_per_token']:.3f} | {ratio} | {bw} | {marg} | {same} |")
-    out, stem = Path(args.out), "gemv_sweep_h200" if args.gemv_sweep else "token_ablation_h200"
+    stem = "gemv_sweep_h200" if args.gemv_sweep else "gemv_sweep7_h200" if args.gemv_sweep7 else ""
+    out, stem = Path(args.out), stem or "token_ablation_h200"
     (out / f"{stem}.json").write_text(
         json.dumps({"device": device, "versions": versions, "results": results}, indent=1)
     )

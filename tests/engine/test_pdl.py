@@ -172,6 +172,43 @@ def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting
             assert (hint, prefetch, wait) == (-1, -1, -1) and access >= 0
 
 
+def test_prefetch_tiles_are_clamped_to_the_split_and_need_pdl(monkeypatch):
+    """`TileConfig.prefetch_tiles`: tiles after the preloaded ones, never past the program's split; none
+    without PDL or for an unaligned weight; PREFETCH_UNDER_PDL: the whole slice after the preload."""
+    from looptrace.engine.kernels import gemv as G
+
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 16-byte aligned rows
+    cfg = G.TileConfig(prefetch_tiles=3)
+    assert G._prefetch_tiles(cfg, per_split=8, preload=1, weight=w, pdl=True) == 3
+    assert G._prefetch_tiles(cfg, per_split=3, preload=1, weight=w, pdl=True) == 2
+    assert G._prefetch_tiles(cfg, per_split=1, preload=1, weight=w, pdl=True) == 0
+    assert G._prefetch_tiles(cfg, per_split=8, preload=1, weight=w, pdl=False) == 0
+    assert G._prefetch_tiles(G.TileConfig(), per_split=8, preload=1, weight=w, pdl=True) == 0
+    assert G._prefetch_tiles(cfg, per_split=8, preload=0, weight=w[:, 1:], pdl=True) == 0  # 2-byte offset
+    monkeypatch.setattr(G, "PREFETCH_UNDER_PDL", True)
+    assert G._prefetch_tiles(G.TileConfig(), per_split=8, preload=1, weight=w, pdl=True) == 7
+
+
+@needs_triton
+def test_sm90_gemv_prefetches_its_next_tiles_and_preloads_before_the_wait():
+    """Preload + prefetch (one row, PDL): the first tile's loads and the bulk L2 prefetches of the tiles
+    after it come before `griddepcontrol.wait`; no store or atomic does."""
+    from looptrace.engine.kernels import gemv as G
+
+    cfg, constexprs = one_row_gemv(6144, 2048, PDL=True, PREFETCH=2, PRELOAD=1)
+    compiled = _compile_sm90(
+        G._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=True,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"].splitlines()
+    wait = _first(ptx, "griddepcontrol.wait")
+    before = ptx[:wait]
+    assert any(re.search(r"\bld\.global", line) for line in before)
+    assert any("cp.async.bulk.prefetch.L2" in line for line in before)
+    assert not any(re.search(r"\b(st|atom)\.global", line) for line in before)
+    assert not any("cp.async.bulk.prefetch" in line for line in ptx[wait:])
+
+
 @needs_triton
 def test_sm90_gemv_preload_loads_weights_before_the_wait():
     """`kernels.gemv_preload`: the first weight tile's loads come before `griddepcontrol.wait`; the
@@ -331,16 +368,24 @@ def _chain(rows: int, linear, passes: int = 6):
 @gpu
 @pytest.mark.skipif(not launch_mode.supported("cuda"), reason="PDL needs sm_90+")
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "cublas+kv"])
-def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection):
-    """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload; for the attention, with
-    its K/V prefetched into L2 before its wait, kernels.attn_prefetch, the newest key written by the kernel
-    just before it): the same bits."""
+@pytest.mark.parametrize("projection", ["cublas", "gemv", "gemv+preload", "gemv+preload+l2", "cublas+kv"])
+def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, projection, monkeypatch):
+    """Under PDL (and, for the GEMV, with its weight preload, kernels.gemv_preload, and its next tiles
+    prefetched into L2 before the wait, `TileConfig.prefetch_tiles`; for the attention, with its K/V
+    prefetched into L2 before its wait, kernels.attn_prefetch, the newest key written by the kernel just
+    before it): the same bits."""
+    import dataclasses
+
     import torch.nn.functional as F
 
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import gemv
 
+    if projection.endswith("+l2"):  # every tile of the table asks L2 for its next two tiles
+        table_pick = gemv.pick_config
+        monkeypatch.setattr(
+            gemv, "pick_config", lambda m, n, k: dataclasses.replace(table_pick(m, n, k), prefetch_tiles=2)
+        )
     linear = F.linear if projection.startswith("cublas") else gemv.gemv
     preload, kv = "+preload" in projection, projection.endswith("+kv")
     token = _chain(rows, linear)

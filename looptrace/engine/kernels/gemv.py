@@ -106,6 +106,10 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
+    # Under PDL: weight tiles this program asks L2 for before its wait, after the one it preloads (a hint
+    # that moves no values, R0): the next tiles stream while the kernel before finishes, with no registers
+    # held for them (a 16-32 KB register preload measured slower: fewer programs per SM)
+    prefetch_tiles: int = 0
 
 
 # Tile table: first entry whose (N range, K range, M range) holds the shape wins; ranges are inclusive.
@@ -326,10 +330,11 @@ def _prefetch_slice(w_ptr, stride_wn, n, nmask, k_first, K: tl.constexpr, SPAN: 
     """Ask L2 for this program's weight slice (rows n, columns k_first .. k_first + SPAN - 1): one bulk
     prefetch per row. Weights are never written, so this may run before `wait_for_inputs`: under
     `kernels.pdl` it streams while the kernel before is still finishing. A hint; it moves no values."""
-    nbytes = tl.minimum(SPAN, K - k_first) * 2 // 16 * 16  # bf16; bulk sizes are 16-byte multiples
+    nbytes = tl.maximum(tl.minimum(SPAN, K - k_first), 0) * 2 // 16 * 16  # bf16; bulk: 16-byte multiples
     rows = w_ptr + n.to(tl.int64) * stride_wn + k_first
     size = tl.zeros_like(n).to(tl.int32) + nbytes
-    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [rows, size, nmask.to(tl.int32)], dtype=tl.int32,
+    live = (nmask & (size > 0)).to(tl.int32)
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [rows, size, live], dtype=tl.int32,
                               is_pure=False, pack=1)  # fmt: skip
 
 
@@ -361,15 +366,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
                  K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
+                 PREFETCH: tl.constexpr = 0, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
                  VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1,
                  PRELOAD: tl.constexpr = 0, Y_FORM: tl.constexpr = 0,
                  NORM_N: tl.constexpr = 1):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n, nmask = _weight_rows(pid_n, N, BLOCK_N, Y_FORM)
     let_dependents_launch(PDL)
-    if PREFETCH:  # kernels.pdl: the weight streams into L2 while the kernel before finishes
-        _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), K, K_TILES * BLOCK_K)
+    if PREFETCH > 0:  # under PDL: PREFETCH tiles after the preloaded one stream into L2 before the wait
+        _prefetch_slice(w_ptr, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K) + PRELOAD * BLOCK_K, K,
+                        PREFETCH * BLOCK_K)  # fmt: skip
     w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
     if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
         k0 = pid_k * (K_TILES * BLOCK_K) + tl.arange(0, BLOCK_K)
@@ -450,6 +456,7 @@ def _launch(
     # a ticket per column block when K is split; NORM_OUT: the row's after them (at index `blocks`)
     counters = tickets(x2.device, blocks + 1 if y_form == NORM_OUT else blocks if split > 1 else 1)
     launch = pdl_args()
+    preload = int(m == 1 and not cfg.dot and launch_mode.weight_preload())
     form = form or _unused_inputs(x2)
     # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
     # libdevice without flush-to-zero); the GEMV's own products are explicit FMAs either way
@@ -460,10 +467,20 @@ def _launch(
         BLOCK_K=cfg.block_k, K_TILES=per_split, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-        PREFETCH=launch["PDL"] and PREFETCH_UNDER_PDL and prefetch_aligned(weight), **consts,
-        PRELOAD=int(m == 1 and not cfg.dot and launch_mode.weight_preload()), Y_FORM=y_form,
+        PREFETCH=_prefetch_tiles(cfg, per_split, preload, weight, launch["PDL"]), **consts,
+        PRELOAD=preload, Y_FORM=y_form,
     )  # fmt: skip
     return y
+
+
+def _prefetch_tiles(cfg: TileConfig, per_split: int, preload: int, weight: torch.Tensor, pdl: bool) -> int:
+    """Weight tiles each program prefetches into L2 before its PDL wait, after the `preload` tiles it loads
+    (`PREFETCH_UNDER_PDL`: the whole slice; else the tile's `prefetch_tiles`); 0 without PDL."""
+    if not pdl or not prefetch_aligned(weight):
+        return 0
+    if PREFETCH_UNDER_PDL:
+        return per_split - preload
+    return max(0, min(cfg.prefetch_tiles, per_split - preload))
 
 
 def _unused_inputs(x2: torch.Tensor) -> dict:
