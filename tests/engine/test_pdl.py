@@ -172,21 +172,26 @@ def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting
             assert (hint, prefetch, wait) == (-1, -1, -1) and access >= 0
 
 
-def test_prefetch_tiles_are_clamped_to_the_split_and_need_pdl(monkeypatch):
+def test_prefetch_tiles_are_clamped_to_the_split_and_need_pdl_and_the_preload_toggle(monkeypatch):
     """`TileConfig.prefetch_tiles`: tiles after the preloaded ones, never past the program's split; none
-    without PDL or for an unaligned weight; PREFETCH_UNDER_PDL: the whole slice after the preload."""
+    without PDL, without `kernels.gemv_preload` (early=False) or for an unaligned weight;
+    PREFETCH_UNDER_PDL: the whole slice after the preload."""
+    from functools import partial
+
     from looptrace.engine.kernels import gemv as G
 
     w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 16-byte aligned rows
     cfg = G.TileConfig(prefetch_tiles=3)
-    assert G._prefetch_tiles(cfg, per_split=8, preload=1, weight=w, pdl=True) == 3
-    assert G._prefetch_tiles(cfg, per_split=3, preload=1, weight=w, pdl=True) == 2
-    assert G._prefetch_tiles(cfg, per_split=1, preload=1, weight=w, pdl=True) == 0
-    assert G._prefetch_tiles(cfg, per_split=8, preload=1, weight=w, pdl=False) == 0
-    assert G._prefetch_tiles(G.TileConfig(), per_split=8, preload=1, weight=w, pdl=True) == 0
-    assert G._prefetch_tiles(cfg, per_split=8, preload=0, weight=w[:, 1:], pdl=True) == 0  # 2-byte offset
+    tiles = partial(G._prefetch_tiles, weight=w, pdl=True, early=True)
+    assert tiles(cfg, per_split=8, preload=1) == 3
+    assert tiles(cfg, per_split=3, preload=1) == 2
+    assert tiles(cfg, per_split=1, preload=1) == 0
+    assert tiles(cfg, per_split=8, preload=1, pdl=False) == 0
+    assert tiles(cfg, per_split=8, preload=1, early=False) == 0
+    assert tiles(G.TileConfig(), per_split=8, preload=1) == 0
+    assert tiles(cfg, per_split=8, preload=0, weight=w[:, 1:]) == 0  # a 2-byte offset
     monkeypatch.setattr(G, "PREFETCH_UNDER_PDL", True)
-    assert G._prefetch_tiles(G.TileConfig(), per_split=8, preload=1, weight=w, pdl=True) == 7
+    assert tiles(G.TileConfig(), per_split=8, preload=1, early=False) == 7
 
 
 @needs_triton

@@ -456,7 +456,8 @@ def _launch(
     # a ticket per column block when K is split; NORM_OUT: the row's after them (at index `blocks`)
     counters = tickets(x2.device, blocks + 1 if y_form == NORM_OUT else blocks if split > 1 else 1)
     launch = pdl_args()
-    preload = int(m == 1 and not cfg.dot and launch_mode.weight_preload())
+    early = launch_mode.weight_preload()  # kernels.gemv_preload: weight work before the PDL wait
+    preload = int(m == 1 and not cfg.dot and early)
     form = form or _unused_inputs(x2)
     # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
     # libdevice without flush-to-zero); the GEMV's own products are explicit FMAs either way
@@ -467,20 +468,23 @@ def _launch(
         BLOCK_K=cfg.block_k, K_TILES=per_split, SPLIT_K=split, EVEN_K=even_k, DOT=cfg.dot,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-        PREFETCH=_prefetch_tiles(cfg, per_split, preload, weight, launch["PDL"]), **consts,
+        PREFETCH=_prefetch_tiles(cfg, per_split, preload, weight, launch["PDL"], early), **consts,
         PRELOAD=preload, Y_FORM=y_form,
     )  # fmt: skip
     return y
 
 
-def _prefetch_tiles(cfg: TileConfig, per_split: int, preload: int, weight: torch.Tensor, pdl: bool) -> int:
-    """Weight tiles each program prefetches into L2 before its PDL wait, after the `preload` tiles it loads
-    (`PREFETCH_UNDER_PDL`: the whole slice; else the tile's `prefetch_tiles`); 0 without PDL."""
+def _prefetch_tiles(
+    cfg: TileConfig, per_split: int, preload: int, weight: torch.Tensor, pdl: bool, early: bool
+) -> int:
+    """Weight tiles each program prefetches into L2 before its PDL wait, after the `preload` tiles it loads:
+    the whole slice under `PREFETCH_UNDER_PDL`; else, where the GEMV starts on its weights before the wait
+    (`early`: `kernels.gemv_preload`), the tile's `prefetch_tiles`. None without PDL."""
     if not pdl or not prefetch_aligned(weight):
         return 0
     if PREFETCH_UNDER_PDL:
         return per_split - preload
-    return max(0, min(cfg.prefetch_tiles, per_split - preload))
+    return max(0, min(cfg.prefetch_tiles, per_split - preload)) if early else 0
 
 
 def _unused_inputs(x2: torch.Tensor) -> dict:
