@@ -362,7 +362,7 @@ if [ "$1" = explore7 ]; then
   timeout 150 python3 bench/token_ablation_h200.py --rounds 3 --gemv-sweep7 --out "$OUT" >> "$LOG" 2>&1
   echo "sweep exit $?"; tail -36 "$OUT/gemv_sweep7_h200.md"
   timeout 150 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 pf1,fast6 pf1 no-down,\
-fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 pf4 no-down,fast6 o+down 4x512 w2 k1,fast6 o+down 8x256 w2 k1,\
+fast7,fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 pf4 no-down,fast6 o+down 4x512 w2 k1,fast6 o+down 8x256 w2 k1,\
 fast6 o+down 8x256 w4 k2,exact" >> "$LOG" 2>&1
   echo "token exit $?"; tail -13 "$OUT/token_ablation_h200.md"
 fi

@@ -91,8 +91,9 @@ def variants() -> dict[str, Variant]:
     out["fast slots attn-pf silu-out s5-tiles"] = replace(committed, silu_out=True, tiles=S5_TILES)
     out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
     out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
-    fast6 = replace(committed, silu_out=True, family="fast6")  # fast of session 6 (as committed)
+    fast6 = replace(committed, silu_out=True, tiles=S6_TILES, family="fast6")  # fast of session 6
     out["fast6"] = fast6
+    out["fast7"] = replace(committed, silu_out=True, family="fast7")  # the table as committed now
     for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast6
         out[f"fast6 pf{depth}"] = replace(fast6, tiles=prefetched(depth))
         out[f"fast6 pf{depth} no-down"] = replace(fast6, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
@@ -113,6 +114,7 @@ def variants() -> dict[str, Variant]:
 
 
 S5_TILES: tuple = ()  # set in main() (imports Triton): `_session5_tiles()`
+S6_TILES: tuple = ()  # set in main(): `_session6_tiles()`
 
 
 def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False):
@@ -266,6 +268,18 @@ def _session5_tiles() -> tuple:
     return (("qkv", plain), ("o", plain), ("gate_up", TileConfig(block_n=16, block_k=512, num_stages=2)))
 
 
+def _session6_tiles() -> tuple:
+    """The tiles session 6's table gave Ouro's four projections at one row (no L2 prefetch)."""
+    from looptrace.engine.kernels.gemv import TileConfig
+
+    return (
+        ("qkv", TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)),
+        ("o", TileConfig(block_n=32, block_k=128, num_warps=8)),
+        ("gate_up", TileConfig(block_n=16, block_k=256)),
+        ("down", TileConfig(block_n=32, block_k=128)),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -286,8 +300,8 @@ def main() -> int:
     from looptrace.engine import kernels as K
 
     t0 = time.time()
-    global S5_TILES
-    S5_TILES = _session5_tiles()
+    global S5_TILES, S6_TILES
+    S5_TILES, S6_TILES = _session5_tiles(), _session6_tiles()
     K.calibrate("cuda")
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
     sweep = args.gemv_sweep or args.gemv_sweep7
