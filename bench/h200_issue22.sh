@@ -45,6 +45,10 @@
 #   bash bench/h200_issue22.sh explore7    session 7: the GEMV's L2 prefetch of its next tiles before the PDL wait
 #                                          (TileConfig.prefetch_tiles) and o / down without the split-K tail: PDL
 #                                          GPU tests, the GEMV-only chain (--gemv-sweep7), the synthetic token
+#   bash bench/h200_issue22.sh final7      session 7 as committed: GPU tests (PDL, GEMV, output forms), the token
+#                                          (fast6 vs fast7; exact), profile --compare exactloop fast and base
+#                                          exactloop, diffs (exactloop fast; gemv_preload R0) at real shape
+#   bash bench/h200_issue22.sh cells7      bench exactloop vs fast (Ouro C = 1, 8, 32), base vs exactloop Huginn C = 32
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -365,4 +369,23 @@ if [ "$1" = explore7 ]; then
 fast7,fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 pf4 no-down,fast6 o+down 4x512 w2 k1,fast6 o+down 8x256 w2 k1,\
 fast6 o+down 8x256 w4 k2,exact" >> "$LOG" 2>&1
   echo "token exit $?"; tail -13 "$OUT/token_ablation_h200.md"
+fi
+if [ "$1" = final7 ]; then
+  timeout 200 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py tests/engine/test_gemv_kernel.py \
+    tests/engine/test_gemv_fused_outputs.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/gpu_tests_final7_h200.txt"
+  tail -3 "$OUT/gpu_tests_final7_h200.txt"
+  timeout 100 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast7,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -4 "$OUT/token_ablation_h200.md"
+  profile_compare exactloop fast
+  profile_compare base exactloop
+  diff_real exactloop_fast exactloop fast
+  diff_real fast_preload fast --b-set kernels.gemv_preload=false
+fi
+if [ "$1" = cells7 ]; then
+  timeout -s INT 300 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 \
+    --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro.json" >> "$LOG" 2>&1
+  echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -8
+  timeout -s INT 200 python3 -m looptrace bench --cell huginn:512/64@32 --runs 3 --set cuda_graphs.max_graphs=64 \
+    --format json -o "$OUT/bench_huginn_512_64_32.json" >> "$LOG" 2>&1
+  echo "huginn bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -4
 fi
