@@ -48,6 +48,7 @@
 #   bash bench/h200_issue22.sh final7      session 7 as committed: GPU tests (PDL, GEMV, output forms), the token
 #                                          (fast6 vs fast7; exact), profile --compare exactloop fast and base
 #                                          exactloop, diffs (exactloop fast; gemv_preload R0) at real shape
+#   bash bench/h200_issue22.sh quick7      the GEMV prefetch depths and o / down unsplit in the token, fast's profile (one short call)
 #   bash bench/h200_issue22.sh cells7      bench exactloop vs fast (Ouro C = 1, 8, 32), base vs exactloop Huginn C = 32
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -388,4 +389,13 @@ if [ "$1" = cells7 ]; then
   timeout -s INT 200 python3 -m looptrace bench --cell huginn:512/64@32 --runs 3 --set cuda_graphs.max_graphs=64 \
     --format json -o "$OUT/bench_huginn_512_64_32.json" >> "$LOG" 2>&1
   echo "huginn bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -4
+fi
+if [ "$1" = quick7 ]; then
+  timeout 120 python3 -m pytest -n 0 -m gpu tests/engine/test_pdl.py -k "chain" -p no:cacheprovider 2>&1 \
+    | tail -30 > "$OUT/gpu_tests_quick7_h200.txt"; tail -3 "$OUT/gpu_tests_quick7_h200.txt"
+  timeout 150 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 pf1,fast6 pf1 no-down,\
+fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 o+down 4x512 w2 k1,fast6 o+down 8x256 w2 k1,fast6 o+down 8x256 w4 k2,exact" \
+    >> "$LOG" 2>&1
+  echo "token exit $?"; tail -12 "$OUT/token_ablation_h200.md"
+  profile_compare exactloop fast
 fi
