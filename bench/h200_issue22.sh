@@ -50,10 +50,14 @@
 #                                          exactloop, diffs (exactloop fast; gemv_preload R0) at real shape
 #   bash bench/h200_issue22.sh quick7      the GEMV prefetch depths and o / down unsplit in the token, fast's profile (one short call)
 #   bash bench/h200_issue22.sh cells7      bench exactloop vs fast (Ouro C = 1, 8, 32), base vs exactloop Huginn C = 32
+#   bash bench/h200_issue22.sh card8       session 8, on whichever card is lent (H100 or H200): every GPU test, the
+#                                          token (fast6, fast7, exact; the card's copy bandwidth measured),
+#                                          profile --compare base exactloop, diff exactloop fast at real shape
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 LOG="$OUT/logs.txt"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr H h)  # file suffix
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$LOG"
 # profile --compare exactloop fast at Ouro-1.4B batch 1, prompt 512 (the TPOT targets' figure)
 profile_exactloop_fast() {
@@ -69,8 +73,8 @@ profile_compare() {
 diff_real() {
   local stem=$1; shift
   timeout -s INT 70 python3 -m looptrace diff "$@" --model ouro-1.4b --device cuda -c 4 --prompt-len 128 \
-    --max-tokens 16 --format json -o "$OUT/diff_${stem}_ouro-1.4b_c4_h200.json" > /dev/null 2>> "$LOG"
-  echo "diff $stem exit $?"; grep -A3 '"summary"' "$OUT/diff_${stem}_ouro-1.4b_c4_h200.json" | head -6
+    --max-tokens 16 --format json -o "$OUT/diff_${stem}_ouro-1.4b_c4_${CARD:-gpu}.json" > /dev/null 2>> "$LOG"
+  echo "diff $stem exit $?"; grep -A3 '"summary"' "$OUT/diff_${stem}_ouro-1.4b_c4_${CARD:-gpu}.json" | head -6
 }
 if [ "$1" = attention ]; then
   timeout 240 python3 -m pytest -n 0 -m gpu tests/engine/test_paged_attention_kernel.py -p no:cacheprovider 2>&1 \
@@ -398,4 +402,12 @@ fast6 pf2,fast6 pf2 no-down,fast6 pf4,fast6 o+down 4x512 w2 k1,fast6 o+down 8x25
     >> "$LOG" 2>&1
   echo "token exit $?"; tail -12 "$OUT/token_ablation_h200.md"
   profile_compare exactloop fast
+fi
+if [ "$1" = card8 ]; then
+  timeout 330 python3 -m pytest -n 4 -m gpu tests -p no:cacheprovider --durations=5 2>&1 | tail -40 \
+    > "$OUT/gpu_tests_all_${CARD:-gpu}.txt"; tail -3 "$OUT/gpu_tests_all_${CARD:-gpu}.txt"
+  timeout 90 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast7,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -4 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
+  profile_compare base exactloop
+  diff_real exactloop_fast exactloop fast
 fi
