@@ -108,7 +108,9 @@ class TileConfig:
     dot: bool = False
     # Under PDL: weight tiles this program asks L2 for before its wait, after the one it preloads (a hint
     # that moves no values, R0): the next tiles stream while the kernel before finishes, with no registers
-    # held for them (a 16-32 KB register preload measured slower: fewer programs per SM)
+    # held for them (a 16-32 KB register preload measured slower: fewer programs per SM). 0 in every table
+    # entry: depths 1, 2 and 4 made Ouro's token slower on an H100, 5.02 -> 5.47 / 5.74 / 6.16 ms
+    # (bench/results/issue22/session8); not yet measured on an H200
     prefetch_tiles: int = 0
 
 
