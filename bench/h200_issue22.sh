@@ -50,6 +50,8 @@
 #                                          exactloop, diffs (exactloop fast; gemv_preload R0) at real shape
 #   bash bench/h200_issue22.sh quick7      the GEMV prefetch depths and o / down unsplit in the token, fast's profile (one short call)
 #   bash bench/h200_issue22.sh cells7      bench exactloop vs fast (Ouro C = 1, 8, 32), base vs exactloop Huginn C = 32
+#   bash bench/h200_issue22.sh h200_8      session 8 if an H200 comes: the prefetch depths in the token, profile
+#                                          --compare exactloop fast and base exactloop, Huginn C = 32 base vs exactloop
 #   bash bench/h200_issue22.sh card8       session 8, on whichever card is lent (H100 or H200): every GPU test, the
 #                                          token (fast6, fast7, exact; the card's copy bandwidth measured),
 #                                          profile --compare base exactloop, diff exactloop fast at real shape
@@ -410,4 +412,14 @@ if [ "$1" = card8 ]; then
   echo "token exit $?"; tail -4 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
   profile_compare base exactloop
   diff_real exactloop_fast exactloop fast
+fi
+if [ "$1" = h200_8 ]; then
+  timeout 90 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 pf1,fast6 pf1 no-down,\
+fast6 pf2 no-down,exact" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -6 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
+  profile_compare exactloop fast
+  profile_compare base exactloop
+  timeout -s INT 190 python3 -m looptrace bench --cell huginn:512/64@32 --runs 3 --set cuda_graphs.max_graphs=64 \
+    --format json -o "$OUT/bench_huginn_512_64_32.json" >> "$LOG" 2>&1
+  echo "huginn bench exit $?"; grep -i "B/A" "$LOG" | tail -2
 fi
