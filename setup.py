@@ -6,5 +6,8 @@ from setuptools import find_namespace_packages, setup
 setup(
     packages=[*find_namespace_packages(include=["looptrace*"]), "looptrace.recipe_files"],
     package_dir={"looptrace.recipe_files": "recipes"},
-    package_data={"looptrace.recipe_files": ["*.yaml"], "looptrace": ["py.typed", "**/*.tcss", "assets/**/*"]},
+    package_data={
+        "looptrace.recipe_files": ["*.yaml"],
+        "looptrace": ["py.typed", "**/*.tcss", "assets/**/*"],
+    },
 )
