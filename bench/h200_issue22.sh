@@ -55,6 +55,10 @@
 #   bash bench/h200_issue22.sh card8       session 8, on whichever card is lent (H100 or H200): every GPU test, the
 #                                          token (fast6, fast7, exact; the card's copy bandwidth measured),
 #                                          profile --compare base exactloop, diff exactloop fast at real shape
+#   bash bench/h200_issue22.sh rope9       session 9: kernels.gemv_rope_out (the q/k/v GEMV does RoPE + the K/V
+#                                          write): its GPU tests, the token with RoPE (launch vs folded; exact),
+#                                          profile --compare fast without / with it, its R0 diff at real shape,
+#                                          bench fast without / with it (Ouro C = 1)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -422,4 +426,20 @@ fast6 pf2 no-down,exact" >> "$LOG" 2>&1
   timeout -s INT 190 python3 -m looptrace bench --cell huginn:512/64@32 --runs 3 --set cuda_graphs.max_graphs=64 \
     --format json -o "$OUT/bench_huginn_512_64_32.json" >> "$LOG" 2>&1
   echo "huginn bench exit $?"; grep -i "B/A" "$LOG" | tail -2
+fi
+if [ "$1" = rope9 ]; then
+  timeout 150 python3 -m pytest -n 0 -m gpu tests/engine/test_gemv_rope.py tests/engine/test_pdl.py -k "rope or chain" \
+    -p no:cacheprovider 2>&1 | tail -30 > "$OUT/gpu_tests_rope9_${CARD:-gpu}.txt"; tail -3 "$OUT/gpu_tests_rope9_${CARD:-gpu}.txt"
+  timeout 110 python3 bench/token_ablation_h200.py --rounds 7 --out "$OUT" --only "fast6,fast6 rope,fast6 rope-out,\
+exact rope" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -5 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
+  timeout -s INT 90 python3 -m looptrace profile --model ouro -c 1 --prompt-len 512 --compare fast fast \
+    --b-set kernels.gemv_rope_out=true -o "$OUT/profile_compare_fast_rope_out_ouro-1.4b_c1_p512.txt" 2>> "$LOG"
+  echo "profile fast rope_out exit $?"
+  grep -h -A6 "Decode window, per output token: GPU busy" "$OUT/profile_compare_fast_rope_out_ouro-1.4b_c1_p512.txt"
+  diff_real fast_rope_out fast --b-set kernels.gemv_rope_out=true
+  timeout -s INT 120 python3 -m looptrace bench --a fast --b fast --b-set kernels.gemv_rope_out=true \
+    --cell ouro:512/128@1 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
+    -o "$OUT/bench_fast_rope_out_ouro.json" >> "$LOG" 2>&1
+  echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -4
 fi

@@ -17,6 +17,9 @@ the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUD
     ... steps             the residual norm in its step form (session 5's kernel), not in one pass
     ... silu-out/norm-out the GEMV's fused output forms (`kernels.gemv_silu_out`, `kernels.gemv_norm_out`)
     ... s5-tiles          the GEMV tiles of session 5's table (`_session5_tiles`), before session 6's sweep
+    ... rope              RoPE of q and k with the K/V write (`rope_half_write_kv`), as the engine runs it
+                          (the other variants write K/V without RoPE)
+    ... rope-out          the same work done by the q/k/v GEMV itself (`kernels.gemv_rope_out`)
 
 With --gemv-sweep: the four projections alone, one weight's tile replaced at a time (`gemv_sweep`).
 
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from l2_prefetch_h200 import (  # noqa: E402
+    CTX,
     DIM,
     EPS,
     HEADS,
@@ -55,6 +59,7 @@ from l2_prefetch_h200 import (  # noqa: E402
 )
 
 PASSES = LAYERS * LOOPS
+QKV_HEADS = (HEADS, HEADS, DIM)  # Ouro-1.4B: 16 q heads, 16 k/v heads of 128
 # bytes of the four projections' weights read per token (qkv, o, gate_up, down); over the device's copy
 # bandwidth they give the GEMVs' floor (2.31 ms at the H200's 4.28 TB/s, issue #22)
 WEIGHT_BYTES_PER_TOKEN = PASSES * 2 * HIDDEN * (3 * HIDDEN + HIDDEN + 2 * INTER + INTER)
@@ -90,6 +95,9 @@ class Variant:
     norm_out: bool = False  # kernels.gemv_norm_out: the o / down GEMVs run the residual norm themselves
     tiles: tuple = ()  # (weight name, TileConfig) overrides of the GEMV's tile table (--gemv-sweep)
     one_pass: bool = True  # the residual norm's one-pass form at one row (`rmsnorm.ONE_PASS_ROWS`)
+    # before the attention: "write" K/V only; "launch" RoPE + the K/V write in one kernel (the engine's
+    # `kernels.rope_kv_write`); "fold" that kernel's work in the q/k/v GEMV (`kernels.gemv_rope_out`)
+    rope: str = "write"
     skip: frozenset = field(default_factory=frozenset)  # ops left out: attn, write_kv, norm, silu, all
     family: str = "fast"  # bitwise comparisons are within a family (the full variants only)
 
@@ -113,6 +121,8 @@ def variants() -> dict[str, Variant]:
     fast6 = replace(committed, silu_out=True, tiles=S6_TILES, family="fast6")  # fast of session 6
     out["fast6"] = fast6
     out["fast7"] = replace(committed, silu_out=True, family="fast7")  # the table as committed now
+    out["fast6 rope"] = replace(fast6, rope="launch", family="fast6 rope")  # the engine's fast of session 6
+    out["fast6 rope-out"] = replace(fast6, rope="fold", family="fast6 rope")  # R0: the same bits
     for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast6
         out[f"fast6 pf{depth}"] = replace(fast6, tiles=prefetched(depth))
         out[f"fast6 pf{depth} no-down"] = replace(fast6, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
@@ -123,6 +133,7 @@ def variants() -> dict[str, Variant]:
         out[f"fast6 o+down {label}"] = replace(fast6, tiles=(("o", cfg), ("down", cfg)), family="")
     out["exact steps"] = replace(exact, one_pass=False)
     out["exact"] = exact
+    out["exact rope"] = replace(exact, rope="launch", family="exact rope")  # the engine's exactloop
     out["exact -attn"] = replace(exact, skip=frozenset({"attn"}), family="")
     out["exact+pdl"] = replace(exact, pdl=True)
     out["exact slots"] = replace(exact, key_slots=True, family="exact slots")
@@ -136,11 +147,14 @@ S5_TILES: tuple = ()  # set in main() (imports Triton): `_session5_tiles()`
 S6_TILES: tuple = ()  # set in main(): `_session6_tiles()`
 
 
-def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False):
+def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False,
+               rope: str = "write"):  # fmt: skip
     """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state.
-    silu_out / norm_out: the GEMV's fused output forms (the same bits as the launches they replace)."""
+    silu_out / norm_out / rope="fold": the GEMV's fused output forms (the same bits as the launches they
+    replace); rope: see `Variant.rope`."""
     from looptrace.engine import kernels as K
     from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels import gemv_rope
 
     h = m["h0"]
     x = K.rms_norm(h, m["layers"][0]["n1"], EPS)
@@ -153,11 +167,18 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
             gate = linear(linear(a, lay["o"]), lay["gate_up"])[:, : gate_width(lay)]
             x = linear(gate, lay["down"])
             continue
-        q, k, v = linear(x, lay["qkv"]).split(HIDDEN, dim=-1)
-        if "write_kv" not in skip:
-            K.write_kv(k.view(rows, HEADS, DIM), v.view(rows, HEADS, DIM), m["kc"], m["vc"], m["went"],
-                       m["woff"], it % LAYERS)  # fmt: skip
-        a = q
+        cache = (m["kc"], m["vc"], m["went"], m["woff"], it % LAYERS)
+        if rope == "fold":
+            if not gemv_rope.qkv_rope_fusable(x, lay["qkv"], m["cos"], m["sin"], m["kc"], m["vc"], QKV_HEADS):
+                raise SystemExit("token_ablation: kernels.gemv_rope_out does not take Ouro's qkv here")
+            q = gemv_rope.qkv_rope_write(x, lay["qkv"], m["cos"], m["sin"], *cache, QKV_HEADS)
+        else:
+            q, k, v = (t.view(rows, HEADS, DIM) for t in linear(x, lay["qkv"]).split(HIDDEN, dim=-1))
+            if rope == "launch":
+                q = K.rope_half_write_kv(q, k, v, m["cos"], m["sin"], *cache)
+            elif "write_kv" not in skip:
+                K.write_kv(k, v, *cache)
+        a = q.reshape(rows, HIDDEN)
         if "attn" not in skip:
             a = K.paged_attn(
                 q.view(rows, HEADS, DIM), m["kc"], m["vc"], m["tables"], m["ctx"], it % LAYERS, scale
@@ -183,6 +204,13 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
     return x if "norm" in skip or "all" in skip else h
 
 
+def rope_rows(position: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos / sin of one row at `position` (bf16 [1, DIM]), as `layers.RotaryHalf` gives them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, DIM, 2, device="cuda").float() / DIM))
+    angle = torch.cat([position * inv_freq, position * inv_freq])[None]
+    return angle.cos().bfloat16(), angle.sin().bfloat16()
+
+
 def gate_width(lay: dict) -> int:
     return lay["gate_up"].shape[0] // 2
 
@@ -200,7 +228,7 @@ def capture_variant(m: dict, v: Variant):
         gemv.pick_config = lambda rows, n, k: shapes.get((n, k)) or saved_pick(rows, n, k)
     try:  # the warm-ups and the capture under the variant's launch mode
         with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
-            return capture(lambda: token_step(m, linear, v.skip, v.silu_out, v.norm_out))
+            return capture(lambda: token_step(m, linear, v.skip, v.silu_out, v.norm_out, v.rope))
     finally:
         pa.DEFAULT_SPLIT, gemv.pick_config, rmsnorm.ONE_PASS_ROWS = saved, saved_pick, saved_pass
 
@@ -324,6 +352,7 @@ def main() -> int:
     K.calibrate("cuda")
     copy_bw = copy_bandwidth()
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
+    m["cos"], m["sin"] = rope_rows(CTX)
     sweep = args.gemv_sweep or args.gemv_sweep7
     pool = gemv_sweep() if args.gemv_sweep else gemv_sweep7() if args.gemv_sweep7 else variants()
     chosen = {n: v for n, v in pool.items() if not args.only or n in args.only.split(",")}

@@ -233,6 +233,10 @@ class KernelConfig:
     # only (the models with those kernels), CUDA only.
     gemv_silu_out: bool = field(default=False, metadata=_meta("R0"))
     gemv_norm_out: bool = field(default=False, metadata=_meta("R0"))
+    # gemv_rope_out (with `rope_kv_write`): the q/k/v GEMV holds both members of its rotate-half pairs in
+    # one program, rotates q and k with `rope_kv_write`'s fenced arithmetic and stores q, and k and v into
+    # the paged cache (`kernels/gemv_rope.py`: no RoPE + K/V-write launch). R0; Ouro only, CUDA only.
+    gemv_rope_out: bool = field(default=False, metadata=_meta("R0"))
     # Beyond the paper, with `gemv` and `pdl`: the one-row GEMV loads its first weight tile before its
     # `griddepcontrol.wait` (no kernel writes weights), so those loads overlap the kernel before. Moves
     # loads, not values (R0); CUDA sm_90+ only.

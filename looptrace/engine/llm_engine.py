@@ -234,10 +234,10 @@ class LLMEngine:
         return in_report_order({**plan.inactive_settings, **missing})
 
     def _apply_gemv_forms(self, gemv_on: bool) -> dict[str, str]:
-        """The GEMV's fused forms (`kernels.gemv_silu`, `gemv_norm`, `gemv_silu_out`, `gemv_norm_out`)
-        switched on in the model where they can act; returns the inactive ones with why."""
+        """The GEMV's fused forms (`kernels.gemv_silu`, `gemv_norm`, `gemv_silu_out`, `gemv_norm_out`,
+        `gemv_rope_out`) switched on in the model where they can act; returns the inactive ones with why."""
         k, missing = self.cfg.kernels, {}
-        asked = ("gemv_silu", "gemv_norm", "gemv_silu_out", "gemv_norm_out")
+        asked = ("gemv_silu", "gemv_norm", "gemv_silu_out", "gemv_norm_out", "gemv_rope_out")
         for flag in [f for f in asked if getattr(k, f)]:
             name = f"kernels.{flag}"
             if not gemv_on:
@@ -247,6 +247,8 @@ class LLMEngine:
                 and "kernels.residual_norm" not in self.plan.fused_tails
             ):
                 missing[name] = "needs kernels.residual_norm active"
+            elif flag == "gemv_rope_out" and "kernels.rope_kv_write" not in self.plan.fused_tails:
+                missing[name] = "needs kernels.rope_kv_write active"
             elif not enable_gemv_form(self.model, flag):
                 missing[name] = f"no fused GEMV form for the {self.spec.family} family"
         return missing

@@ -146,6 +146,25 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gemv.gate_up_silu(x, weight)
 
 
+def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, int, int]) -> bool:
+    """`kernels.gemv_rope_out` applies: one routed bf16 row on CUDA (`gemv_rope.qkv_rope_fusable`)."""
+    if not (x.is_cuda and available()):
+        return False
+    from looptrace.engine.kernels import gemv_rope
+
+    return gemv_rope.qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads)
+
+
+def qkv_rope_write(x, weight, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id: int, heads):
+    """The q/k/v GEMV, then `rope_half_write_kv`, as one launch, bit for bit; returns the rotated q
+    (`gemv_rope.qkv_rope_write`)."""
+    from looptrace.engine.kernels import gemv_rope
+
+    return gemv_rope.qkv_rope_write(
+        x, weight, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id, heads
+    )
+
+
 def linear_norm_fusable(a, weight, residual, w_post, w_next) -> bool:
     """`kernels.gemv_norm_out` applies: one routed bf16 row on CUDA (`gemv.linear_norm_fusable`)."""
     if not (a.is_cuda and available()):
@@ -328,6 +347,8 @@ __all__ = [
     "linear_norm_fusable",
     "linear_residual_norm",
     "paged_attn",
+    "qkv_rope_fusable",
+    "qkv_rope_write",
     "residual_norm_fusable",
     "residual_norm_linear",
     "residual_rms_norm",

@@ -32,6 +32,7 @@ from looptrace.engine.models.base import LoopedModel
 class OuroAttention(nn.Module):
     op_kind = "attention"
     rope_kv_write = False  # kernels.rope_kv_write: RoPE of q and k and the K/V cache write, one kernel
+    gemv_rope_out = False  # kernels.gemv_rope_out: the one-row q/k/v GEMV does that kernel's work itself
     fused_linear = staticmethod(F.linear)  # the fused q/k/v GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
@@ -54,6 +55,16 @@ class OuroAttention(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
         """o_proj of the attention output; with a tail, the tail's (h', x') after it (`finish`)."""
         nh, kvh, d = self.shape
+        fold_rope = self.gemv_rope_out and self.rope_kv_write and self.qkv is not None and self.paged.triton
+        if fold_rope and exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
+            x = materialized(x)
+            if K.qkv_rope_fusable(x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape):
+                # the same bits as the GEMV + rope_half_write_kv below
+                q = K.qkv_rope_write(
+                    x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry,
+                    ctx.write_offset, self.paged.layer_id, self.shape,
+                )  # fmt: skip
+                return finish(self.o_proj, self.paged.attend_written(q, ctx), tail)
         if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
             q, k, v = project(x, self.qkv, self.fused_linear).split([nh * d, kvh * d, kvh * d], dim=-1)
         else:

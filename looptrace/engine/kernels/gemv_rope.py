@@ -1,0 +1,151 @@
+"""The one-row q/k/v GEMV that finishes RoPE and the K/V cache write itself (R0: `kernels.gemv_rope_out`).
+
+Why: in `fast` a layer pass of Ouro's attention is a chain of dependent launches (qkv GEMV, RoPE + K/V
+write, attention, o GEMV), and at one row each launch boundary costs more than the work it separates:
+`rope.rope_half_write_kv` moves 12 KB. Here the GEMV's programs rotate their own output columns and store
+them where that kernel would (q to its buffer, k and v into the paged cache): one launch fewer per pass.
+
+How (`_qkv_rope_kernel`): W is the fused `[Wq; Wk; Wv]` (`(Hq + 2 Hk) * D` rows). Program j holds
+`BLOCK_N / 2` rotate-half pairs of one head (dims i and i + D/2), i.e. BLOCK_N / 2 consecutive W rows and
+the BLOCK_N / 2 rows D/2 further, so both members of each pair are in its registers. Each row's products
+are the plain GEMV's (`gemv._split_product` with the plain GEMV's tile, one split), rounded to bf16 as the
+plain GEMV stores them; then q and k heads get `_rope_half_write_kernel`'s fenced rotation
+`rn_bf16(rn_bf16(x1 c1) + rn_bf16(-x2 s1))`, `rn_bf16(rn_bf16(x2 c2) + rn_bf16(x1 s2))`, and v heads are
+stored as they are. The bits are the two launches' (q, the cache rows); the un-rotated q/k/v never reach
+memory. It runs only where the plain GEMV would not split K (with a split its sums would differ) and where
+a pair's block fits in a head (`qkv_rope_fusable`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looptrace.engine.kernels import launch_mode
+from looptrace.engine.kernels._fences import EXACT_OPTIONS, add_rn, mul_rn, neg, round_bf16, to_bf16, triton
+from looptrace.engine.kernels._pdl import let_dependents_launch, wait_for_inputs
+from looptrace.engine.kernels.gemv import _one_row_config, _split_product, _weight_tile, routes, split_for
+from looptrace.engine.kernels.launch_mode import pdl_args
+
+tl = triton.language
+
+
+@triton.jit
+def _pair_rows(pid, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W rows of program pid: BLOCK_N / 2 first members of rotate-half pairs, then their partners D/2
+    further. Pair p is dim p % HALF of head p // HALF (heads in q, k, v order, as W stacks them)."""
+    j = tl.arange(0, BLOCK_N)
+    pair = pid * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+    head, dim = pair // HALF, pair % HALF
+    return head * (2 * HALF) + dim + tl.where(j < BLOCK_N // 2, 0, HALF)
+
+
+@triton.jit
+def _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid,
+                   stride_e, stride_s, stride_ch, HQ, HK, HALF: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """The pairs' bf16 values (as the plain GEMV stores them) rotated and stored as `rope_half_write_kv`
+    does: q heads into q [1, Hq, D], k heads rotated and v heads as they are into the cache slot
+    (write_entry + layer_id, write_offset); a padding row (write_entry < 0) writes no cache."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2]), (1, 0)))
+    x1, x2 = round_bf16(first), round_bf16(second)
+    pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head, d = pair // HALF, pair % HALF
+    c1 = tl.load(cos_ptr + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)
+    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
+    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    is_q, is_k = head < HQ, (head >= HQ) & (head < HQ + HK)
+    is_v = (head >= HQ + HK) & (head < HQ + 2 * HK)
+    qp = q_ptr + head * (2 * HALF) + d
+    tl.store(qp, o1, mask=is_q)
+    tl.store(qp + HALF, o2, mask=is_q)
+    entry = tl.load(went_ptr).to(tl.int64)
+    off = tl.load(woff_ptr).to(tl.int64)
+    kv_head = tl.where(is_k, head - HQ, head - HQ - HK).to(tl.int64)
+    dst = (entry + layer_id) * stride_e + off * stride_s + kv_head * stride_ch + d
+    write = entry >= 0
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=is_k & write)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=is_k & write)
+    tl.store(vc_ptr + dst, to_bf16(x1).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+    tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+
+
+@triton.jit(do_not_specialize=["layer_id"])
+def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id,
+                     stride_wn, stride_e, stride_s, stride_ch, HQ, HK, K: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+                     PRELOAD: tl.constexpr = 0):  # fmt: skip
+    pid = tl.program_id(0)
+    n = _pair_rows(pid, HALF, BLOCK_N)
+    nmask = n < (HQ + 2 * HK) * (2 * HALF)
+    let_dependents_launch(PDL)
+    w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
+    if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
+        w_first = _weight_tile(w_ptr, stride_wn, n, nmask, tl.arange(0, BLOCK_K), K, EVEN_K)
+    wait_for_inputs(PDL)  # x, cos/sin, the write slot, and the cache rows only after the kernel before
+    one = tl.full([1], 1.0, tl.float32)
+    # the plain GEMV's one-row products (X_FORM 0: x as stored; the fused-input pointers go unread)
+    acc = _split_product(
+        x_ptr, w_ptr, 0, stride_wn, n, nmask, 0, x_ptr, x_ptr, x_ptr, x_ptr, one, one, w_first, K, 1, 1,
+        BLOCK_N, BLOCK_K, K_TILES, EVEN_K, False, "ieee", 0, PRELOAD,
+    )  # fmt: skip
+    _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid, stride_e,
+                   stride_s, stride_ch, HQ, HK, HALF, BLOCK_N)  # fmt: skip
+
+
+def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, int, int]) -> bool:
+    """`qkv_rope_write` runs as one launch: one routed bf16 row through the CUDA-core GEMV, which would not
+    split K for this weight; `weight` is `[(Hq + 2 Hk) D, K]`; each program's pairs lie in one head; cos and
+    sin one bf16 row of D; k and v caches `[E, block, Hk, D]` of one layout with D contiguous."""
+    hq, hk, d = heads
+    n, k = weight.shape
+    cfg = _one_row_config(n, k)
+    return (
+        routes(x, weight)
+        and k == x.shape[-1]
+        and n == (hq + 2 * hk) * d
+        and d % 2 == 0
+        and cfg is not None
+        and cfg.block_n >= 2
+        and (d // 2) % (cfg.block_n // 2) == 0
+        and split_for(n, k, cfg)[0] == 1
+        and cos.dtype == sin.dtype == torch.bfloat16
+        and cos.shape[-1] == sin.shape[-1] == d
+        and cos.numel() == sin.numel() == d
+        and cos.stride(-1) == sin.stride(-1) == 1
+        and k_cache.dim() == 4
+        and k_cache.shape[2:] == (hk, d)
+        and v_cache.shape == k_cache.shape
+        and v_cache.stride() == k_cache.stride()
+        and k_cache.stride(-1) == 1
+    )
+
+
+def qkv_rope_write(x, weight, cos, sin, k_cache, v_cache, write_entry, write_offset, layer_id: int,
+                   heads: tuple[int, int, int]) -> torch.Tensor:  # fmt: skip
+    """`q, k, v = gemv(x, weight).split(...)`, then `rope.rope_half_write_kv(q, k, v, cos, sin, k_cache,
+    v_cache, write_entry, write_offset, layer_id)`, in one launch (`kernels.gemv_rope_out`): bitwise the two
+    launches' rotated q `[1, Hq, D]` (returned) and cache rows. Call only where `qkv_rope_fusable`."""
+    hq, hk, d = heads
+    n, k = weight.shape
+    x2 = x.reshape(1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    cfg = _one_row_config(n, k)
+    per_split = triton.cdiv(k, cfg.block_k)
+    q = torch.empty((1, hq, d), dtype=x.dtype, device=x.device)
+    launch = pdl_args()
+    preload = int(launch_mode.weight_preload())
+    _qkv_rope_kernel[(n // cfg.block_n,)](
+        x2, weight, q, k_cache, v_cache, cos, sin, write_entry, write_offset, layer_id, weight.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), hq, hk, K=k, HALF=d // 2,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, PRELOAD=preload, **EXACT_OPTIONS,
+    )  # fmt: skip
+    return q
+
+
+__all__ = ["qkv_rope_fusable", "qkv_rope_write"]
