@@ -50,7 +50,7 @@
 #                                          exactloop, diffs (exactloop fast; gemv_preload R0) at real shape
 #   bash bench/h200_issue22.sh quick7      the GEMV prefetch depths and o / down unsplit in the token, fast's profile (one short call)
 #   bash bench/h200_issue22.sh cells7      bench exactloop vs fast (Ouro C = 1, 8, 32), base vs exactloop Huginn C = 32
-#   bash bench/h200_issue22.sh h200_8      session 8 if an H200 comes: the prefetch depths in the token, profile
+#   bash bench/h200_issue22.sh h200_8      if an H200 comes: the token with RoPE (launch vs folded; exact), profile
 #                                          --compare exactloop fast and base exactloop, Huginn C = 32 base vs exactloop
 #   bash bench/h200_issue22.sh card8       session 8, on whichever card is lent (H100 or H200): every GPU test, the
 #                                          token (fast6, fast7, exact; the card's copy bandwidth measured),
@@ -418,8 +418,8 @@ if [ "$1" = card8 ]; then
   diff_real exactloop_fast exactloop fast
 fi
 if [ "$1" = h200_8 ]; then
-  timeout 90 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 pf1,fast6 pf1 no-down,\
-fast6 pf2 no-down,exact" >> "$LOG" 2>&1
+  timeout 90 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6,fast6 rope,fast6 rope-out,\
+exact rope" >> "$LOG" 2>&1
   echo "token exit $?"; tail -6 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
   profile_compare exactloop fast
   profile_compare base exactloop

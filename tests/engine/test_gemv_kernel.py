@@ -148,9 +148,10 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert fast.kernels.attn_slots and not exact.kernels.attn_slots  # R3: one row faster, 8-64 rows slower
     assert fast.kernels.gemv_silu_out  # R0 output form (issue22/session6)
     assert not fast.kernels.gemv_norm_out  # R0, measured slower (issue22/session6)
+    assert fast.kernels.gemv_rope_out and not exact.kernels.gemv_rope_out  # R0 (issue22/session10)
     assert not (exact.kernels.gemv_silu_out or exact.kernels.gemv_norm_out)
     fast_only = ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload", "attn_prefetch")
-    fast_only += ("gemv_silu_out", "gemv_norm_out")
+    fast_only += ("gemv_silu_out", "gemv_norm_out", "gemv_rope_out")
     for key in (*fast_only, "attn_slots"):
         a["kernels"].pop(key)
         b["kernels"].pop(key)
