@@ -59,6 +59,11 @@
 #                                          write): its GPU tests, the token with RoPE (launch vs folded; exact),
 #                                          profile --compare fast without / with it, its R0 diff at real shape,
 #                                          bench fast without / with it (Ouro C = 1)
+#   bash bench/h200_issue22.sh card11      session 11, fast as committed (with gemv_rope_out), on whichever card
+#                                          is lent: the token (fast6 rope / rope-out, exact rope; the card's copy
+#                                          bandwidth), profile --compare exactloop fast, bench exactloop vs fast
+#                                          (Ouro C = 1, 8, 32), diff exactloop fast on ouro-tiny (accuracy); on an
+#                                          H200 also profile --compare base exactloop
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
@@ -442,4 +447,17 @@ exact rope" >> "$LOG" 2>&1
     --cell ouro:512/128@1 --runs 3 --set cuda_graphs.max_graphs=64 --format json \
     -o "$OUT/bench_fast_rope_out_ouro.json" >> "$LOG" 2>&1
   echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -4
+fi
+if [ "$1" = card11 ]; then
+  timeout 90 python3 bench/token_ablation_h200.py --rounds 5 --out "$OUT" --only "fast6 rope,fast6 rope-out,\
+exact rope" >> "$LOG" 2>&1
+  echo "token exit $?"; tail -5 "$OUT/token_ablation_h200.md"; grep -o 'at [0-9.]* TB/s' "$OUT/token_ablation_h200.md"
+  profile_compare exactloop fast
+  [ "${CARD:-}" = h200 ] && profile_compare base exactloop
+  timeout -s INT 300 python3 -m looptrace bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 \
+    --set cuda_graphs.max_graphs=64 --format json -o "$OUT/bench_exactloop_fast_ouro_${CARD:-gpu}.json" >> "$LOG" 2>&1
+  echo "bench exit $?"; grep -i "B/A\|tok/s" "$LOG" | tail -8
+  timeout -s INT 80 python3 -m looptrace diff exactloop fast --model ouro-tiny --device cuda --format json \
+    -o "$OUT/diff_exactloop_fast_ouro-tiny_${CARD:-gpu}.json" > /dev/null 2>> "$LOG"
+  echo "diff tiny exit $?"; grep -A4 '"summary"' "$OUT/diff_exactloop_fast_ouro-tiny_${CARD:-gpu}.json" | head -8
 fi
