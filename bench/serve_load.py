@@ -6,10 +6,10 @@ prometheus_client). Writes a JSON result (and prints it).
 
     python bench/serve_load.py                                  # in-process tiny Ouro on CPU, 127.0.0.1:0
     python bench/serve_load.py --url http://127.0.0.1:8000      # an already running server (loopback)
-    python bench/serve_load.py -o bench/results/serve_load.json
-    python bench/serve_load.py --robustness -o bench/results/serve_robustness.json
+    python bench/serve_load.py -o serve_load.json
+    python bench/serve_load.py --robustness -o serve_robustness.json
 
-`--robustness` runs `looptrace serve` subprocesses instead (issue #23): client-side ITL percentiles with
+`--robustness` runs `looptrace serve` subprocesses instead: client-side ITL percentiles with
 the live probe off and on (arms alternated); then one server under mixed load with bad requests (huge
 seed, temperature 1e-45, top_p 1e-300, an oversized body, an unsupported field) and disconnects, sent
 SIGTERM in the middle: every stream must end with `[DONE]` (after an error event, for those the drain

@@ -1,6 +1,6 @@
-"""Attention kernel timings (issue #8): where decode and prefill attention time goes on the GPU.
+"""Attention kernel timings: the packed prefill kernel's query-block sizes, and decode beside SDPA.
 
-    python bench/attention_h200.py [--out DIR] [--budget-s SECONDS]
+    python bench/kernel_prefill_attention.py [--out DIR] [--budget-s SECONDS]
 
 Times, with `triton.testing.do_bench` (median µs per launch, CUDA graph of 20 launches to leave out the
 host), at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head shapes in bf16:
@@ -11,7 +11,7 @@ host), at the Ouro-1.4B (16 x 128) and Huginn-0125 (55 x 96) head shapes in bf16
   Table 2 prompt), per-row kernel vs the packed kernel (`kernels/packed_attention.py`) with query blocks
   of 16, 32, 64 and 128 rows.
 
-Writes `attention_h200.json` and `attention_h200.md` under --out (default: $OUT or .). Each shape is
+Writes `attention.json` and `attention.md` under --out (default: $OUT or .). Each shape is
 timed once; the script stops starting new shapes after --budget-s seconds and says which it skipped.
 """
 
@@ -116,10 +116,11 @@ def prefill_case(model: str, start: int, chunk: int, gen) -> dict:
 
 def render(results: dict, device: str, versions: str, elapsed: float) -> str:
     lines = [
-        "# Attention kernel timings (issue #8)",
+        "# Attention kernel timings",
         "",
-        f"Device: {device}; {versions}. Command: `python bench/attention_h200.py` ({elapsed:.0f} s). Median",
-        "µs per launch, replayed from a CUDA graph of 20 launches (no host launch cost).",
+        f"Device: {device}; {versions}. Command: `python bench/kernel_prefill_attention.py` "
+        f"({elapsed:.0f} s). Median µs per launch, replayed from a CUDA graph of 20 launches "
+        "(no host launch cost).",
         "",
         "## Decode (one query row per request)",
         "",
@@ -185,7 +186,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=240.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        print("bench/kernel_prefill_attention.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     import triton
 
@@ -194,10 +195,10 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, Triton {triton.__version__}"
     out = Path(args.out)
-    (out / "attention_h200.json").write_text(
+    (out / "attention.json").write_text(
         json.dumps({"device": device, "versions": versions, **results}, indent=1)
     )
-    (out / "attention_h200.md").write_text(render(results, device, versions, time.time() - t0))
+    (out / "attention.md").write_text(render(results, device, versions, time.time() - t0))
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Decode attention against its byte floor (issue #22): the split-KV kernel beside the kernel it replaced.
+"""Decode attention against its byte floor: the split-KV kernel, optionally beside an older copy of it.
 
-    python bench/decode_attention_h200.py [--old FILE] [--out DIR] [--copy-tbps 4.28]
+    python bench/kernel_decode_attention.py [--old FILE] [--out DIR] [--copy-tbps 4.28]
 
 Times `kernels/paged_attention.py` (split-KV) and, with `--old`, a saved copy of the one-program-per-(row,
 head) kernel it replaced (e.g. `git show 45c1321:looptrace/engine/kernels/paged_attention.py > old.py`),
@@ -8,11 +8,11 @@ interleaved shape by shape in the same process, at the Ouro-1.4B (16 x 128) and 
 shapes, bf16, rows {1, 8, 32, 64} x contexts {128, 640, 2112}. Median µs per launch from
 `checks.graph_time_us` (a CUDA graph of 20 launches: no host launch cost). The byte floor is the K and V
 bytes one launch must read (rows x ctx x kv_heads x head_dim x 2 tensors x 2 bytes) at the copy bandwidth
-measured on the same GPU (4.28 TB/s on the H200, bench/results/README.md); `bw %` = floor / time.
+measured on the GPU (4.28 TB/s on the H200, bench/results/README.md); `bw %` = floor / time.
 The max |new - old| of the outputs is reported too (another reduction order: not bitwise, both within
 the float64 tests' bound).
 
-Writes `decode_attention_h200.json` and `.md` under --out (default: $OUT or .).
+Writes `decode_attention.json` and `.md` under --out (default: $OUT or .).
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ SWEEP_SHAPES = (  # most telling first: a budget cut drops the tail
 def sweep_configs(kind: str = "splits"):
     """Tiles x warps x the shortest segment; num_stages stays 1 (the key loop's loads are gathers through
     the page table, which Triton's pipeliner leaves alone: stages 2 compiles to the same loads).
-    kind "slots" (session 5): the per-key-slot softmax (`key_slots`) at several tiles, warps and segment
+    kind "slots": the per-key-slot softmax (`key_slots`) at several tiles, warps and segment
     bounds, beside the plain form of the same split and Huginn's config."""
     from looptrace.engine.kernels.paged_attention import SPLIT_BY_HEAD_DIM, SplitConfig
 
-    if kind == "slots":  # session 5: the plain form of the sweep's choice beside key-slot forms
+    if kind == "slots":  # the plain form of the sweep's choice beside key-slot forms
         out = [SplitConfig(key_slots=False), SPLIT_BY_HEAD_DIM[96]]
         for block, warps, min_tiles, max_segs in ((32, 2, 2, 16), (32, 4, 2, 16), (16, 2, 2, 16),
                                                   (64, 4, 1, 16), (32, 4, 1, 16)):  # fmt: skip
@@ -226,7 +226,7 @@ def main() -> int:
     parser.add_argument("--sweep-set", choices=("splits", "slots"), default="splits")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/decode_attention_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        print("bench/kernel_decode_attention.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     import triton
 
@@ -234,13 +234,13 @@ def main() -> int:
     if args.sweep:
         rows = sweep(args.copy_tbps, args.budget_s, args.sweep_set)
         header = (
-            f"# Decode attention split configs (issue #22)\n\nDevice: {torch.cuda.get_device_name()}; "
+            f"# Decode attention split configs\n\nDevice: {torch.cuda.get_device_name()}; "
             f"torch {torch.__version__}, Triton {triton.__version__}. Command: "
-            f"`python bench/decode_attention_h200.py --sweep --sweep-set {args.sweep_set}` "
+            f"`python bench/kernel_decode_attention.py --sweep --sweep-set {args.sweep_set}` "
             f"({time.time() - t0:.0f} s). Median µs per "
             f"launch (CUDA graph of 20); floor = K+V bytes at {args.copy_tbps} TB/s."
         )
-        stem = "attention_sweep_h200" if args.sweep_set == "splits" else "attention_sweep_slots_h200"
+        stem = "attention_sweep" if args.sweep_set == "splits" else "attention_sweep_slots"
         (Path(args.out) / f"{stem}.json").write_text(json.dumps(rows, indent=1))
         (Path(args.out) / f"{stem}.md").write_text(render_sweep(rows, header))
         return 0
@@ -248,16 +248,16 @@ def main() -> int:
     results = run(old, args.copy_tbps)
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, Triton {triton.__version__}"
-    command = "python bench/decode_attention_h200.py" + (" --old OLD.py" if old else "")
+    command = "python bench/kernel_decode_attention.py" + (" --old OLD.py" if old else "")
     header = (
-        f"# Decode attention vs byte floor (issue #22)\n\nDevice: {device}; {versions}. Command: `{command}` "
+        f"# Decode attention vs byte floor\n\nDevice: {device}; {versions}. Command: `{command}` "
         f"({time.time() - t0:.0f} s). Median µs per launch from a CUDA graph of 20 launches; "
         f"floor = K+V bytes at {args.copy_tbps} TB/s copy bandwidth."
     )
     out = Path(args.out)
     payload = {"device": device, "versions": versions, "command": command, "results": results}
-    (out / "decode_attention_h200.json").write_text(json.dumps(payload, indent=1))
-    (out / "decode_attention_h200.md").write_text(render(results, header))
+    (out / "decode_attention.json").write_text(json.dumps(payload, indent=1))
+    (out / "decode_attention.md").write_text(render(results, header))
     return 0
 
 

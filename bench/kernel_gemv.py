@@ -1,6 +1,6 @@
-"""The decode GEMV against cuBLAS and its byte floor (issue #22): `kernels/gemv.py` beside `F.linear`.
+"""The decode GEMV against cuBLAS and its byte floor: `kernels/gemv.py` beside `F.linear`.
 
-    python bench/gemv_h200.py [--out DIR] [--copy-tbps 4.28] [--budget-s 150] [--rows 1,2,4,8]
+    python bench/kernel_gemv.py [--out DIR] [--copy-tbps 4.28] [--budget-s 150] [--rows 1,2,4,8]
 
 For every projection shape of Ouro-1.4B and Huginn-0125 (`tests/engine/test_gemv_kernel.py::GPU_SHAPES`)
 and M in {1, 2, 4, 8}: median µs per call of cuBLAS (`F.linear`), of the GEMV with the tile table's config
@@ -11,10 +11,10 @@ enough copies of the weight to exceed the 50 MB L2 (>= 128 MB, at most 20 copies
 weight from HBM as in a real decode step. Byte floor = N * K * 2 bytes at the copy bandwidth (4.28 TB/s,
 bench/results/README.md); `bw %` = floor / time. `err` = max |gemv - float64| / max |float64| (bf16 output).
 Also the Ouro-1.4B decode chain at M = 1: 96 layer-loops x (qkv + o + gate_up + down) + lm_head, summed
-from the rows, table config vs best candidate vs cuBLAS (issue #22: cuBLAS 3.96 ms, floor 2.31 ms).
+from the rows, table config vs best candidate vs cuBLAS (H200: cuBLAS 3.96 ms, floor 2.31 ms).
 
 Stops trying alternative candidates when `--budget-s` seconds have passed (the table's config and cuBLAS
-are always timed). Writes `gemv_h200.json` and `.md` under --out (default: $OUT or .).
+are always timed). Writes `gemv.json` and `.md` under --out (default: $OUT or .).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def cfg_text(cfg: dict, split: int) -> str:
 
 def markdown(results, chains, copy_tbps) -> str:
     lines = [
-        "# Decode GEMV on the H200 (`bench/gemv_h200.py`)",
+        "# Decode GEMV against cuBLAS (`bench/kernel_gemv.py`)",
         "",
         f"Median µs per call from a CUDA graph of {REPS} calls cycling weight copies beyond L2; "
         f"floor = N*K*2 bytes at {copy_tbps} TB/s; bw % = floor / time. `best` = fastest of the table "
@@ -154,7 +154,7 @@ def main() -> int:
     deadline = start + args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    # Ouro first: its chain is the issue's target; alternatives are tried while the budget lasts.
+    # Ouro first: its chain sets the batch-1 TPOT; alternatives are tried while the budget lasts.
     for name in names:
         n, k = GPU_SHAPES[name]
         results += bench_shape(name, n, k, rows, args.copy_tbps, deadline, gen)
@@ -175,9 +175,9 @@ def main() -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemv_h200.json").write_text(json.dumps(payload, indent=1))
+    (out / "gemv.json").write_text(json.dumps(payload, indent=1))
     text = markdown(results, chains, args.copy_tbps)
-    (out / "gemv_h200.md").write_text(text)
+    (out / "gemv.md").write_text(text)
     print(text)
     print(f"wall {payload['wall_s']:.0f} s", flush=True)
     return 0

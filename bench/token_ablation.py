@@ -1,32 +1,37 @@
-"""Where does Ouro's batch-1 decode token go under PDL, and what do earlier loads buy? (issue #22)
+"""Where does Ouro's batch-1 decode token go under PDL, and what does each of `fast`'s kernel forms buy?
 
-    python bench/token_ablation_h200.py [--rounds 5] [--out DIR] [--only NAME,NAME]
+    python bench/token_ablation.py [--rounds 5] [--out DIR] [--only NAME,NAME]
+    python bench/token_ablation.py --gemv-sweep              # the GEMV-only chain, tiles swept per weight
+    python bench/token_ablation.py --gemv-unsplit-prefetch   # o / down unsplit, L2 prefetch depths
 
-The synthetic Ouro-1.4B token of `bench/l2_prefetch_h200.py` (the engine's own kernels, random weights of
+The synthetic Ouro-1.4B token of `bench/synthetic_token.py` (the engine's own kernels, random weights of
 the real shapes, 24 layers x 4 loops, context 519, one row), captured as one CUDA graph per variant:
 
-    fast                  Triton GEMV + PDL + first weight tile before the wait (`fast` of session 4)
+    fast                  Triton GEMV + PDL + first weight tile before the wait; plain attention
     fast -OP              the same without one op (attn, write_kv, norm, silu): its marginal cost is the
                           difference (the chain is dependent, so a kernel's cost is what it adds to it)
     fast gemv-only        only the four projections per layer pass
     fast attn-pf          the attention prefetches its segment's K/V rows into L2 before its wait
                           (`kernels.attn_prefetch`)
     fast slots ...        the attention's per-key-slot softmax (`SplitConfig.key_slots`)
-    exact, exact+pdl      cuBLAS projections (exactloop), without and with PDL for the Triton kernels
-    ... slots attn-pf     the session-5 attention (key slots) with its K/V prefetch: `fast` of session 5
-    ... steps             the residual norm in its step form (session 5's kernel), not in one pass
+    ... steps             the residual norm in its step form, not in one pass
     ... silu-out/norm-out the GEMV's fused output forms (`kernels.gemv_silu_out`, `kernels.gemv_norm_out`)
-    ... s5-tiles          the GEMV tiles of session 5's table (`_session5_tiles`), before session 6's sweep
-    ... rope              RoPE of q and k with the K/V write (`rope_half_write_kv`), as the engine runs it
-                          (the other variants write K/V without RoPE)
-    ... rope-out          the same work done by the q/k/v GEMV itself (`kernels.gemv_rope_out`)
-
-With --gemv-sweep: the four projections alone, one weight's tile replaced at a time (`gemv_sweep`).
+    fast full             every one-row form the `fast` recipe runs (key slots, K/V prefetch, silu-out, the
+                          tile table), K/V written without RoPE
+    fast full rope        RoPE of q and k with the K/V write in one launch (`rope_half_write_kv`)
+    fast full rope-out    the same work done by the q/k/v GEMV itself (`kernels.gemv_rope_out`): the
+                          token as the `fast` recipe runs it
+    fast full pfN ...     the GEMV asks L2 for N more weight tiles before its wait
+                          (`TileConfig.prefetch_tiles`)
+    fast full o+down ...  o and down without the split-K tail (other sums: R3)
+    exact, exact+pdl      cuBLAS projections (exactloop), without and with PDL for the Triton kernels;
+    exact rope            as the `exactloop` recipe runs it
 
 Reports the median ms per token replay (variants interleaved, `--rounds` rounds), each ablation's
-marginal µs per layer pass, and whether each full variant's output is bitwise equal to its family's first
-arm (it must be: preloads and prefetches move no values; key slots are another reduction order). Writes
-`token_ablation_h200.json` / `.md` under --out.
+marginal µs per layer pass, the token's projection weights over this GPU's measured copy bandwidth, and
+whether each full variant's output is bitwise equal to its family's first arm (it must be: preloads and
+prefetches move no values; key slots are another reduction order). Writes `token_ablation.json` / `.md`
+(`gemv_sweep.*`, `gemv_unsplit_prefetch.*`) under --out.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from l2_prefetch_h200 import (  # noqa: E402
+from synthetic_token import (  # noqa: E402
     CTX,
     DIM,
     EPS,
@@ -61,7 +66,7 @@ from l2_prefetch_h200 import (  # noqa: E402
 PASSES = LAYERS * LOOPS
 QKV_HEADS = (HEADS, HEADS, DIM)  # Ouro-1.4B: 16 q heads, 16 k/v heads of 128
 # bytes of the four projections' weights read per token (qkv, o, gate_up, down); over the device's copy
-# bandwidth they give the GEMVs' floor (2.31 ms at the H200's 4.28 TB/s, issue #22)
+# bandwidth they give the GEMVs' floor (2.31 ms at the H200's measured 4.28 TB/s)
 WEIGHT_BYTES_PER_TOKEN = PASSES * 2 * HIDDEN * (3 * HIDDEN + HIDDEN + 2 * INTER + INTER)
 
 
@@ -112,25 +117,24 @@ def variants() -> dict[str, Variant]:
     out["fast attn-pf"] = replace(fast, attn_prefetch=True)
     out["fast slots"] = replace(fast, key_slots=True, family="slots")
     out["fast slots attn-pf"] = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
-    committed = replace(fast, key_slots=True, attn_prefetch=True, family="slots")  # fast of session 5
-    out["fast slots attn-pf steps"] = replace(committed, one_pass=False)
-    out["fast slots attn-pf silu-out"] = replace(committed, silu_out=True)
-    out["fast slots attn-pf silu-out s5-tiles"] = replace(committed, silu_out=True, tiles=S5_TILES)
-    out["fast slots attn-pf norm-out"] = replace(committed, norm_out=True)
-    out["fast slots attn-pf silu-out norm-out"] = replace(committed, silu_out=True, norm_out=True)
-    fast6 = replace(committed, silu_out=True, tiles=S6_TILES, family="fast6")  # fast of session 6
-    out["fast6"] = fast6
-    out["fast7"] = replace(committed, silu_out=True, family="fast7")  # the table as committed now
-    out["fast6 rope"] = replace(fast6, rope="launch", family="fast6 rope")  # the engine's fast of session 6
-    out["fast6 rope-out"] = replace(fast6, rope="fold", family="fast6 rope")  # R0: the same bits
-    for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast6
-        out[f"fast6 pf{depth}"] = replace(fast6, tiles=prefetched(depth))
-        out[f"fast6 pf{depth} no-down"] = replace(fast6, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
+    # the one-row attention as `fast` runs it: key slots and the K/V prefetch
+    slots_pf = replace(fast, key_slots=True, attn_prefetch=True, family="slots")
+    out["fast slots attn-pf steps"] = replace(slots_pf, one_pass=False)
+    out["fast slots attn-pf silu-out"] = replace(slots_pf, silu_out=True)
+    out["fast slots attn-pf norm-out"] = replace(slots_pf, norm_out=True)
+    out["fast slots attn-pf silu-out norm-out"] = replace(slots_pf, silu_out=True, norm_out=True)
+    full = replace(slots_pf, silu_out=True, family="fast full")  # the tile table's tiles
+    out["fast full"] = full
+    out["fast full rope"] = replace(full, rope="launch", family="fast full rope")
+    out["fast full rope-out"] = replace(full, rope="fold", family="fast full rope")  # R0: the same bits
+    for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast full
+        out[f"fast full pf{depth}"] = replace(full, tiles=prefetched(depth))
+        out[f"fast full pf{depth} no-down"] = replace(full, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
     from looptrace.engine.kernels.gemv import TileConfig
 
-    for label in ("4x512 w2 k1", "8x256 w2 k1", "8x256 w4 k2"):  # R3: other sums than fast6
+    for label in ("4x512 w2 k1", "8x256 w2 k1", "8x256 w4 k2"):  # R3: other sums than fast full
         cfg = TileConfig(**UNSPLIT[label])
-        out[f"fast6 o+down {label}"] = replace(fast6, tiles=(("o", cfg), ("down", cfg)), family="")
+        out[f"fast full o+down {label}"] = replace(full, tiles=(("o", cfg), ("down", cfg)), family="")
     out["exact steps"] = replace(exact, one_pass=False)
     out["exact"] = exact
     out["exact rope"] = replace(exact, rope="launch", family="exact rope")  # the engine's exactloop
@@ -141,10 +145,6 @@ def variants() -> dict[str, Variant]:
         exact, pdl=True, key_slots=True, attn_prefetch=True, family="exact slots"
     )
     return out
-
-
-S5_TILES: tuple = ()  # set in main() (imports Triton): `_session5_tiles()`
-S6_TILES: tuple = ()  # set in main(): `_session6_tiles()`
 
 
 def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_out: bool = False,
@@ -255,12 +255,11 @@ def gemv_sweep() -> dict[str, Variant]:
     for weight in ("qkv", "o", "gate_up", "down"):
         for label, cfg in candidates.items():
             out[f"gemv-only {weight} {label}"] = replace(only, tiles=((weight, cfg),))
-    out["gemv-only s5-tiles"] = replace(only, tiles=S5_TILES)
     return out
 
 
-# Session 7: o and down (N = 2048) without the split-K tail (no partials, no ticket, no combine: each
-# program streams whole rows), and split in two at most
+# o and down (N = 2048) without the split-K tail (no partials, no ticket, no combine: each program
+# streams whole rows), and split in two at most
 UNSPLIT = {
     "4x512 w2 k1": dict(block_n=4, block_k=512, num_warps=2, split_k=1),
     "4x512 w4 k1": dict(block_n=4, block_k=512, split_k=1),
@@ -288,9 +287,9 @@ def prefetched(depth: int, weights=("qkv", "o", "gate_up", "down")) -> tuple:
     return tuple((w, replace(table_tile(w), prefetch_tiles=depth)) for w in weights)
 
 
-def gemv_sweep7() -> dict[str, Variant]:
-    """`--gemv-sweep7`: the GEMV-only chain with o / down unsplit (`UNSPLIT`), and each weight's table
-    tile prefetching 1, 2 or 4 tiles into L2 before its wait (`TileConfig.prefetch_tiles`)."""
+def gemv_unsplit_prefetch() -> dict[str, Variant]:
+    """`--gemv-unsplit-prefetch`: the GEMV-only chain with o / down unsplit (`UNSPLIT`), and each weight's
+    table tile prefetching 1, 2 or 4 tiles into L2 before its wait (`TileConfig.prefetch_tiles`)."""
     from looptrace.engine.kernels.gemv import TileConfig
 
     only = replace(Variant(), skip=frozenset({"all"}), family="")
@@ -306,27 +305,6 @@ def gemv_sweep7() -> dict[str, Variant]:
     return out
 
 
-def _session5_tiles() -> tuple:
-    """The tiles session 5's table gave Ouro's qkv, o and gate/up at one row, before session 6's sweep put
-    each weight's fastest tile in the table (qkv 8x512 with 2 warps, o 32x128 with 8, gate/up 16x256)."""
-    from looptrace.engine.kernels.gemv import TileConfig
-
-    plain = TileConfig(block_n=32, block_k=128)
-    return (("qkv", plain), ("o", plain), ("gate_up", TileConfig(block_n=16, block_k=512, num_stages=2)))
-
-
-def _session6_tiles() -> tuple:
-    """The tiles session 6's table gave Ouro's four projections at one row (no L2 prefetch)."""
-    from looptrace.engine.kernels.gemv import TileConfig
-
-    return (
-        ("qkv", TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)),
-        ("o", TileConfig(block_n=32, block_k=128, num_warps=8)),
-        ("gate_up", TileConfig(block_n=16, block_k=256)),
-        ("down", TileConfig(block_n=32, block_k=128)),
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -335,26 +313,26 @@ def main() -> int:
         "--gemv-sweep", action="store_true", help="the GEMV-only chain, tiles swept per weight"
     )
     parser.add_argument(
-        "--gemv-sweep7", action="store_true", help="the GEMV-only chain: o / down unsplit, L2 prefetch depths"
+        "--gemv-unsplit-prefetch",
+        action="store_true",
+        help="the GEMV-only chain: o / down unsplit, L2 prefetch depths",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/token_ablation_h200.py: needs CUDA (no GPU found)", file=sys.stderr)
+        print("bench/token_ablation.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     import triton
 
     from looptrace.engine import kernels as K
 
     t0 = time.time()
-    global S5_TILES, S6_TILES
-    S5_TILES, S6_TILES = _session5_tiles(), _session6_tiles()
     K.calibrate("cuda")
     copy_bw = copy_bandwidth()
     m = build(1, torch.Generator(device="cuda").manual_seed(3))
     m["cos"], m["sin"] = rope_rows(CTX)
-    sweep = args.gemv_sweep or args.gemv_sweep7
-    pool = gemv_sweep() if args.gemv_sweep else gemv_sweep7() if args.gemv_sweep7 else variants()
+    sweep = args.gemv_sweep or args.gemv_unsplit_prefetch
+    pool = gemv_sweep() if args.gemv_sweep else gemv_unsplit_prefetch() if sweep else variants()
     chosen = {n: v for n, v in pool.items() if not args.only or n in args.only.split(",")}
     graphs, outs = capture_each({n: lambda v=v: capture_variant(m, v) for n, v in chosen.items()}, t0)
     times = time_interleaved(graphs, args.rounds)
@@ -385,11 +363,11 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     device = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, Triton {triton.__version__}"
-    flags = " --gemv-sweep" if args.gemv_sweep else " --gemv-sweep7" if args.gemv_sweep7 else ""
+    flags = " --gemv-sweep" if args.gemv_sweep else " --gemv-unsplit-prefetch" if sweep else ""
     lines = [
-        "# Ouro-1.4B batch-1 decode token: ablations and early loads under PDL (issue #22)",
+        "# Ouro-1.4B batch-1 decode token: ablations and early loads under PDL",
         "",
-        f"Device: {device}; {versions}. Command: `python bench/token_ablation_h200.py --rounds "
+        f"Device: {device}; {versions}. Command: `python bench/token_ablation.py --rounds "
         f"{args.rounds}{flags}` "
         f"({time.time() - t0:.0f} s). Median ms per replay of a one-token CUDA graph (96 layer passes), "
         "variants interleaved; marginal = what the left-out op adds per layer pass; weights at copy bw = "
@@ -410,8 +388,8 @@ def main() -> int:
         )
         bw = f"{r['copy_bw_fraction']:.0%}"
         lines.append(f"| {r['variant']} | {r['ms_per_token']:.3f} | {ratio} | {bw} | {marg} | {same} |")
-    stem = "gemv_sweep_h200" if args.gemv_sweep else "gemv_sweep7_h200" if args.gemv_sweep7 else ""
-    out, stem = Path(args.out), stem or "token_ablation_h200"
+    stem = "gemv_sweep" if args.gemv_sweep else "gemv_unsplit_prefetch" if sweep else "token_ablation"
+    out = Path(args.out)
     (out / f"{stem}.json").write_text(
         json.dumps(
             {"device": device, "versions": versions, "copy_bw_tbps": copy_bw / 1e12, "results": results},

@@ -1,8 +1,8 @@
-"""Exact fused kernels on a CUDA GPU (issue #8): bitwise checks against the engine's eager ops and timings.
+"""Exact fused kernels on a CUDA GPU: bitwise checks against the engine's eager ops and timings.
 
-    python bench/kernels_h200.py [--out DIR]   # DIR: $OUT or /tmp; writes kernels_h200.{md,json}
-    python bench/kernels_h200.py --sections timings               # timings only
-    python bench/kernels_h200.py --sections checks --variants rope,silu_mul
+    python bench/kernel_exact.py [--out DIR]   # DIR: $OUT or /tmp; writes exact_kernels.{md,json}
+    python bench/kernel_exact.py --sections timings               # timings only
+    python bench/kernel_exact.py --sections checks --variants rope,silu_mul
 
 A fresh machine compiles every variant first (calibrate() compiled 10 one-kernel variants in 41 s, H200);
 the Triton cache (~/.triton/cache) makes later processes on the same machine start at once.
@@ -199,11 +199,11 @@ def run_timings(deadline: float = float("inf")) -> dict:
 
 def render(env, calib, probe, results, timings, elapsed) -> str:
     lines = [
-        "# Exact fused kernels on the H200 (issue #8)",
+        "# Exact fused kernels: bitwise checks and timings",
         "",
         f"Device: {env.get('gpu')} ({env.get('sms')} SMs); torch {env.get('torch')} "
         f"(CUDA {env.get('cuda')}), "
-        f"Triton {env.get('triton')}, Python {env.get('python')}. Command: `python bench/kernels_h200.py` "
+        f"Triton {env.get('triton')}, Python {env.get('python')}. Command: `python bench/kernel_exact.py` "
         f"({elapsed:.0f} s).",
         "",
         f"`kernels.calibrate()` on this GPU: {calib}. torch-version default shuffle order: "
@@ -270,7 +270,7 @@ def write(out_dir, env, calib, probe, results, timings, errors, elapsed) -> str:
     if errors:
         md += "\n## Errors\n\n" + "\n".join(f"```\n{e}\n```" for e in errors) + "\n"
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "kernels_h200.md"), "w") as f:
+    with open(os.path.join(out_dir, "exact_kernels.md"), "w") as f:
         f.write(md)
     blob = {
         "env": env,
@@ -281,7 +281,7 @@ def write(out_dir, env, calib, probe, results, timings, errors, elapsed) -> str:
         "errors": errors,
         "elapsed_s": elapsed,
     }
-    with open(os.path.join(out_dir, "kernels_h200.json"), "w") as f:
+    with open(os.path.join(out_dir, "exact_kernels.json"), "w") as f:
         json.dump(blob, f, indent=1)
     return md
 
