@@ -138,7 +138,7 @@ def resolve_model(
 
 def preset_model(model: str | None, device_type: str, *, random_weights: bool = False) -> ResolvedModel:
     """The preset --model names on `device_type`. A tiny preset with a packaged trained checkpoint
-    (looptrace/assets/<preset>) loads it on any device (issue #9) unless `random_weights` asks for the
+    (looptrace/assets/<preset>) loads it on any device unless `random_weights` asks for the
     seeded random init."""
     from looptrace.assets import shipped_weights
     from looptrace.engine.model_config import resolve_preset

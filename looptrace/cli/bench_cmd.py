@@ -1,4 +1,4 @@
-"""`looptrace bench`: paired A/B serving benchmark, arms interleaved in one process (issue #8, Table 2).
+"""`looptrace bench`: paired A/B serving benchmark, arms interleaved in one process (the paper's Table 2).
 
 The run lives in `looptrace.drive.bench_run` (`prepare`, `measure`, `report_data`, `render_saved`), the
 table, CSV and plot in `looptrace.drive.bench_report`; this module holds the options, the progress on
@@ -27,8 +27,8 @@ EPILOG = """\
   looptrace bench --cell ouro-tiny:64/16@1,8                   # base vs exactloop on CPU
   looptrace bench --a base --b base --b-set scheduler.max_num_seqs=1 --cell ouro-tiny:16/4@4
   looptrace bench --cell huginn-tiny:32/8@2 --runs 5 -o bench.json --plot speedup.svg
-  looptrace bench --a base --b exactloop --cells table2 --output bench/results/table2_h200.json \\
-      --plot bench/results/table2_h200.svg                         # the paper's Table 2 (CUDA)
+  looptrace bench --a base --b exactloop --cells table2 --output bench/results/h200/table2/table2_h200.json \\
+      --plot bench/results/h200/table2/table2_h200.svg             # the paper's Table 2 (CUDA)
 
 [bold]CELLS[/]  --cell [MODEL:]PROMPT/OUTPUT@C[,C...]: a burst of C requests at t=0 with PROMPT-token
 random prompts and OUTPUT tokens each (greedy, ignore_eos); MODEL is a preset or a family (default

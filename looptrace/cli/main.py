@@ -80,9 +80,9 @@ COMMANDS = (
     ("serve", "serve_cmd", "serve"),
     ("top", "top_cmd", "top"),
     ("diff", "diff_cmd", "diff"),
-    ("depth", "depth_cmd", "depth"),  # issue #9: depth analysis and tiny-model training
+    ("depth", "depth_cmd", "depth"),  # depth analysis and tiny-model training
     ("train-tiny", "train_cmd", "train_tiny"),
-    ("bench", "bench_cmd", "bench"),  # issue #8: paired A/B benchmark
+    ("bench", "bench_cmd", "bench"),  # paired A/B benchmark
 )
 
 

@@ -13,7 +13,7 @@ EPILOG = """\
 
   looptrace top                                        # the server at http://127.0.0.1:8000
   looptrace top http://10.0.0.5:9000 --record s.jsonl  # record every snapshot while watching
-  looptrace top --replay s.jsonl --speed 4             # replay a recorded session 4x faster
+  looptrace top --replay s.jsonl --speed 4             # replay a recording at 4x speed
   looptrace top --prometheus http://vllm-host:8000/metrics   # any vLLM server's metrics
   looptrace top --once                                 # one snapshot as a table (scripts, CI logs)
   looptrace top --diff diff.json                       # with a diff result for the `d` screen

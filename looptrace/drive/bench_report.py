@@ -1,4 +1,4 @@
-"""`looptrace bench`'s report as text: the table, the CSV, the JSON and the speedup plot (issue #8).
+"""`looptrace bench`'s report as text: the table, the CSV, the JSON and the speedup plot.
 
 No CLI here: the renderers take the report data of `bench_run.report_data` (or a merged saved report) and
 return text or write a figure; a bad --plot is a `BenchInputError`, a missing matplotlib a

@@ -274,7 +274,7 @@ def frozen_heap() -> Iterator[None]:
     """Everything alive before the run (engines, weights, compiled kernels, CUDA graphs) is moved out of
     the cyclic collector's reach while it runs (`gc.freeze`), and put back after. Why: a full collection
     of that heap paused the engine for 155-189 ms in the middle of H200 bench rounds, the TTFT outliers of
-    single rounds (bench/results/issue22/session4/ttft_spikes.md). Objects the run creates are collected
+    single rounds (bench/results/h200/ttft-spikes/). Objects the run creates are collected
     as usual. `run_workload` enters it before the driver reads its clock, so the collection before the
     freeze is not counted in the run."""
     gc.collect()

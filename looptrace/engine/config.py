@@ -339,7 +339,7 @@ class EngineConfig:
         default="sequential", metadata=_meta({"sequential": "R0", "position_keyed": "R2", "zeros": "R3"})
     )
     debug: DebugConfig = field(default_factory=DebugConfig)
-    depth: DepthConfig = field(default_factory=DepthConfig)  # LoopDuet split depth (issue #9)
+    depth: DepthConfig = field(default_factory=DepthConfig)  # LoopDuet split depth
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

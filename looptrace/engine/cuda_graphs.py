@@ -103,7 +103,7 @@ class GraphCache:
         effect, the KV writes, rewrites the slots the last replay wrote with the same values. It runs under
         `graph_warmup()`, the capture's code path: without it the exact Triton kernels fall back to their
         eager ops below 256 rows (H200, exactloop's whole-token graph: 5,142 eager kernels vs the replay's
-        990, so no replay matched its body; bench/results/graph_body_probe_exactloop_ouro-1.4b_h200.txt)."""
+        990, so no replay matched its body; bench/results/h200/profiles/)."""
         entry = self.entries[rows]
         with graph_warmup():
             self.fn(*entry.inputs)

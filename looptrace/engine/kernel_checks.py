@@ -1,5 +1,5 @@
 """Bitwise checks of the exact kernels against the engine's eager ops (shared by the GPU tests and
-`bench/kernels_h200.py`). Imports torch and the engine layers only; Triton loads on the first exact call.
+`bench/kernel_exact.py`). Imports torch and the engine layers only; Triton loads on the first exact call.
 
 It sits in `looptrace/engine/`, above both floors it compares: the kernels (`engine/kernels/`) and the
 layers (`engine/layers.py`) whose eager ops are the reference; a kernel module never imports the layers.

@@ -75,8 +75,8 @@ from looptrace.engine.weights import create_model, init_random
 
 def attention_backend(device: torch.device):
     """Pin SDPA to the memory-efficient kernel on CUDA. PyTorch's default choice on an H200 (torch 2.11)
-    was not run-to-run deterministic for Huginn decode with a boolean mask (bench/determinism_probe.py:
-    1/4 identical streams by default, 4/4 with this backend or the math backend)."""
+    was not run-to-run deterministic for Huginn decode with a boolean mask (1/4 identical streams by default,
+    4/4 with this backend or the math backend; `git show 050bfe4:bench/determinism_probe.py`)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -172,7 +172,7 @@ class LLMEngine:
         self.hooks = HookDispatcher()
         self.noise = NOISE[cfg.noise](self.spec)
         self.scheduler = self._build_scheduler()
-        self._depth = PrefillDepth(self.plan.prefill_loops)  # LoopDuet split depth (issue #9)
+        self._depth = PrefillDepth(self.plan.prefill_loops)  # LoopDuet split depth
         self.runner = self._build_runner()
         # One strategy per stage, RECURRENT's chosen by the plan's decode mode (unbound functions: no cycle).
         self._stage_runs = {**self.STAGE_RUNS, Stage.RECURRENT: self.DECODE_MODES[self.plan.decode_mode]}

@@ -52,7 +52,7 @@ class EnginePlan:
     whole_token_max_rows: int  # larger whole-token batches run their three phases one after another
     # Prefill
     packed_prefill: bool
-    split_depth: bool  # LoopDuet split depth (issue #9): P may be below S for non-endpoint prompt rows
+    split_depth: bool  # LoopDuet split depth: P may be below S for non-endpoint prompt rows
     prefill_loops: int | None  # P at start (None: S)
     p_max: int | None  # the queue-age controller's ceiling
     # CUDA graph families the runner captures (names as in LLMEngine.graph_counters)

@@ -58,7 +58,7 @@ def sides_to_run(recipe: str | None, sets, compare, a_set, b_set) -> list[tuple[
 
 
 def check_prompts_memory(concurrency: int, prompt_len: int) -> None:
-    """The windows' random prompts within host memory, before any engine (issue #23: huge -c hung)."""
+    """The windows' random prompts within host memory, before any engine (a huge -c used to hang)."""
     from looptrace.engine.budget import check_memory, workload_needs
 
     check_memory(workload_needs(concurrency, prompt_len, "--concurrency / --prompt-len"), "cpu")

@@ -294,7 +294,7 @@ def build_server(
     server = Server(app, loop, sock, drain_timeout=drain_timeout, exit_on_dead=exit_on_dead)
     # The startup heap (engine, weights, compiled kernels) lives as long as the server: out of the cyclic
     # collector's reach, whose full passes over it paused engine steps for ~170 ms on the H200
-    # (bench/results/issue22/session4/ttft_spikes.md; `looptrace bench` freezes it per run the same way).
+    # (bench/results/h200/ttft-spikes/; `looptrace bench` freezes it per run the same way).
     gc.collect()
     gc.freeze()
     loop.start()

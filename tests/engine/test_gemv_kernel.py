@@ -139,7 +139,7 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
 
     fast, exact = load_recipe("fast").config, load_recipe("exactloop").config
     assert fast.kernels.gemv and not exact.kernels.gemv
-    assert not fast.kernels.l2_prefetch  # measured slower on the H200 (bench/results/issue22)
+    assert not fast.kernels.l2_prefetch  # measured slower on the H200 (bench/results/h200/decode-token/)
     assert fast.kernels.pdl and not exact.kernels.pdl  # R0; Table 2's exactloop was measured without it
     a, b = asdict(fast), asdict(exact)
     assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)

@@ -1,7 +1,7 @@
 """Exact fused kernels (ExactLoop R0): RMSNorm, RoPE, SiLU·mul in Triton with rounding fences.
 
 Each function has the signature and result of the engine's eager op, bit for bit on CUDA (see
-`tests/engine/test_gpu_kernels.py`, `bench/results/kernels_h200.md`), and falls back to the eager math for
+`tests/engine/test_gpu_kernels.py`, `bench/results/h200/kernels/`), and falls back to the eager math for
 inputs it does not handle (CPU tensors, other dtypes). Triton is imported lazily, on the first call:
 importing this package (or `looptrace.engine`) never imports Triton.
 

@@ -2,7 +2,7 @@
 
 Why: at decode batch 1-8 a projection reads its whole weight once and does almost no arithmetic, so the
 time floor is `N * K * 2` bytes at the copy bandwidth (H200: 4.28 TB/s). cuBLAS reaches about 46-58 % of it on
-Ouro's chain (issue #22); a GEMV that keeps every SM streaming W can get close to the floor.
+Ouro's chain; a GEMV that keeps every SM streaming W can get close to the floor.
 
 Design (`_gemv_kernel`):
 - Grid `(cdiv(N, BLOCK_N), SPLIT_K)`: program (n, s) owns output columns `n*BLOCK_N ...` and the K range
@@ -86,14 +86,14 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 MAX_ROWS = 8  # rows the kernel takes (decode); above it the GEMM is compute-bound
 # Rows up to which `linear` routes to the GEMV: measured on the H200, it beats cuBLAS only at one row
-# (Ouro's token chain 5.62 vs 5.98 ms, bench/results/issue22/l2_prefetch_h200_r1.md; at 2-8 rows every
+# (Ouro's token chain 5.62 vs 5.98 ms, bench/results/h200/decode-token/; at 2-8 rows every
 # tile candidate was slower, gemv_h200.md), so fast keeps cuBLAS from two rows on.
 ROUTE_ROWS = 1
 SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
 TARGET_PROGRAMS = 4 * SMS
 MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
 # Under `kernels.pdl`: prefetch each program's weight slice into L2 before waiting for the kernel before.
-# Off: measured slower on the H200 (bench/results/issue22/pdl_h200.md, Ouro token at 1 row: PDL 5.52 ->
+# Off: measured slower on the H200 (bench/results/h200/decode-token/, Ouro token at 1 row: PDL 5.52 ->
 # 5.05 ms without it, 6.88 ms with it; the early programs' prefetches compete with the kernel before).
 PREFETCH_UNDER_PDL = False
 
@@ -110,12 +110,12 @@ class TileConfig:
     # that moves no values, R0): the next tiles stream while the kernel before finishes, with no registers
     # held for them (a 16-32 KB register preload measured slower: fewer programs per SM). 0 in every table
     # entry: depths 1, 2 and 4 made Ouro's token slower on an H100, 5.02 -> 5.47 / 5.74 / 6.16 ms
-    # (bench/results/issue22/session8); not yet measured on an H200
+    # (bench/results/h100/decode-token/); not yet measured on an H200
     prefetch_tiles: int = 0
 
 
 # Tile table: first entry whose (N range, K range, M range) holds the shape wins; ranges are inclusive.
-# The M = 1 rows are the fastest candidate per shape measured on the H200 (bench/results/gemv_h200.md:
+# The M = 1 rows are the fastest candidate per shape measured on the H200 (bench/results/h200/kernels/:
 # Ouro-1.4B's decode chain 3.97 ms against cuBLAS's 4.11 ms). At M >= 2 no candidate measured beat cuBLAS
 # (the tensor-core path reads W once but runs at 36-76 % of copy bandwidth): the entry below is the best
 # of them, kept so `fast` runs one kernel family; tuning it is open work.
@@ -123,8 +123,8 @@ DEFAULT = TileConfig(block_n=32, block_k=128)  # M = 1, K = 2048-5632, N <= 8191
 _WIDE = TileConfig(block_n=32, block_k=256)  # lm_heads, Huginn's fc: 94-98 % of copy bandwidth
 _LONG_ROWS = TileConfig(block_n=16, block_k=512, num_stages=2)
 # Ouro's other one-row projections (hidden 2048), tuned inside the dependent token chain, where a tile
-# runs differently than alone (bench/token_ablation_h200.py --gemv-sweep, then the whole token: 4.39 ->
-# 4.19 ms with all three; bench/results/issue22/session6)
+# runs differently than alone (bench/token_ablation.py --gemv-sweep, then the whole token: 4.39 ->
+# 4.19 ms with all three; bench/results/h200/decode-token/)
 _OURO_QKV = TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)  # 6144 x 2048
 _OURO_O = TileConfig(block_n=32, block_k=128, num_warps=8)  # 2048 x 2048
 _OURO_GATE_UP = TileConfig(block_n=16, block_k=256)  # 11264 x 2048
@@ -140,7 +140,7 @@ TILE_TABLE: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int], TileC
 )
 
 
-# What `bench/gemv_h200.py` tries next to the table's choice (the GPU tests check each of them too).
+# What `bench/kernel_gemv.py` tries next to the table's choice (the GPU tests check each of them too).
 CANDIDATES = (
     TileConfig(block_n=64, block_k=128),
     TileConfig(block_n=32, block_k=256),

@@ -92,7 +92,7 @@ COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 @dataclass(frozen=True)
 class SplitConfig:
     """The kernel's compile-time split policy. One config serves every launch of a process (the
-    determinism contract: never chosen from R or nb); `bench/decode_attention_h200.py --sweep` times others.
+    determinism contract: never chosen from R or nb); `bench/kernel_decode_attention.py --sweep` times others.
     `min_tiles`: a segment holds at least this many tiles (fewer, longer segments: less partial traffic
     and fewer programs at large batch, less parallelism for one short row)."""
 
@@ -103,11 +103,11 @@ class SplitConfig:
     key_slots: bool = False  # per-key-slot softmax state (`_slot_math`): no cross-key reduction per tile
 
 
-# The H200 sweep (bench/results/issue22/attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
+# The H200 sweep (bench/results/h200/kernels/*attention_sweep_h200.md, 19 configs x 9 shapes): 32-key tiles,
 # 2 warps and segments of at least 2 tiles had the lowest mean time/floor at Ouro's 128-wide heads (2.26x,
 # against 3.15x for the 64-key, 4-warp kernel before it; 32 x 640: 54.5 vs 90.4 µs); at Huginn's 96-wide
 # heads 64-key tiles with 2 warps and one-tile segments were best, until the per-key-slot form of Ouro's
-# split beat it at every Huginn shape (session 5, attention_sweep_slots_h200.md: 64 x 2112 1,021 -> 849 µs,
+# split beat it at every Huginn shape (attention_sweep_slots_h200.md: 64 x 2112 1,021 -> 849 µs,
 # 79 % of copy bandwidth; 32 x 2112 513 -> 421 µs). At Ouro's heads the key-slot form is faster for one row
 # (1 x 640 6.6 -> 5.9 µs) and slower for 8-64 rows (32 x 640 53.7 -> 57.5 µs: 255 registers per thread),
 # so Ouro keeps the plain form unless a recipe asks for key slots (`kernels.attn_slots`, in `fast`). One
@@ -117,7 +117,7 @@ DEFAULT_SPLIT = SplitConfig()
 SPLIT_BY_HEAD_DIM = {96: SplitConfig(key_slots=True)}
 # Launches of at most this many rows take the key-slot form under `kernels.attn_slots` and prefetch their
 # K/V under `kernels.attn_prefetch`: both were measured faster for one decode row; with both at every row
-# count, `fast` decoded 8 and 32 rows 2.4 % and 7 % slower than exactloop (H200, session 5). Like the GEMV's
+# count, `fast` decoded 8 and 32 rows 2.4 % and 7 % slower than exactloop (H200). Like the GEMV's
 # one-row route, this makes a row's bits under `kernels.attn_slots` (R3) depend on whether it decodes alone.
 ONE_ROW_FORMS = 1
 

@@ -39,7 +39,7 @@ tl = triton.language
 _ORDER: str | None = None
 _ONE_KERNEL_ENABLED = True
 # The residual norm's one-pass form for rows of one vector per lane (`_residual_norm_lanes`); False runs
-# the step form at every width (the same bits: bench/token_ablation_h200.py measures one against the other).
+# the step form at every width (the same bits: bench/token_ablation.py measures one against the other).
 ONE_PASS_ROWS = True
 
 
@@ -427,7 +427,7 @@ def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def one_kernel_warps(lanes: int) -> int:
     """Warps of a one-kernel launch: at most one thread per lane. With more threads than lanes the
     [1, LANES] accumulators are replicated and the kernel ran 7-60x slower on the H200 (8 rows of
-    Ouro's width: 22.9 µs with 4 warps, 2.3 µs with 2; bench/results/exact_variants_h200.md); 4 warps
+    Ouro's width: 22.9 µs with 4 warps, 2.3 µs with 2; bench/results/h200/kernels/); 4 warps
     were the fastest for 128-512 lanes. The bits do not depend on it: every add is spelled out."""
     return max(1, min(lanes // 32, 4))
 

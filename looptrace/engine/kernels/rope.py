@@ -186,7 +186,7 @@ def _rope_half_write_kernel(
 
 
 # Elements (head x pair) per program. 4096 made Huginn's [64 heads, 64 pairs] tile one program of 4 warps,
-# 20 µs per call on the H200, no faster than eager (bench/results/exact_variants_h200.md); elementwise
+# 20 µs per call on the H200, no faster than eager (bench/results/h200/kernels/); elementwise
 # work, so the tile only changes which program computes an element, never its bits.
 TILE_ELEMENTS = 1024
 
