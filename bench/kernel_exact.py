@@ -295,6 +295,9 @@ def main() -> int:
         "--budget-s", type=float, default=1e9, help="stop timing new shapes after this many seconds"
     )
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernel_exact.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
     sections = set(args.sections.split(","))
     t0 = time.time()
     env, calib, probe, results, timings, errors = {}, {}, {}, {}, {}, []

@@ -146,7 +146,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+        print("bench/kernel_gemv.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     rows = tuple(int(r) for r in args.rows.split(","))
     names = [s for s in args.shapes.split(",") if s] or list(GPU_SHAPES)
