@@ -28,190 +28,122 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-# The Table 2 bench's cells need 64 graphs on both arms, as the paper ran them (`--cells table2` sets it;
-# hand-picked `--cell`s get it here).
-GRAPHS_64 = ("--set", "cuda_graphs.max_graphs=64")
+# Hand-picked cells get the 64 graphs the paper's Table 2 ran with (`--cells table2` sets it itself).
+GRAPHS_64 = "--set cuda_graphs.max_graphs=64"
 # Ouro-1.4B at batch 1 with the Table 2 prompt: the batch-1 TPOT figure of both recipes.
-OURO_BATCH1 = ("--model", "ouro", "-c", "1", "--prompt-len", "512")
+OURO_BATCH1 = "--model ouro -c 1 --prompt-len 512"
 
 
 @dataclass(frozen=True)
 class Mode:
     what: str  # what it measures, one line
-    device: str  # "cpu", "cuda" or "any"
+    device: str  # "cuda" (needs a GPU) or "any"
     argv: tuple[str, ...]  # the command, "{out}" standing for the output folder
 
 
-def looptrace(*args: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "looptrace", *args)
+def looptrace(args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "looptrace", *shlex.split(args))
 
 
-def script(name: str, *args: str) -> tuple[str, ...]:
-    return (sys.executable, str(BENCH / name), *args)
+def script(name: str, args: str) -> tuple[str, ...]:
+    return (sys.executable, str(BENCH / name), *shlex.split(args))
 
 
 MODES: dict[str, Mode] = {
     "tiny": Mode(
         "paired base vs exactloop on tiny Ouro (64/16 at C = 1, 8): the bench itself, on any machine",
         "any",
-        looptrace("bench", "--cell", "ouro-tiny:64/16@1,8", "-o", "{out}/bench_tiny.json"),
+        looptrace("bench --cell ouro-tiny:64/16@1,8 -o {out}/bench_tiny.json"),
     ),
     "table2": Mode(
         "paired base vs exactloop on the paper's Table 2 cells (Ouro-1.4B, Huginn-0125, real shapes)",
         "cuda",
-        looptrace(
-            "bench",
-            "--a",
-            "base",
-            "--b",
-            "exactloop",
-            "--cells",
-            "table2",
-            "-o",
-            "{out}/table2.json",
-            "--plot",
-            "{out}/table2.svg",
-        ),  # fmt: skip
+        looptrace("bench --a base --b exactloop --cells table2 -o {out}/table2.json --plot {out}/table2.svg"),
     ),
     "cells": Mode(
         "paired base vs exactloop at the cells given after -- (`-- --cell ouro:512/128@1,8`), 3 runs",
         "any",
-        looptrace(
-            "bench",
-            "--a",
-            "base",
-            "--b",
-            "exactloop",
-            "--runs",
-            "3",
-            *GRAPHS_64,
-            "-o",
-            "{out}/bench_cells.json",
-        ),  # fmt: skip
+        looptrace(f"bench --a base --b exactloop --runs 3 {GRAPHS_64} -o {{out}}/bench_cells.json"),
     ),
     "fast-cells": Mode(
         "paired exactloop vs fast, Ouro-1.4B 512/128 at C = 1, 8, 32",
         "cuda",
         looptrace(
-            "bench",
-            "--a",
-            "exactloop",
-            "--b",
-            "fast",
-            "--cell",
-            "ouro:512/128@1,8,32",
-            "--runs",
-            "3",
-            *GRAPHS_64,
-            "-o",
-            "{out}/bench_exactloop_fast_ouro.json",
-        ),  # fmt: skip
+            f"bench --a exactloop --b fast --cell ouro:512/128@1,8,32 --runs 3 {GRAPHS_64}"
+            " -o {out}/bench_exactloop_fast_ouro.json"
+        ),
     ),
     "profile": Mode(
         "profile --compare exactloop fast at Ouro-1.4B batch 1, prompt 512: wall, busy and idle per token",
         "cuda",
         looptrace(
-            "profile",
-            *OURO_BATCH1,
-            "--compare",
-            "exactloop",
-            "fast",
-            "-o",
-            "{out}/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt",
-        ),  # fmt: skip
+            f"profile {OURO_BATCH1} --compare exactloop fast"
+            " -o {out}/profile_compare_exactloop_fast_ouro-1.4b_c1_p512.txt"
+        ),
     ),
     "profile-base": Mode(
         "profile --compare base exactloop at Ouro-1.4B batch 1, prompt 512",
         "cuda",
         looptrace(
-            "profile",
-            *OURO_BATCH1,
-            "--compare",
-            "base",
-            "exactloop",
-            "-o",
-            "{out}/profile_compare_base_exactloop_ouro-1.4b_c1_p512.txt",
-        ),  # fmt: skip
+            f"profile {OURO_BATCH1} --compare base exactloop"
+            " -o {out}/profile_compare_base_exactloop_ouro-1.4b_c1_p512.txt"
+        ),
     ),
     "diff-fast": Mode(
         "diff exactloop fast at Ouro-1.4B's real shape, 4 requests x 16 tokens: which streams stay identical",
         "cuda",
         looptrace(
-            "diff",
-            "exactloop",
-            "fast",
-            "--model",
-            "ouro-1.4b",
-            "--device",
-            "cuda",
-            "-c",
-            "4",
-            "--prompt-len",
-            "128",
-            "--max-tokens",
-            "16",
-            "--format",
-            "json",
-            "-o",
-            "{out}/diff_exactloop_fast_ouro-1.4b_c4.json",
-        ),  # fmt: skip
+            "diff exactloop fast --model ouro-1.4b --device cuda -c 4 --prompt-len 128 --max-tokens 16"
+            " --format json -o {out}/diff_exactloop_fast_ouro-1.4b_c4.json"
+        ),
     ),
     "diff-base": Mode(
         "diff base exactloop on CUDA, tiny Ouro: every R0/R1 toggle's streams and logits, the R3 accuracy",
         "cuda",
         looptrace(
-            "diff",
-            "base",
-            "exactloop",
-            "--model",
-            "ouro-tiny",
-            "--device",
-            "cuda",
-            "--format",
-            "json",
-            "-o",
-            "{out}/diff_base_exactloop_ouro-tiny.json",
-        ),  # fmt: skip
+            "diff base exactloop --model ouro-tiny --device cuda --format json"
+            " -o {out}/diff_base_exactloop_ouro-tiny.json"
+        ),
     ),
     "token": Mode(
         "the synthetic Ouro-1.4B decode token: ops left out one at a time, fast's forms, exact",
         "cuda",
-        script("token_ablation.py", "--out", "{out}"),
+        script("token_ablation.py", "--out {out}"),
     ),
     "attention": Mode(
         "decode attention (split-KV) against its byte floor, Ouro and Huginn heads, 1-64 rows",
         "cuda",
-        script("kernel_decode_attention.py", "--out", "{out}"),
+        script("kernel_decode_attention.py", "--out {out}"),
     ),
     "prefill-attention": Mode(
         "packed prefill attention per query-block size, and decode attention beside SDPA",
         "cuda",
-        script("kernel_prefill_attention.py", "--out", "{out}"),
+        script("kernel_prefill_attention.py", "--out {out}"),
     ),
     "gemv": Mode(
         "the one-row Triton GEMV against cuBLAS and its byte floor at every projection shape",
         "cuda",
-        script("kernel_gemv.py", "--out", "{out}"),
+        script("kernel_gemv.py", "--out {out}"),
     ),
     "exact-kernels": Mode(
         "the exact fused kernels (RMSNorm, RoPE, SiLU·mul): bitwise against eager, and their timings",
         "cuda",
-        script("kernel_exact.py", "--out", "{out}"),
+        script("kernel_exact.py", "--out {out}"),
     ),
     "serve-load": Mode(
         "200 concurrent streams to `looptrace serve` on loopback, 50 hang up: no leak, server stays up",
         "any",
-        script("serve_load.py", "-o", "{out}/serve_load.json"),
+        script("serve_load.py", "-o {out}/serve_load.json"),
     ),
     "serve-robustness": Mode(
         "ITL with the live probe off / on, bad requests under load, SIGTERM drain (serve subprocesses)",
         "any",
-        script("serve_load.py", "--robustness", "-o", "{out}/serve_robustness.json"),
+        script("serve_load.py", "--robustness -o {out}/serve_robustness.json"),
     ),
     "house": Mode(
         "the house's figures: import floors, upward arrows, circles, lines per package",
         "any",
-        script("house_metrics.py", "--out", "{out}/house_metrics.json"),
+        script("house_metrics.py", "--out {out}/house_metrics.json"),
     ),
 }
 
