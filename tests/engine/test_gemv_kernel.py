@@ -142,13 +142,13 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert not fast.kernels.l2_prefetch  # measured slower on the H200 (bench/results/h200/decode-token/)
     assert fast.kernels.pdl and not exact.kernels.pdl  # R0; Table 2's exactloop was measured without it
     a, b = asdict(fast), asdict(exact)
-    assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (issue22/session4)
+    assert not (fast.kernels.gemv_silu or fast.kernels.gemv_norm)  # R0, measured slower (bench/results/)
     assert fast.kernels.gemv_preload and not exact.kernels.gemv_preload
     assert fast.kernels.attn_prefetch and not exact.kernels.attn_prefetch  # R0, under PDL only
     assert fast.kernels.attn_slots and not exact.kernels.attn_slots  # R3: one row faster, 8-64 rows slower
-    assert fast.kernels.gemv_silu_out  # R0 output form (issue22/session6)
-    assert not fast.kernels.gemv_norm_out  # R0, measured slower (issue22/session6)
-    assert fast.kernels.gemv_rope_out and not exact.kernels.gemv_rope_out  # R0 (issue22/session10)
+    assert fast.kernels.gemv_silu_out  # R0 output form (bench/results/README.md)
+    assert not fast.kernels.gemv_norm_out  # R0, measured slower (bench/results/README.md)
+    assert fast.kernels.gemv_rope_out and not exact.kernels.gemv_rope_out  # R0 (bench/results/README.md)
     assert not (exact.kernels.gemv_silu_out or exact.kernels.gemv_norm_out)
     fast_only = ("gemv", "l2_prefetch", "pdl", "gemv_silu", "gemv_norm", "gemv_preload", "attn_prefetch")
     fast_only += ("gemv_silu_out", "gemv_norm_out", "gemv_rope_out")
