@@ -70,6 +70,7 @@ from looptrace.probes.opstats import (
     op_rows,
     short_kernel_name,
 )
+from looptrace.probes.window_items import DeviceItem, SyncItem
 
 # --- annotation-name convention -------------------------------------------------------------------------
 
@@ -262,6 +263,9 @@ class Analysis:
     phases: list[PhaseStat] = field(default_factory=list)  # engine steps by phase (foreign traces)
     device: str | None = None  # the trace's device, by name
     replays: ReplayStat | None = None  # graph-replayed kernels and how much of their time has an op
+    # The window's device events and blocking syncs with their contexts, for `findings` (not rendered).
+    device_items: list[DeviceItem] = field(default_factory=list, repr=False)
+    sync_items: list[SyncItem] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -523,7 +527,28 @@ def analyze(
         phases=_phases(engine_steps, device_items),
         device=_device_name(peak, props),
         replays=_replay_stat(kernels, kops, graph_corr),
+        device_items=_device_items(kernels, kernel_ctx, memory, graph_corr),
+        sync_items=[
+            SyncItem(what[len("sync ") :], e, cx)
+            for (what, e, _), cx in zip(site_items, site_ctx, strict=True)
+            if what.startswith("sync ") and what[len("sync ") :] in cl.BLOCKING_SYNC_KINDS
+        ],
     )  # fmt: skip
+
+
+def _device_items(
+    kernels: list[tuple[TraceEvent, Position]],
+    kernel_ctx: list[Context],
+    memory: list[tuple[TraceEvent, Position]],
+    graph_corr: set[int],
+) -> list[DeviceItem]:
+    """The window's kernels (with their contexts), copies and memsets, in device-time order."""
+    items = [
+        DeviceItem(e, cx, not cl.is_graph_kernel(e, graph_corr))
+        for (e, _), cx in zip(kernels, kernel_ctx, strict=True)
+    ]
+    items += [DeviceItem(e, Context(), True) for e, _ in memory]
+    return sorted(items, key=lambda item: item.event.ts)
 
 
 def _device_name(peak: object, props: list[dict]) -> str | None:

@@ -19,6 +19,7 @@ from rich.text import Text
 
 import looptrace
 from looptrace.probes.counters import NONE, Analysis, Counters, GroupStat, KernelStat
+from looptrace.probes.findings import Finding, find
 from looptrace.probes.opstats import OpRow
 
 SCHEMA = "looptrace.profile/1"
@@ -347,6 +348,26 @@ def _opt(value: float | None, scale: float, decimals: int) -> str:
     return "–" if value is None else _fmt(value * scale, decimals)
 
 
+def findings_text(found: Sequence[Finding]) -> Group:
+    """The findings, largest saving first: the cost, where, evidence, the fix and its estimated saving."""
+    lines: list[Text] = [Text("Findings (largest estimated saving first)", style="italic")]
+    if not found:
+        lines.append(
+            Text(
+                "none: no cost in this window reaches the thresholds of `looptrace.probes.findings`",
+                style="dim",
+            )
+        )
+    for i, f in enumerate(found, 1):
+        lines.append(Text(f"{i}. {f.kind}: {f.cost}", style="bold"))
+        lines.append(Text(f"   where: {f.where}"))
+        lines.append(Text(f"   evidence: {f.evidence}"))
+        lines.append(Text(f"   fix: {f.remedy}"))
+        saving = f"{f.saving_us_per_token / 1e3:,.3f} ms/token ({f.saving_pct_of_wall:.0f} % of the wall)"
+        lines.append(Text(f"   saving: ~{saving}; estimated as {f.estimate}", style="dim"))
+    return Group(*lines)
+
+
 def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
     c, b = analysis.counters, analysis.breakdown
     label = str(header.get("label") or header.get("recipe") or c.window.split(" ")[0])
@@ -370,6 +391,7 @@ def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
         *([group_table("Kernels by op and loop", ["op", "loop"], b.by_loop, c)] if b.has_loops else []),
         kernels_table("Top kernels by Instances", analysis.top_by_count, c),
         kernels_table("Top kernels by total time", analysis.top_by_time, c),
+        findings_text(find(analysis)),
         notes,
     ]
 
@@ -463,6 +485,7 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
         ],
         "ops": [dataclasses.asdict(r) for r in analysis.ops],
         "graph_replays": _replay_dict(analysis),
+        "findings": [f.to_dict() for f in find(analysis)],
         "notes": analysis.notes,
     }  # fmt: skip
 
