@@ -226,7 +226,8 @@ def _loop_sync(analysis: Analysis) -> Finding | None:
     if _pct(drained, wall) < MIN_SAVING_PCT:
         return None
     host_wait = sum(s.event.dur for s in syncs)
-    loops = {s.context.loop for s in syncs if s.context.loop is not None}
+    # Loops a token runs, from the kernels' contexts (the readback itself may sit outside the loop range).
+    loops = {i.context.loop for i in analysis.device_items if i.context.loop is not None}
     per_loop = f", {len(syncs) / tokens / len(loops):,.2f} per loop over {len(loops)} loops" if loops else ""
     apis = Counter(f"{s.event.name} ({s.kind})" for s in syncs)
     return Finding(
@@ -351,6 +352,8 @@ def _unfused_norm(analysis: Analysis) -> Finding | None:
     formula = next((f for f in analysis.breakdown.formulas if f.split(":", 1)[0] in NORM_OPS), None)
     where = formula.split(":", 1)[1].strip() if formula and "×" in formula else _norm_places(calls, tokens)
     removed = (n_kernels - len(calls)) / tokens
+    launches = " and as many launches" if c.mode == "gpu" else ""
+    gone = f"{removed:,.1f} kernels{launches}/token would go"
     return Finding(
         kind="unfused_norm",
         cost=(
@@ -361,7 +364,7 @@ def _unfused_norm(analysis: Analysis) -> Finding | None:
         cost_us_per_token=norm_us / tokens,
         cost_pct_of_wall=_pct(norm_us, wall),
         where=where,
-        evidence=f"calls found by {how}; {removed:,.1f} kernels (and launches)/token would go",
+        evidence=f"calls found by {how}; {gone}",
         remedy=(
             "one fused norm kernel per call: looptrace's engine kernels.exact (the exact fused RMSNorm, "
             "bitwise equal to eager) and kernels.residual_norm (post-norm + residual add + next pre-norm as "

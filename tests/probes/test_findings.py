@@ -1,0 +1,193 @@
+"""Findings on traces whose truth is known: looptrace's engine on an H100 with the toggle that removes each
+cost off and on (`fixtures/README.md`), the public Ouro CPU trace, and synthetic timelines.
+
+Each finding kind must fire where its cost holds and stay silent where the toggle removed it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from looptrace.cli.trace_cmd import trace_app
+from looptrace.probes.context import Context
+from looptrace.probes.counters import Analysis, analyze
+from looptrace.probes.events import TraceEvent, load_chrome_trace
+from looptrace.probes.findings import EXACT_NORM_KERNELS, Finding, find, gaps, norm_calls
+from looptrace.probes.window_items import DeviceItem
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "hf_looped"
+OURO_LOOPS = 4  # ouro-tiny: 4 layers x 4 loops
+# ouro-tiny's norms per token: 4 per layer (sandwich block) x 4 layers x 4 loops, plus 1 closing each loop
+OURO_NORMS_PER_TOKEN = 4 * 4 * OURO_LOOPS + OURO_LOOPS
+
+
+@pytest.fixture(scope="module")
+def analyses() -> dict[str, Analysis]:
+    names = ("eager", "sync-gate", "async-gate", "exactloop", "exactloop-unfused-norm")
+    out = {name: _analyze(f"ouro-tiny_h100_{name}.json.gz") for name in names}
+    out["huginn-exactloop"] = _analyze("huginn-tiny_h100_exactloop.json.gz")
+    return out
+
+
+def _analyze(name: str) -> Analysis:
+    return analyze(load_chrome_trace(FIXTURES / name), window="decode")
+
+
+def _kind(found: list[Finding], kind: str) -> Finding | None:
+    return next((f for f in found if f.kind == kind), None)
+
+
+# --- the analysis hook ----------------------------------------------------------------------------------
+
+
+def test_device_items_are_the_windows_device_events(analyses) -> None:
+    for a in analyses.values():
+        c = a.counters
+        copies = c.htod + c.dtoh + c.dtod + c.memcpy_other + c.memset
+        assert len(a.device_items) == c.kernels + copies
+        assert len(a.sync_items) == c.syncs
+
+
+# --- host gaps → CUDA graphs ----------------------------------------------------------------------------
+
+
+def test_host_gaps_fire_on_eager_launches_and_not_with_whole_token_graphs(analyses) -> None:
+    eager = _kind(find(analyses["eager"]), "host_gaps")
+    assert eager is not None
+    c = analyses["eager"].counters
+    assert c.graph_launches == 0 and c.eager_launches > 0
+    idle_on_host = c.gpu_idle_us - min(c.graph_gap_us, c.gpu_idle_us)  # the timeline table's column
+    assert eager.cost_us_per_token == pytest.approx(idle_on_host / c.tokens)
+    assert 0 < eager.saving_us_per_token <= eager.cost_us_per_token
+    assert "cuda_graphs.enabled" in eager.remedy and "upper bound" in eager.estimate
+    # the toggle: whole-token graphs (exactloop) leave no eager kernel launch in the decode window
+    assert analyses["exactloop"].counters.eager_launches == 0
+    assert _kind(find(analyses["exactloop"]), "host_gaps") is None
+
+
+def test_host_gaps_beside_per_loop_graphs_point_at_the_whole_token_graph(analyses) -> None:
+    found = _kind(find(analyses["sync-gate"]), "host_gaps")
+    assert found is not None
+    assert "scheduler.whole_token" in found.remedy
+    assert "measured on this trace's own replays" in found.estimate
+
+
+# --- a sync per loop → asynchronous gate ----------------------------------------------------------------
+
+
+def _readback_syncs(name: str) -> int:
+    """cudaStreamSynchronize calls inside lt.op/readback ranges of the decode window, by plain JSON."""
+    with gzip.open(FIXTURES / name, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    window = [e for e in events if e["name"] == "lt.window/decode"]
+    ranges = [e for e in events if e["name"] == "lt.op/readback"]
+    syncs = [e for e in events if e["name"] == "cudaStreamSynchronize"]
+
+    def inside(t: float, r: dict) -> bool:
+        return r["ts"] <= t < r["ts"] + r["dur"]
+
+    in_window = [s for s in syncs if any(inside(s["ts"], w) for w in window)]
+    return sum(1 for s in in_window if any(inside(s["ts"], r) for r in ranges))
+
+
+def test_loop_sync_fires_with_a_blocking_gate_and_not_with_the_async_gate(analyses) -> None:
+    a = analyses["sync-gate"]
+    found = _kind(find(a), "loop_sync")
+    assert found is not None
+    tokens = a.counters.tokens
+    syncs = _readback_syncs("ouro-tiny_h100_sync-gate.json.gz")
+    assert syncs == tokens * OURO_LOOPS  # one gate readback per loop
+    per_token = f"{syncs / tokens:,.2f} blocking syncs/token inside the loops"
+    assert found.cost.startswith(f"{per_token}, 1.00 per loop over {OURO_LOOPS} loops")
+    assert "recurrent / readback" in found.where
+    assert "scheduler.async_gate" in found.remedy
+    wall_us = a.counters.wall_us
+    assert 0 < found.saving_us_per_token * tokens <= a.counters.gpu_idle_us <= wall_us
+    # the toggle: with the async gate no blocking sync is left inside the loops
+    assert _readback_syncs("ouro-tiny_h100_async-gate.json.gz") == 0
+    assert _kind(find(analyses["async-gate"]), "loop_sync") is None
+
+
+# --- an RMSNorm of many kernels → the fused exact norm --------------------------------------------------
+
+
+def test_unfused_norm_fires_with_the_eager_norm_and_not_with_the_exact_norm(analyses) -> None:
+    a = analyses["exactloop-unfused-norm"]
+    found = _kind(find(a), "unfused_norm")
+    assert found is not None
+    calls, how = norm_calls(a.device_items)
+    assert how.startswith("op ranges")
+    assert len(calls) == OURO_NORMS_PER_TOKEN * a.counters.tokens
+    assert {len(call) for call in calls} == {8}  # PyTorch's eager RMSNorm on CUDA
+    calls_per_token = f"{OURO_NORMS_PER_TOKEN:.1f} calls/token"
+    assert found.cost.startswith(f"RMSNorm runs as 8.0 kernels per call, {calls_per_token}")
+    assert "4 layers" in found.where
+    assert 0 < found.saving_us_per_token < found.cost_us_per_token
+    assert "kernels.exact" in found.remedy
+    # the toggle: the exact fused norm (at most EXACT_NORM_KERNELS kernels per call) is not flagged
+    for name in ("exactloop", "huginn-exactloop"):
+        calls, _ = norm_calls(analyses[name].device_items)
+        assert calls and max(len(call) for call in calls) <= EXACT_NORM_KERNELS
+        assert _kind(find(analyses[name]), "unfused_norm") is None
+
+
+def test_findings_are_ranked_by_saving(analyses) -> None:
+    found = find(analyses["eager"])
+    assert {f.kind for f in found} == {"host_gaps", "loop_sync", "unfused_norm"}
+    savings = [f.saving_us_per_token for f in found]
+    assert savings == sorted(savings, reverse=True)
+    assert find(analyses["exactloop"]) == []
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared traces not present at {SHARED}")
+def test_eager_rmsnorm_pattern_in_a_trace_without_ranges() -> None:
+    """The public Ouro CPU trace: 4 forwards x (2 layers x 4 loops x 4 norms + 4 loop norms), no lt ranges."""
+    a = analyze(load_chrome_trace(SHARED / "ouro-tiny_cpu_public_decode.json.gz"))
+    calls, how = norm_calls(a.device_items)
+    assert how.startswith("PyTorch's eager RMSNorm")
+    assert len(calls) == 4 * (2 * 4 * 4 + 4)
+    found = _kind(find(a), "unfused_norm")
+    assert found is not None and "CPU op time" in found.cost
+
+
+# --- the timeline ---------------------------------------------------------------------------------------
+
+
+def _item(ts: float, dur: float, eager: bool = True) -> DeviceItem:
+    event = TraceEvent(cat="kernel", name="k", ts=ts, dur=dur, pid=0, tid=7)
+    return DeviceItem(event, Context(), eager)
+
+
+def test_gaps_are_idle_time_between_busy_intervals() -> None:
+    items = [_item(0, 10), _item(5, 10), _item(20, 5), _item(40, 2), _item(41, 1)]  # overlaps count once
+    found = gaps(list(reversed(items)))
+    assert [(g.start, g.end) for g in found] == [(15, 20), (25, 40)]
+    assert sum(g.us for g in found) == 20
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+def test_trace_analyze_shows_findings_in_text_and_json() -> None:
+    app = typer.Typer()
+    app.add_typer(trace_app, name="trace")
+    runner = CliRunner()
+    path = FIXTURES / "ouro-tiny_h100_sync-gate.json.gz"
+    text = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode"])
+    assert text.exit_code == 0, text.output
+    assert "Findings (largest estimated saving first)" in text.stdout
+    assert "1. loop_sync: 4.00 blocking syncs/token" in text.stdout
+    as_json = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "json"])
+    assert as_json.exit_code == 0, as_json.output
+    found = json.loads(as_json.stdout)["findings"]
+    assert [f["kind"] for f in found] == ["loop_sync", "host_gaps", "unfused_norm"]
+    assert set(found[0]) >= {"cost", "where", "evidence", "remedy", "saving_us_per_token", "estimate"}
+    quiet = runner.invoke(app, ["trace", "analyze", str(FIXTURES / "ouro-tiny_h100_exactloop.json.gz")])
+    assert quiet.exit_code == 0 and "none: no cost in this window" in quiet.stdout
