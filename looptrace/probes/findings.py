@@ -14,7 +14,8 @@ Kinds (each silent unless its estimated saving reaches `MIN_SAVING_PCT` of its b
   loop late) keeps the next loop queued.
 - `unfused_norm`: an RMSNorm that runs as more kernels per call than the exact fused norm
   (`EXACT_NORM_KERNELS`). A fused kernel makes one pass over its input: its time is estimated as the
-  call's longest kernel (in an eager RMSNorm that is the mean, which reads the whole input once).
+  call's longest kernel (in an eager RMSNorm that is the mean, which reads the whole input once); the
+  saving is the median call's (robust to one preempted CPU op), times the calls.
 
 The GPU timeline is the union of the window's device events (as `counters._timeline`); a gap is the idle
 time between two busy intervals, charged to the event that ends it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -343,8 +345,12 @@ def _unfused_norm(analysis: Analysis) -> Finding | None:
         return None
     tokens, wall = c.tokens, _wall(analysis)
     norm_us = sum(k.event.dur for call in calls for k in call)
-    fused_us = sum(max(k.event.dur for k in call) for call in calls)
-    saving = norm_us - fused_us
+    # Per call: its kernels' time minus its longest kernel's. The median call times the calls, so that one
+    # preempted CPU op or a stalled kernel does not decide the estimate.
+    per_call_saving = statistics.median(
+        sum(k.event.dur for k in call) - max(k.event.dur for k in call) for call in calls
+    )
+    saving = per_call_saving * len(calls)
     device_us = c.gpu_busy_us if c.gpu_busy_us else c.gpu_us
     if _pct(saving, device_us) < MIN_SAVING_PCT:
         return None
@@ -366,16 +372,17 @@ def _unfused_norm(analysis: Analysis) -> Finding | None:
         where=where,
         evidence=f"calls found by {how}; {gone}",
         remedy=(
-            "one fused norm kernel per call: looptrace's engine kernels.exact (the exact fused RMSNorm, "
-            "bitwise equal to eager) and kernels.residual_norm (post-norm + residual add + next pre-norm as "
-            "one kernel); elsewhere a fused RMSNorm kernel (vLLM's rms_norm, Liger, torch.compile)"
+            "one fused norm kernel per call: looptrace's engine kernels.exact (CUDA: the exact fused "
+            "RMSNorm, bitwise equal to eager) and kernels.residual_norm (post-norm + residual add + next "
+            "pre-norm as one kernel); elsewhere a fused RMSNorm kernel (vLLM's rms_norm, torch.compile)"
         ),
         saving_us_per_token=saving / tokens,
         saving_pct_of_wall=_pct(saving, wall),
         estimate=(
-            "the norm calls' kernel time minus one fused kernel per call, taken as the call's longest "
-            f"kernel (one pass over the input): {norm_us / tokens:,.1f} - {fused_us / tokens:,.1f} µs/token "
-            f"({_pct(saving, device_us):.0f} % of the {time_word} busy time)"
+            "per norm call, its kernels' time minus one fused kernel, taken as the call's longest kernel "
+            f"(one pass over the input): the median call saves {per_call_saving:,.2f} µs, times "
+            f"{len(calls) / tokens:,.1f} calls/token ({_pct(saving, device_us):.0f} % of the {time_word} "
+            "busy time)"
         ),
     )
 
