@@ -524,6 +524,8 @@ def to_csv(analysis: Analysis, header: dict[str, Any]) -> str:
     for item in d["ops"]:
         key = "/".join(str(item[k]) for k in ("category", "op", "layer"))
         rows += [("op", key, m, v) for m, v in item.items() if m not in ("category", "op", "layer")]
+    for item in d["findings"]:
+        rows += [("finding", item["kind"], m, v) for m, v in item.items() if m != "kind"]
     for section in ("by_count", "by_time"):
         for item in d["top_kernels"][section]:
             rows += [(f"top_{section}", item["name"], m, v) for m, v in item.items() if m != "name"]

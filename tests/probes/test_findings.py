@@ -189,5 +189,8 @@ def test_trace_analyze_shows_findings_in_text_and_json() -> None:
     found = json.loads(as_json.stdout)["findings"]
     assert [f["kind"] for f in found] == ["loop_sync", "host_gaps", "unfused_norm"]
     assert set(found[0]) >= {"cost", "where", "evidence", "remedy", "saving_us_per_token", "estimate"}
+    as_csv = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "csv"])
+    assert as_csv.exit_code == 0, as_csv.output
+    assert "finding,loop_sync,saving_us_per_token," in as_csv.stdout
     quiet = runner.invoke(app, ["trace", "analyze", str(FIXTURES / "ouro-tiny_h100_exactloop.json.gz")])
     assert quiet.exit_code == 0 and "none: no cost in this window" in quiet.stdout
