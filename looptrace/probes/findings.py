@@ -223,7 +223,7 @@ def _loop_sync(analysis: Analysis) -> Finding | None:
     if not syncs:
         return None
     wall, tokens = _wall(analysis), c.tokens
-    drains = _drains(syncs, gaps(analysis.device_items))
+    drains = sync_drains(syncs, gaps(analysis.device_items))
     drained = sum(drains)
     if _pct(drained, wall) < MIN_SAVING_PCT:
         return None
@@ -261,7 +261,7 @@ def _loop_sync(analysis: Analysis) -> Finding | None:
     )
 
 
-def _drains(syncs: Sequence[SyncItem], idle: Sequence[Gap]) -> list[float]:
+def sync_drains(syncs: Sequence[SyncItem], idle: Sequence[Gap]) -> list[float]:
     """Per sync, the idle gap that holds its end (0 if the GPU was busy then); each gap counts once."""
     starts = [g.start for g in idle]
     used: set[int] = set()
@@ -291,14 +291,17 @@ def norm_calls(items: Sequence[DeviceItem]) -> tuple[list[list[DeviceItem]], str
     if by_range:
         return list(by_range.values()), "op ranges (lt.op/norm)"
     runs: list[list[DeviceItem]] = []
-    previous_norm = False
+    previous: Context | None = None  # context of the kernel before, if it was a norm's
     for i in kernels:
-        is_norm = i.context.op in NORM_OPS
-        if is_norm and previous_norm:
-            runs[-1].append(i)
-        elif is_norm:
+        cx = i.context
+        if cx.op not in NORM_OPS:
+            previous = None
+            continue
+        if previous is not None and (previous.layer, previous.loop) == (cx.layer, cx.loop):
+            runs[-1].append(i)  # the same call goes on (a new layer or loop starts a new one)
+        else:
             runs.append([i])
-        previous_norm = is_norm
+        previous = cx
     if runs:
         return runs, "runs of kernels of the norm op"
     return _eager_rmsnorm_pattern(

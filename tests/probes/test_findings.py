@@ -18,8 +18,8 @@ from looptrace.cli.trace_cmd import trace_app
 from looptrace.probes.context import Context
 from looptrace.probes.counters import Analysis, analyze
 from looptrace.probes.events import TraceEvent, load_chrome_trace
-from looptrace.probes.findings import EXACT_NORM_KERNELS, Finding, find, gaps, norm_calls
-from looptrace.probes.window_items import DeviceItem
+from looptrace.probes.findings import EXACT_NORM_KERNELS, Finding, find, gaps, norm_calls, sync_drains
+from looptrace.probes.window_items import DeviceItem, SyncItem
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "hf_looped"
@@ -160,9 +160,9 @@ def test_eager_rmsnorm_pattern_in_a_trace_without_ranges() -> None:
 # --- the timeline ---------------------------------------------------------------------------------------
 
 
-def _item(ts: float, dur: float, eager: bool = True) -> DeviceItem:
+def _item(ts: float, dur: float, eager: bool = True, context: Context | None = None) -> DeviceItem:
     event = TraceEvent(cat="kernel", name="k", ts=ts, dur=dur, pid=0, tid=7)
-    return DeviceItem(event, Context(), eager)
+    return DeviceItem(event, context or Context(), eager)
 
 
 def test_gaps_are_idle_time_between_busy_intervals() -> None:
@@ -194,3 +194,23 @@ def test_trace_analyze_shows_findings_in_text_and_json() -> None:
     assert "finding,loop_sync,saving_us_per_token," in as_csv.stdout
     quiet = runner.invoke(app, ["trace", "analyze", str(FIXTURES / "ouro-tiny_h100_exactloop.json.gz")])
     assert quiet.exit_code == 0 and "none: no cost in this window" in quiet.stdout
+
+
+def test_a_sync_drains_the_gap_that_holds_its_end_once() -> None:
+    idle = gaps([_item(0, 10), _item(30, 10), _item(40, 5), _item(60, 5)])  # gaps 10-30 and 45-60
+    sync = TraceEvent(cat="cuda_runtime", name="cudaStreamSynchronize", ts=2, dur=10)  # returns at 12
+    busy = TraceEvent(cat="cuda_runtime", name="cudaStreamSynchronize", ts=33, dur=2)  # returns while busy
+    again = TraceEvent(cat="cuda_runtime", name="cudaStreamSynchronize", ts=20, dur=5)  # the same gap
+    items = [SyncItem("stream", e, Context()) for e in (sync, busy, again)]
+    assert sync_drains(items, idle) == [20.0, 0.0, 0.0]
+
+
+def test_norm_calls_from_op_contexts_keep_their_loops() -> None:
+    """Traces without op ranges whose kernels carry a norm op and loops (foreign traces with structure)."""
+    norm = [Context(stage="recurrent", loop=i // 2, layer="core0", op="RMSNorm") for i in range(4)]
+    items = [_item(0, 1, context=norm[0]), _item(2, 1), _item(4, 1, context=norm[1])]
+    items += [_item(6, 1, context=norm[2]), _item(8, 1, context=norm[3])]
+    calls, how = norm_calls(items)
+    assert how == "runs of kernels of the norm op"
+    assert [len(call) for call in calls] == [1, 1, 2]  # a run ends at another op, layer or loop
+    assert {call[0].context.loop for call in calls} == {0, 1}
