@@ -215,11 +215,31 @@ def _in_loop(cx: Context) -> bool:
     return cx.loop is not None or cx.stage == "recurrent" or cx.op in LOOP_SYNC_OPS
 
 
+def loop_syncs(syncs: Sequence[SyncItem], items: Sequence[DeviceItem]) -> list[SyncItem]:
+    """The syncs inside the loops: by their own ranges (looptrace's traces), else, where the trace has no
+    range around them (foreign traces, whose loops come from the kernels), a sync whose end falls between
+    two device events that both ran inside loops; it takes the context of the one before."""
+    ordered = sorted(items, key=lambda i: i.event.ts)
+    starts = [i.event.ts for i in ordered]
+    out = []
+    for s in syncs:
+        if _in_loop(s.context):
+            out.append(s)
+            continue
+        if s.context != Context():
+            continue
+        k = bisect.bisect_right(starts, s.event.end)
+        before, after = (ordered[k - 1] if k else None), (ordered[k] if k < len(ordered) else None)
+        if before and after and before.context.loop is not None and after.context.loop is not None:
+            out.append(SyncItem(s.kind, s.event, before.context))
+    return out
+
+
 def _loop_sync(analysis: Analysis) -> Finding | None:
     c = analysis.counters
     if c.mode != "gpu":
         return None
-    syncs = [s for s in analysis.sync_items if _in_loop(s.context)]
+    syncs = loop_syncs(analysis.sync_items, analysis.device_items)
     if not syncs:
         return None
     wall, tokens = _wall(analysis), c.tokens

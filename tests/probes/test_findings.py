@@ -18,7 +18,15 @@ from looptrace.cli.trace_cmd import trace_app
 from looptrace.probes.context import Context
 from looptrace.probes.counters import Analysis, analyze
 from looptrace.probes.events import TraceEvent, load_chrome_trace
-from looptrace.probes.findings import EXACT_NORM_KERNELS, Finding, find, gaps, norm_calls, sync_drains
+from looptrace.probes.findings import (
+    EXACT_NORM_KERNELS,
+    Finding,
+    find,
+    gaps,
+    loop_syncs,
+    norm_calls,
+    sync_drains,
+)
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -214,3 +222,15 @@ def test_norm_calls_from_op_contexts_keep_their_loops() -> None:
     assert how == "runs of kernels of the norm op"
     assert [len(call) for call in calls] == [1, 1, 2]  # a run ends at another op, layer or loop
     assert {call[0].context.loop for call in calls} == {0, 1}
+
+
+def test_a_sync_without_ranges_between_two_loop_kernels_is_in_the_loops() -> None:
+    """Foreign traces: loops come from the kernels, syncs have no range; one between loop kernels counts."""
+    loop0 = Context(stage="recurrent", loop=0, op="GEMM")
+    loop1 = Context(stage="recurrent", loop=1, op="GEMM")
+    items = [_item(0, 5, context=loop0), _item(20, 5, context=loop1), _item(40, 5), _item(60, 5)]
+    between = TraceEvent(cat="cuda_runtime", name="cudaStreamSynchronize", ts=3, dur=6)  # ends at 9
+    outside = TraceEvent(cat="cuda_runtime", name="cudaStreamSynchronize", ts=45, dur=5)  # ends at 50
+    found = loop_syncs([SyncItem("stream", e, Context()) for e in (between, outside)], items)
+    assert [s.event for s in found] == [between]
+    assert found[0].context == loop0
