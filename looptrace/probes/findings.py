@@ -5,7 +5,8 @@ the window counters), never looked up: a cost measured per token and as a share 
 time, where it sits (stage / layer / loop / op, whatever the kernels' contexts carry), the evidence, the
 change that removes it and the saving that change would bring, with how that saving was estimated.
 
-Kinds (each silent unless its estimated saving reaches `MIN_SAVING_PCT` of its base):
+Kinds (each silent unless its estimated saving reaches `MIN_SAVING_PCT` of the window's wall time, of its
+device busy time for the norm):
 
 - `host_gaps`: the GPU idles between eagerly launched kernels, waiting for the host to launch the next
   one. CUDA graphs remove those gaps (a replay leaves only its own, measured, per-node gaps).
