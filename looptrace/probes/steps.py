@@ -6,6 +6,10 @@ Grammars (as vLLM V1 and SGLang write them; checked on the traces in `../shared/
          n = scheduled tokens; c / g = context (prefill) / generation (decode) requests; inside each group
          `sq` = its query tokens (prompt tokens prefilled / tokens decoded) and `sk` = the keys they read.
          SGLang writes the same name around its own step.
+  vLLM, older `execute_context_<c>(<q>)_generation_<g>(<q>)`, as `Worker.annotate_profile` in vLLM's
+         v1/worker/gpu_worker.py writes it: c / g = context / generation requests, each followed by its
+         group's scheduled tokens in brackets. A group may hold a second number, `(<q>_<k>)`: read as the
+         group's query tokens and the keys they read (the `sq`/`sk` pair of the newer grammar).
   SGLang `step[EXTEND bs=<b> toks=<t>]` (prefill of t prompt tokens) and `step[DECODE bs=<b>]` (b tokens).
   older  `execute_model`, `gpu_model_runner...`: steps without token counts.
 
@@ -30,6 +34,8 @@ OLD_STEP_MARKERS = ("execute_model", "gpu_model_runner")
 
 _GROUP = r"\(sq(\d+)sk(\d+)sqsq\d+sqsk\d+\)"
 _VLLM_RE = re.compile(rf"^execute_(\d+)_context_(\d+){_GROUP}_generation_(\d+){_GROUP}$")
+_OLD_GROUP = r"\((\d+)(?:_(\d+))?\)"
+_VLLM_OLD_RE = re.compile(rf"^execute_context_(\d+){_OLD_GROUP}_generation_(\d+){_OLD_GROUP}$")
 _SGLANG_RE = re.compile(r"^step\[(EXTEND|DECODE|MIXED|IDLE)\b([^\]]*)\]$")
 _KV_RE = re.compile(r"(\w+)=(\d+)")
 
@@ -45,6 +51,9 @@ class Step:
     prompt_tokens: int | None
     output_tokens: int | None
     rows: int | None = None
+    # keys (KV-cache positions) read by the context / generation rows, where the annotation says
+    prompt_keys: int | None = None
+    output_keys: int | None = None
 
     @property
     def phase(self) -> str:
@@ -59,7 +68,12 @@ def parse_step(e: TraceEvent) -> Step | None:
     m = _VLLM_RE.match(e.name)
     if m:
         ctx_rows, ctx_q, gen_rows, gen_q = int(m[2]), int(m[3]), int(m[5]), int(m[6])
-        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows)
+        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, int(m[4]), int(m[7]))
+    m = _VLLM_OLD_RE.match(e.name)
+    if m:
+        ctx_rows, ctx_q, gen_rows, gen_q = int(m[1]), int(m[2]), int(m[4]), int(m[5])
+        ctx_k, gen_k = (int(k) if k is not None else None for k in (m[3], m[6]))
+        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, ctx_k, gen_k)
     m = _SGLANG_RE.match(e.name)
     if m:
         fields = {k: int(v) for k, v in _KV_RE.findall(m[2])}
@@ -91,6 +105,8 @@ def engine_steps(events: Iterable[TraceEvent]) -> list[Step]:
                 outer.prompt_tokens if outer.prompt_tokens is not None else s.prompt_tokens,
                 outer.output_tokens if outer.output_tokens is not None else s.output_tokens,
                 outer.rows or s.rows,
+                outer.prompt_keys if outer.prompt_keys is not None else s.prompt_keys,
+                outer.output_keys if outer.output_keys is not None else s.output_keys,
             )
     return out
 
