@@ -3,16 +3,19 @@
 A kernel's category comes from the CPU ops that launched it (its ancestry on the launching thread, inner
 → outer), else from its own name:
 
-1. the innermost ancestor that names a *composite* op (MoE, MoE routing, attention, KV write, RMSNorm,
-   RoPE, activation, sampling): a fused op's kernels belong to it, whatever they are (a GEMM inside
-   `vllm::moe_forward` is MoE);
+1. the innermost ancestor that names a *composite* op (communication, MoE, MoE routing, attention, KV
+   write, RMSNorm, LayerNorm, other norms, RoPE, convolution, interpolation, activation, sampling): a fused
+   op's kernels belong to it, whatever they are (a GEMM inside `vllm::moe_forward` is MoE);
 2. else the innermost ancestor that names a *generic* op (GEMM, copy/cast, reduce, elementwise);
 3. else the kernel name (the same two tiers), else `other`.
 
 These are TraceLens's categories where it has them (GEMM, attention, RMSNorm, RoPE, KV write, MoE,
 elementwise, reduce, other), finer where it lumps: activation, copy/cast and MoE routing are their own
 rows here (TraceLens counts the first two as elementwise and routing as other), and on an eager
-Hugging Face trace SDPA is attention and `aten::cat` copy/cast (TraceLens: other).
+Hugging Face trace SDPA is attention and `aten::cat` copy/cast (TraceLens: other). Collectives (NCCL,
+RCCL, gloo, c10d; names in `collectives`) are `communication`, never a compute reduce or copy. Vision ops
+are named for what they are: LayerNorm (not RMSNorm), convolution, interpolation (an upsample is not
+sampling).
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ import re
 from collections.abc import Sequence
 
 from looptrace.probes.classify import is_copy_kernel_name
+from looptrace.probes.collectives import is_comm_name
 
 GEMM = "GEMM"
 ATTENTION = "attention"
 KV_WRITE = "KV write"
 RMSNORM = "RMSNorm"
+LAYERNORM = "LayerNorm"
+NORM = "normalization"  # batch, group and instance norm
+CONV = "convolution"
+INTERPOLATION = "interpolation"
+COMM = "communication"
 ROPE = "RoPE"
 ACTIVATION = "activation"
 MOE = "MoE"
@@ -36,8 +45,8 @@ ELEMENTWISE = "elementwise"
 REDUCE = "reduce"
 OTHER = "other"
 CATEGORIES = (
-    GEMM, ATTENTION, KV_WRITE, RMSNORM, ROPE, ACTIVATION, MOE, MOE_ROUTING, SAMPLING, COPY, ELEMENTWISE,
-    REDUCE, OTHER,
+    GEMM, ATTENTION, KV_WRITE, RMSNORM, LAYERNORM, NORM, ROPE, ACTIVATION, MOE, MOE_ROUTING, SAMPLING, CONV,
+    INTERPOLATION, COMM, COPY, ELEMENTWISE, REDUCE, OTHER,
 )  # fmt: skip
 
 # Composite ops: (category, pattern on the op name, lower-cased). Order matters: first match wins.
@@ -46,8 +55,14 @@ _COMPOSITE: tuple[tuple[str, re.Pattern[str]], ...] = (
     (MOE_ROUTING, re.compile(r"^topk$|sorttokens|moe_align|topk_softmax|grouped_topk|routing")),
     (MOE, re.compile(r"moe_forward|fused_moe|fused_experts|\bmoe\b|::moe_|_moe$|experts")),
     (ATTENTION, re.compile(r"attention|attn|flash_|fmha|mha_|paged_attention|sdpa|scaled_dot_product")),
-    (RMSNORM, re.compile(r"rms_?norm|layer_?norm|_norm_fwd")),
+    (RMSNORM, re.compile(r"rms_?norm|_norm_fwd")),
+    (LAYERNORM, re.compile(r"layer_?norm")),
+    (NORM, re.compile(r"batch_?norm|group_?norm|instance_?norm")),
     (ROPE, re.compile(r"rotary|rope")),
+    # convolution ops: aten::conv1d/2d/3d, convolution, _convolution, cudnn_/mkldnn_/miopen_convolution
+    (CONV, re.compile(r"^aten::(conv\w*|_convolution\w*|\w+_convolution\w*)$|conv_transpose")),
+    # before sampling: `upsample_bilinear2d` resamples an image, it does not sample a token
+    (INTERPOLATION, re.compile(r"upsample|interpolat|grid_sampler|affine_grid")),
     (ACTIVATION, re.compile(r"silu|gelu|swiglu|act_and_mul|relu|sigmoid|tanh|softplus")),
     (SAMPLING, re.compile(r"sampl|argmax|multinomial|top_p|top_k_|logsoftmax|log_softmax")),
 )
@@ -72,8 +87,13 @@ _KERNEL_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (KV_WRITE, re.compile(r"reshape_and_cache|store_kvcache|concat_and_cache|^_write_kv_kernel$")),
     (ATTENTION, re.compile(r"attention|fmha|flash_fwd|flash_bwd|mha_fwd|paged_attention|^_attn_kernel$")),
     (RMSNORM, re.compile(r"rmsnorm|rms_norm|^_residual_norm_kernel$")),
+    (LAYERNORM, re.compile(r"layer_?norm")),
+    (NORM, re.compile(r"batch_?norm|group_?norm|instance_?norm|\bbn_fw")),
     (ROPE, re.compile(r"rotary|^_rope_\w*kernel$")),
     (MOE, re.compile(r"moe|matmul_ogs")),
+    # before GEMM: cuDNN/CUTLASS convolutions are implicit GEMMs (`sm90_xmma_fprop_implicit_gemm_…`)
+    (CONV, re.compile(r"conv(?!ert)|fprop|dgrad|wgrad|winograd|implicit_gemm|igemm")),
+    (INTERPOLATION, re.compile(r"upsample|interpolat|grid_sampler")),
     (GEMM, re.compile(r"gemm|^cijk_|cutlass|xmma|cublas|hipblaslt|_mm_|splitk|nvjet|wgmma")),
     (ACTIVATION, re.compile(r"silu|gelu|act_and_mul")),
     (COPY, re.compile(r"copy_kernel|catarraybatchedcopy|^memcpy |^memset |gather|index_select")),
@@ -86,6 +106,8 @@ _LAYER_PATH_RE = re.compile(r"(?:^|[./])(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
 def composite_category(op: str) -> str | None:
+    if is_comm_name(op):
+        return COMM
     name = op.lower()
     return next((cat for cat, pattern in _COMPOSITE if pattern.search(name)), None)
 
@@ -106,6 +128,8 @@ def generic_category(op: str) -> str | None:
 
 
 def kernel_category(kernel: str) -> str:
+    if is_comm_name(kernel):  # before copy: an NCCL all-gather kernel is not a copy/cast
+        return COMM
     if is_copy_kernel_name(kernel):
         return COPY
     name = kernel.lower()

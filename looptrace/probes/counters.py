@@ -61,10 +61,12 @@ from looptrace.probes.events import Trace, TraceError, TraceEvent, enclosing_cha
 from looptrace.probes.loops import detect_loops
 from looptrace.probes.opstats import (
     CategoryRow,
+    CommContext,
     KernelOp,
     OpRow,
     ancestry_chains,
     category_rows,
+    comm_notes,
     device_peak,
     kernel_op,
     op_rows,
@@ -520,10 +522,12 @@ def analyze(
     durations = [e.dur for e, _ in device_items]
     props = trace.device_properties
     peak = device_peak(props, device)
+    ops = op_rows(durations, kops, peak, CommContext.of(events, trace.distributed_info))
+    notes += comm_notes(ops)
     return Analysis(
         c, breakdown, by_count, by_time, tokens_source, marker, notes, sites,
         categories=category_rows(durations, kops, tokens),
-        ops=op_rows(durations, kops, peak),
+        ops=ops,
         phases=_phases(engine_steps, device_items),
         device=_device_name(peak, props),
         replays=_replay_stat(kernels, kops, graph_corr),

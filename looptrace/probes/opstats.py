@@ -18,12 +18,14 @@ from types import ModuleType
 from typing import Any
 
 from looptrace.probes import categories as cats
+from looptrace.probes import collectives as comms
 from looptrace.probes.classify import CPU_OP_CAT
 from looptrace.probes.events import TraceError, TraceEvent, enclosing_chains
 
 PYTHON_CAT = "python_function"
 MODULE_PREFIX = "nn.Module: "
-_TEMPLATE_RE = re.compile(r"^(?:void )?([^<(]+)")
+_ANON_NS = "(anonymous namespace)::"
+_TEMPLATE_RE = re.compile(r"^([^<(]+)")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,26 @@ class OpRow:
     achieved_tflops: float | None = None
     pct_of_peak: float | None = None
     bound: str | None = None
+    shape: str | None = None  # the calls' input shapes, where rows are split by shape (GEMM, attention)
+    collective: str | None = None  # communication rows: all_reduce, all_gather, ...
+    world_size: int | None = None
+    alg_gbps: float | None = None  # NCCL-tests algorithm bandwidth, GB/s
+    bus_gbps: float | None = None  # NCCL-tests bus bandwidth, GB/s (None: world size unknown)
+
+
+@dataclass(frozen=True)
+class CommContext:
+    """What the bandwidth of a collective needs beyond its op: the process group's size (None: unknown)
+    and the process group's ranges (`nccl:all_reduce`, …) that carry the tensors' shapes."""
+
+    world_size: int | None
+    ranges: Sequence[TraceEvent] = ()
+
+    @classmethod
+    def of(cls, events: Iterable[TraceEvent], distributed_info: dict[str, Any] | None) -> CommContext:
+        events = list(events)
+        ranges = [e for e in events if e.cat != "kernel" and comms.is_comm_name(e.name)]
+        return cls(comms.world_size_of(distributed_info, ranges), sorted(ranges, key=lambda e: e.ts))
 
 
 def is_ancestry_range(e: TraceEvent) -> bool:
@@ -88,9 +110,11 @@ def ancestry_chains(
 
 
 def short_kernel_name(name: str) -> str:
-    """`void at::native::reduce_kernel<512, 1, ...>(...)` → `at::native::reduce_kernel`."""
-    m = _TEMPLATE_RE.match(name)
-    return (m.group(1).strip() if m else name)[:80]
+    """`void at::native::reduce_kernel<512, 1, ...>(...)` → `at::native::reduce_kernel`;
+    `void (anonymous namespace)::softmax_warp_forward<...>(...)` → `softmax_warp_forward`."""
+    bare = name.removeprefix("void ").replace(_ANON_NS, "")
+    m = _TEMPLATE_RE.match(bare)
+    return (m.group(1).strip() if m else name)[:80] or name[:80]
 
 
 def kernel_op(kernel: str, chain: Sequence[TraceEvent], call_scope: Hashable = None) -> KernelOp:
@@ -99,9 +123,11 @@ def kernel_op(kernel: str, chain: Sequence[TraceEvent], call_scope: Hashable = N
     ops = [r for r in chain if r.cat == CPU_OP_CAT]
     category, i = cats.categorize([r.name for r in ops], kernel)
     layer = cats.layer_index([r.name for r in chain if r.cat == PYTHON_CAT])
-    if i is None:
+    if i is None and not ops:
         return KernelOp(category, short_kernel_name(kernel), layer)
-    return KernelOp(category, ops[i].name, layer, (call_scope, id(ops[i])), ops[i])
+    # The kernel's name may decide the category, but the op that launched it keeps its name (innermost).
+    op = ops[-1 if i is None else i]
+    return KernelOp(category, op.name, layer, (call_scope, id(op)), op)
 
 
 def category_rows(durations: Sequence[float], ops: Sequence[KernelOp], tokens: int) -> list[CategoryRow]:
@@ -136,9 +162,12 @@ def device_peak(device_properties: list[dict[str, Any]] | None, override: str | 
         raise TraceError(f"--device: {exc}") from None
 
 
-def op_rows(durations: Sequence[float], ops: Sequence[KernelOp], peak: Any = None) -> list[OpRow]:
+def op_rows(
+    durations: Sequence[float], ops: Sequence[KernelOp], peak: Any = None, comm: CommContext | None = None
+) -> list[OpRow]:
     """One row per (category, op, layer): calls, kernels, time, and the calls' summed cost and roofline
-    position (against `peak`, a `roofline.DevicePeak`) where `roofline` knows the op."""
+    position (against `peak`, a `roofline.DevicePeak`) where `roofline` knows the op; communication rows
+    get their collective's bytes and bandwidths instead (`collectives`, with `comm`)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
         groups[(op.category, op.op, op.layer)].append(i)
@@ -147,10 +176,50 @@ def op_rows(durations: Sequence[float], ops: Sequence[KernelOp], peak: Any = Non
     for (category, name, layer), idx in groups.items():
         calls = {ops[i].call: ops[i].shapes for i in idx if ops[i].call is not None}
         row = OpRow(category, name, layer, len(calls) or len(idx), len(idx), sum(durations[i] for i in idx))
-        if roofline is not None and calls:
+        if category == cats.COMM:
+            _add_comm(row, list(calls.values()), comm or CommContext(None))
+        elif roofline is not None and calls:
             _add_cost(row, roofline, list(calls.values()), peak)
         rows.append(row)
     return sorted(rows, key=lambda r: (-r.gpu_us, r.category, r.op, str(r.layer)))
+
+
+def _add_comm(row: OpRow, shapes: list[TraceEvent | None], comm: CommContext) -> None:
+    """Collective, bytes and bandwidths of a communication row (rule in `collectives`)."""
+    row.collective = comms.kind_of(row.op, shapes[0].args if shapes and shapes[0] is not None else None)
+    row.world_size = comm.world_size
+    if row.collective is None or not shapes:
+        return
+    per_call = []
+    for e in shapes:
+        ranges = [] if e is None else [r for r in (_pg_range(e, row.collective, comm),) if r is not None]
+        per_call.append(
+            None if e is None else comms.call_bytes(row.collective, [e, *ranges], comm.world_size)
+        )
+    stat = comms.comm_stat(row.collective, per_call, row.gpu_us, comm.world_size)
+    row.bytes, row.alg_gbps, row.bus_gbps = stat.bytes, stat.alg_gbps, stat.bus_gbps
+
+
+def _pg_range(op: TraceEvent, kind: str, comm: CommContext) -> TraceEvent | None:
+    """The process group's range of one call (`nccl:all_reduce`, `gloo:all_gather`, which carry the
+    shapes): the first range of the same collective starting at or after the op, on any thread (gloo runs
+    it on a worker thread, possibly after the c10d op returned)."""
+    return next(
+        (r for r in comm.ranges if r is not op and r.ts >= op.ts and comms.kind_of(r.name, r.args) == kind),
+        None,
+    )
+
+
+def comm_notes(rows: Sequence[OpRow]) -> list[str]:
+    """One line per communication row: what it moved and at what algorithm and bus bandwidth."""
+    out = []
+    for r in rows:
+        if r.category != cats.COMM:
+            continue
+        kind = r.collective or "collective of unknown kind"
+        stat = comms.CommStat(kind, r.calls, r.bytes, r.world_size, r.alg_gbps, r.bus_gbps)
+        out.append(f"communication {r.op}: {stat.note if r.collective else kind}")
+    return out
 
 
 def _add_cost(row: OpRow, roofline: ModuleType, shapes: list[TraceEvent | None], peak: Any) -> None:

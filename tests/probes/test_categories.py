@@ -34,6 +34,30 @@ from looptrace.probes import categories as cats
         (["triton_poi_fused_0"], "triton_poi_fused_0", "elementwise", 0),
         ([], "Memcpy DtoD (Device -> Device)", "copy/cast", None),
         ([], "mystery", "other", None),
+        # collectives are communication, never a compute reduce or a copy (names: probes/collectives.py)
+        ([], "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication",
+         None),
+        ([], "ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclWorkElem)", "communication", None),
+        ([], "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+         "communication", None),
+        (["c10d::allreduce_", "record_param_comms"], "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)",
+         "communication", 1),
+        (["nccl:all_reduce"], "k", "communication", 0),
+        (["vllm::all_reduce"], "void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(...)",
+         "communication", 0),
+        # vision ops (names from an eager timesformer/ViT trace on an H100, ATen's CUDA kernels)
+        (["aten::layer_norm", "aten::native_layer_norm"],
+         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(...)",
+         "LayerNorm", 1),
+        (["aten::conv3d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution"],
+         "sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_ndhwckrsc_ndhwc_tilesize128x128x32", "convolution",
+         3),
+        ([], "sm80_xmma_fprop_implicit_gemm_indexed_f32f32_tf32f32_f32_nhwckrsc_nchw", "convolution", None),
+        (["aten::upsample_bilinear2d"],
+         "void at::native::(anonymous namespace)::upsample_bilinear2d_out_frame<float, float>(...)",
+         "interpolation", 0),
+        (["aten::group_norm", "aten::native_group_norm"], "k", "normalization", 1),
+        (["aten::rms_norm"], "k", "RMSNorm", 0),
     ],
 )  # fmt: skip
 def test_categorize(ancestry: list[str], kernel: str, category: str, decided_by: int | None) -> None:
@@ -65,3 +89,29 @@ def test_looptrace_triton_kernels_by_name():
     assert cats.kernel_category("_rope_half_write_kernel") == "RoPE"
     assert cats.kernel_category("_write_kv_kernel") == "KV write"
     assert cats.kernel_category("_silu_mul_kernel") == "activation"
+
+
+def test_vision_ops_recorded_on_cpu(tmp_path) -> None:
+    """A small conv + LayerNorm + upsample model recorded by torch.profiler: each op is named for what it
+    is (not RMSNorm, elementwise or sampling, as an H100 timesformer trace was labelled)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from looptrace.probes.counters import analyze
+    from looptrace.probes.events import load_chrome_trace
+
+    conv, norm = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.LayerNorm(8)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y = norm(conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        torch.nn.functional.interpolate(y, scale_factor=2, mode="bilinear")
+    prof.export_chrome_trace(str(tmp_path / "vision.json"))
+    a = analyze(load_chrome_trace(tmp_path / "vision.json"))
+    found = {r.category for r in a.categories}
+    assert {"convolution", "LayerNorm", "interpolation"} <= found
+    assert not found & {"RMSNorm", "sampling"}
+    by_op = {r.op: r.category for r in a.ops}
+    assert by_op["aten::upsample_bilinear2d"] == "interpolation"
+    assert [c for op, c in by_op.items() if "conv" in op] and all(
+        c == "convolution" for op, c in by_op.items() if "conv" in op
+    )
