@@ -35,6 +35,11 @@ NORM = "normalization"  # batch, group and instance norm
 CONV = "convolution"
 INTERPOLATION = "interpolation"
 COMM = "communication"
+# Device operations that are not kernels: their own rows, so that kernel rows add up to the kernel count
+# (a cuBLAS workspace memset under aten::mm is not a GEMM kernel).
+MEMCPY = "memcpy"
+MEMSET = "memset"
+MEMORY = (MEMCPY, MEMSET)
 ROPE = "RoPE"
 ACTIVATION = "activation"
 MOE = "MoE"
@@ -46,7 +51,7 @@ REDUCE = "reduce"
 OTHER = "other"
 CATEGORIES = (
     GEMM, ATTENTION, KV_WRITE, RMSNORM, LAYERNORM, NORM, ROPE, ACTIVATION, MOE, MOE_ROUTING, SAMPLING, CONV,
-    INTERPOLATION, COMM, COPY, ELEMENTWISE, REDUCE, OTHER,
+    INTERPOLATION, COMM, COPY, ELEMENTWISE, REDUCE, OTHER, MEMCPY, MEMSET,
 )  # fmt: skip
 
 # Composite ops: (category, pattern on the op name, lower-cased). Order matters: first match wins.

@@ -646,6 +646,10 @@ def _kernel_ops(
     graph replays through the capture traces; lt.op ranges set the category in looptrace's traces."""
     chains = ancestry_chains(events, [pos for _, pos in items])
     kops = [kernel_op(e.name, chain) for (e, _), chain in zip(items, chains, strict=True)]
+    for i, (e, _) in enumerate(items):  # memcpy / memset: their own category, the launching op's name
+        if e.cat in (cl.MEMCPY_CAT, cl.MEMSET_CAT):
+            kind = cats.MEMSET if e.cat == cl.MEMSET_CAT else cats.MEMCPY
+            kops[i] = KernelOp(kind, kops[i].op if kops[i].call is not None else kind, kops[i].layer)
     for i, cx in enumerate(ctx):  # kernels come first in `items`
         if cx.op is not None:
             ko = kops[i]

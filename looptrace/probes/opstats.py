@@ -41,11 +41,15 @@ class KernelOp:
 
 @dataclass
 class CategoryRow:
+    """Device time of one op category. Kernel categories count kernels (their sum is the report's kernel
+    count); the `memcpy` and `memset` rows count those operations (events), which are not kernels."""
+
     category: str
     kernels: int
     gpu_us: float
-    share: float  # % of the device time of the window
+    share: float  # % of the device time of the window (kernels + memcpy + memset)
     per_token_us: float
+    events: int = 0  # kernels, or memcpys / memsets in those two rows
 
 
 @dataclass
@@ -137,7 +141,10 @@ def category_rows(durations: Sequence[float], ops: Sequence[KernelOp], tokens: i
         acc[op.category][0] += 1
         acc[op.category][1] += dur
     total = sum(durations) or 1.0
-    rows = [CategoryRow(cat, int(n), us, 100.0 * us / total, us / tokens) for cat, (n, us) in acc.items()]
+    rows = [
+        CategoryRow(cat, 0 if cat in cats.MEMORY else int(n), us, 100.0 * us / total, us / tokens, int(n))
+        for cat, (n, us) in acc.items()
+    ]
     return sorted(rows, key=lambda r: (-r.gpu_us, r.category))
 
 

@@ -250,17 +250,30 @@ def sites_table(analysis: Analysis) -> Table:
 
 
 def category_table(analysis: Analysis) -> Table | None:
-    """Device time per op category (kernels, copies and memsets), share and per token."""
+    """Device time per op category, share and per token. Kernel rows count kernels (they add up to the
+    kernels counter); memcpy and memset rows count those operations; the title says what it holds."""
     if not analysis.categories:
         return None
     c = analysis.counters
-    table = Table(title=f"{_time_header(c.mode)} time by op category", title_justify="left")
+    kernels = sum(r.kernels for r in analysis.categories)
+    held = [f"{kernels:,} {'kernels' if c.mode == 'gpu' else 'leaf CPU ops'}"]
+    held += [
+        f"{r.events:,} {r.category}{'s' if r.events != 1 else ''}"
+        for r in analysis.categories
+        if r.category in ("memcpy", "memset")
+    ]
+    title = f"{_time_header(c.mode)} time by op category ({' + '.join(held)})"
+    table = Table(title=title, title_justify="left")
     table.add_column("category")
     for header in ("Instances", "share %", f"{_time_header(c.mode)} µs", "µs/tok"):
         table.add_column(header, justify="right")
     for r in analysis.categories:
         table.add_row(
-            r.category, f"{r.kernels:,}", _fmt(r.share, 1), _fmt(r.gpu_us, 1), _fmt(r.per_token_us, 2)
+            r.category,
+            f"{r.events or r.kernels:,}",
+            _fmt(r.share, 1),
+            _fmt(r.gpu_us, 1),
+            _fmt(r.per_token_us, 2),
         )
     return table
 
@@ -479,8 +492,8 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             for p in analysis.phases
         ],
         "categories": [
-            {"category": r.category, "kernels": r.kernels, "gpu_us": r.gpu_us, "share": r.share,
-             "per_token_us": r.per_token_us}
+            {"category": r.category, "kernels": r.kernels, "events": r.events, "gpu_us": r.gpu_us,
+             "share": r.share, "per_token_us": r.per_token_us}
             for r in analysis.categories
         ],
         "ops": [dataclasses.asdict(r) for r in analysis.ops],

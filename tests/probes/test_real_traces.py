@@ -180,6 +180,16 @@ def test_h100_counts_leave_out_work_queued_before_profiling(h100) -> None:
     assert any(n.startswith("509 device events (13.74 ms) ran before the first launch") for n in h100.notes)
 
 
+def test_h100_category_rows_add_up_to_the_kernel_count(h100) -> None:
+    """One count: kernel rows sum to the 1,029 kernels; the 168 memsets (cuBLAS workspace, under aten::mm)
+    and the D2H copy are rows of their own, not GEMM or copy/cast kernels."""
+    rows = {r.category: r for r in h100.categories}
+    assert sum(r.kernels for r in h100.categories) == h100.counters.kernels == 1029
+    assert (rows["memset"].events, rows["memset"].kernels, rows["memcpy"].events) == (168, 0, 1)
+    assert rows["GEMM"].kernels == 169
+    assert sum(r.gpu_us for r in h100.categories) == pytest.approx(h100.counters.gpu_us)
+
+
 def test_h100_timeline_matches_tracelens(h100) -> None:
     c = h100.counters
     assert within(c.gpu_busy_us, 31_910.0) and within(c.wall_us, 34_890.0)  # TraceLens: 31.91 / 34.89 ms
