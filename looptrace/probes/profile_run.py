@@ -132,14 +132,15 @@ def profile_sides(
 
 
 def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, Any]:
-    from looptrace.probes.report import to_dict
+    from looptrace.probes.report import label_time_keys, to_dict
 
     windows = {}
     for name, run in result.windows.items():
         analysis = result.analyses[name]
         windows[name] = {"engine": vars(run), "analysis": analysis, "report": to_dict(analysis, {})}
     if roofline is not None:
-        windows["decode"]["report"]["roofline"] = roofline
+        mode = result.analyses["decode"].counters.mode
+        windows["decode"]["report"]["roofline"] = label_time_keys(roofline, mode)  # CPU: cpu_op_ twins
     return {
         "header": header,
         "windows": windows,

@@ -95,6 +95,31 @@ def _time_header(mode: str) -> str:
     return "GPU" if mode == "gpu" else "CPU op"
 
 
+TIME_MEASURED = {
+    "gpu": "GPU time: kernels, memcpy and memset on the device timeline",
+    "cpu": "CPU op time: leaf CPU ops (the trace has no kernel events)",
+}
+# JSON keys that hold the measured time. They say `gpu_` whatever the mode; in CPU mode each also gets a
+# `cpu_op_` twin with the same value, and the `gpu_` one stays for one release (see README, JSON output).
+_GPU_TIME_KEYS = ("gpu_us", "gpu_us_per_token")
+
+
+def label_time_keys(data: Any, mode: str) -> Any:
+    """`data` (dicts and lists, in place) with a `cpu_op_us` twin beside every `gpu_us` key (and
+    `cpu_op_us_per_token` beside `gpu_us_per_token`) when the time measured is CPU op time."""
+    if mode == "gpu":
+        return data
+    if isinstance(data, dict):
+        for key in [k for k in data if k in _GPU_TIME_KEYS]:
+            data[key.replace("gpu_", "cpu_op_", 1)] = data[key]
+        for value in data.values():
+            label_time_keys(value, mode)
+    elif isinstance(data, list):
+        for item in data:
+            label_time_keys(item, mode)
+    return data
+
+
 # --- tables ---------------------------------------------------------------------------------------------
 
 
@@ -284,7 +309,8 @@ def phase_table(analysis: Analysis) -> Table | None:
         return None
     table = Table(title="Engine steps by phase", title_justify="left")
     table.add_column("phase")
-    for header in ("steps", "tokens", "unit", "GPU ms", "GPU µs/token"):
+    time = _time_header(analysis.counters.mode)
+    for header in ("steps", "tokens", "unit", f"{time} ms", f"{time} µs/token"):
         table.add_column(header, justify="right")
     for p in analysis.phases:
         per = _fmt(p.per_token_us, 2) if p.per_token_us is not None else "–"
@@ -448,7 +474,7 @@ def _kernel_dicts(stats: Sequence[KernelStat]) -> list[dict[str, Any]]:
 
 def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
     c, b = analysis.counters, analysis.breakdown
-    return {
+    data = {
         "schema": SCHEMA,
         "tool": {"name": "looptrace", "version": tool_version()},
         "header": header,
@@ -501,6 +527,8 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
         "findings": [f.to_dict() for f in find(analysis)],
         "notes": analysis.notes,
     }  # fmt: skip
+    data["time_measured"] = TIME_MEASURED.get(c.mode, c.mode)
+    return label_time_keys(data, c.mode)
 
 
 def _replay_dict(analysis: Analysis) -> dict[str, Any] | None:

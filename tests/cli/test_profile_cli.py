@@ -320,3 +320,14 @@ def test_compare_csv_has_both_windows() -> None:
     for window in ("decode", "prefill"):
         a, b = float(rows[window, "kernels"][2]), float(rows[window, "kernels"][3])
         assert 0 < b < a  # 2 loops instead of 4, in decode and in prefill
+
+
+def test_cpu_profile_json_labels_cpu_op_time(profiled) -> None:
+    """On CPU the measured time is CPU op time: every `gpu_us` has a `cpu_op_us` twin (kept for one
+    release), the roofline's per-token time too, and the report says what it measured."""
+    data, _, _ = profiled
+    decode = data["windows"]["decode"]
+    assert decode["mode"] == "cpu" and decode["time_measured"].startswith("CPU op time")
+    assert decode["totals"]["cpu_op_us"] == decode["totals"]["gpu_us"] > 0
+    rows = decode["roofline"]["rows"]
+    assert rows and all(r["cpu_op_us_per_token"] == r["gpu_us_per_token"] for r in rows)
