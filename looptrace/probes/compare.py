@@ -3,6 +3,12 @@
 Each side is reduced to the `trace analyze --format json` shape (`looptrace.probes.report.to_dict`), so a
 saved report and a raw trace compare the same way. Rows: the totals, the op categories and the ops (category
 × op × layer), per token of each side, with the ratio B/A of the per-token values (null where A is 0).
+
+Like with like: each side's per-token divisor has a unit (`token_unit`: output tokens of decode steps,
+prompt tokens of prefill steps, tokens of mixed steps, steps, or none). Where the units differ, the B/A
+ratios divide different things (a prefill's per-prompt-token time against a decode's per-output-token
+time): the comparison says so in a WARNING note and in `same_unit`, and the `phases` rows compare what is
+alike, each engine phase per its own token, where both sides have that phase.
 """
 
 from __future__ import annotations
@@ -264,6 +270,61 @@ def op_rows(
     return rows
 
 
+OUTPUT_TOKEN, PROMPT_TOKEN, MIXED_TOKEN = "output token", "prompt token", "token of mixed steps"
+STEP, WINDOW = "step", "window (no token count)"
+
+
+def token_unit(report: dict[str, Any]) -> str:
+    """What one "token" of a report's per-token values is: from its engine phases where it has them,
+    else from where its token count came from (`tokens_source`) and its window."""
+    phases = {p.get("phase") for p in report.get("phases") or [] if isinstance(p, dict) and p.get("steps")}
+    if phases == {"decode"}:
+        return OUTPUT_TOKEN
+    if phases == {"prefill"}:
+        return PROMPT_TOKEN
+    if phases:
+        return MIXED_TOKEN
+    source = str(report.get("tokens_source") or "").lower()
+    window = str(report.get("window") or "").lower()
+    if "output tokens" in source:
+        return OUTPUT_TOKEN
+    if "prompt tokens" in source:
+        return PROMPT_TOKEN
+    if "token markers" in source:
+        return PROMPT_TOKEN if "prefill" in window else OUTPUT_TOKEN
+    if "step-marker" in source:
+        return STEP
+    if source.startswith("given"):
+        return "token (given)"
+    return WINDOW
+
+
+def phase_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Like with like: each engine phase both sides have, device time per token of that phase's unit."""
+
+    def by_phase(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {p["phase"]: p for p in report.get("phases") or [] if isinstance(p, dict) and "phase" in p}
+
+    pa, pb = by_phase(a), by_phase(b)
+    rows = []
+    for phase in (k for k in pa if k in pb):
+        ia, ib = pa[phase], pb[phase]
+        va, vb = _num(ia.get("per_token_us")), _num(ib.get("per_token_us"))
+        rows.append(
+            {
+                "section": "phases",
+                "key": phase,
+                "unit": ia.get("unit"),
+                "a_total": _num(ia.get("gpu_us")) or 0.0,
+                "b_total": _num(ib.get("gpu_us")) or 0.0,
+                "a_per_token": va,
+                "b_per_token": vb,
+                "ratio": _ratio(va, vb),
+            }
+        )
+    return rows
+
+
 def _run_info(label: str, path: Path, report: dict[str, Any], source: str) -> dict[str, Any]:
     device = report.get("device")
     return {
@@ -271,6 +332,7 @@ def _run_info(label: str, path: Path, report: dict[str, Any], source: str) -> di
         "path": str(path),
         "source": source,
         "tokens": report.get("tokens"),
+        "token_unit": token_unit(report),
         "tokens_source": report.get("tokens_source"),
         "mode": report.get("mode"),
         "window": report.get("window"),
@@ -295,14 +357,26 @@ def compare_reports(
             notes.append(f"{label}: no 'categories' rows in its report; its by-op breakdown stands in")
         if not isinstance(report.get("ops"), list):
             notes.append(f"{label}: no 'ops' rows in its report; its top kernels by time stand in")
+    units = (token_unit(a), token_unit(b))
+    same_unit = units[0] == units[1]
+    phases = phase_rows(a, b)
+    if not same_unit:
+        like = "; the phases rows compare like with like" if phases else ""
+        notes.insert(
+            0,
+            f"WARNING: per-token units differ ({labels[0]}: per {units[0]}, {labels[1]}: per {units[1]}): "
+            f"the B/A ratios divide different things{like}",
+        )
     return {
         "schema": SCHEMA,
         "tool": {"name": "looptrace", "version": looptrace.__version__},
         "labels": list(labels),
         "runs": [_run_info(*run) for run in zip(labels, paths, (a, b), sources)],
+        "same_unit": same_unit,
         "totals": totals_rows(a, b),
         "categories": category_rows(a, b),
         "ops": op_rows(a, b, top, by_layer),
+        "phases": phases,
         "notes": notes,
     }
 
@@ -323,26 +397,32 @@ def _v(x: float | None, decimals: int = 2) -> str:
 
 def render_tables(data: dict[str, Any], console: Any) -> None:
     """The comparison as Rich tables: runs, totals, op categories and ops, then the notes."""
+    from rich.markup import escape
+
     la, lb = data["labels"]
     console.print(_runs_table(data["runs"]))
-    console.print(_totals_table(data["totals"], la, lb))
+    console.print(_totals_table(data["totals"], la, lb, data.get("same_unit", True)))
     console.print(_categories_table(data["categories"], la, lb))
     console.print(_ops_table(data["ops"], la, lb))
+    if data.get("phases"):
+        console.print(_phases_table(data["phases"], la, lb))
     for note in data["notes"]:
-        console.print(f"note: {note}")
+        style = "bold yellow" if note.startswith("WARNING") else None
+        console.print(f"note: {escape(note)}", style=style)
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="runs", title_justify="left")
-    for col in ("", "path", "tokens", "tokens from", "window", "device"):
+    for col in ("", "path", "tokens", "per", "tokens from", "window", "device"):
         table.add_column(col)
     for r in runs:
         table.add_row(
             r["label"],
             r["path"],
             str(r["tokens"]),
+            str(r.get("token_unit") or "–"),
             str(r["tokens_source"] or "–"),
             str(r["window"] or "–"),
             str(r["device"] or "–"),
@@ -350,10 +430,11 @@ def _runs_table(runs: list[dict[str, Any]]) -> Any:
     return table
 
 
-def _totals_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
+def _totals_table(rows: list[dict[str, Any]], la: str, lb: str, same_unit: bool = True) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{lb} vs {la}: totals per token", title_justify="left")
+    units = "" if same_unit else " (per-token units differ: see the note)"
+    table = Table(title=f"{lb} vs {la}: totals per token{units}", title_justify="left")
     for col, just in (
         ("counter", "left"),
         (f"{la} /tok", "right"),
@@ -380,6 +461,19 @@ def _categories_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
             _v(r["b_per_token"]),
             _v(r["b_share"], 1),
             _ratio_text(r),
+        )
+    return table
+
+
+def _phases_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{lb} vs {la}: engine phases, like with like", title_justify="left")
+    for col in ("phase", "per", f"{la} µs/tok", f"{lb} µs/tok", "B/A"):
+        table.add_column(col, justify="left" if col in ("phase", "per") else "right")
+    for r in rows:
+        table.add_row(
+            r["key"], str(r["unit"] or "–"), _v(r["a_per_token"]), _v(r["b_per_token"]), _ratio_text(r)
         )
     return table
 
@@ -421,6 +515,6 @@ def to_csv(data: dict[str, Any]) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    for section in ("totals", "categories", "ops"):
-        writer.writerows(data[section])
+    for section in ("totals", "categories", "ops", "phases"):
+        writer.writerows(data.get(section) or [])
     return buf.getvalue()

@@ -156,3 +156,58 @@ def test_missing_file_truncated_gzip_and_bad_options(tmp_path):
     assert_one_line_error(invoke(ok, ok, "--device", "tpu-v9"), "unknown device")
     assert_one_line_error(invoke(ok, ok, "-o", ok), "ok.json")  # the output would replace input A
     assert_one_line_error(invoke(ok, ok, "--capture-a", tmp_path), "execution_details.json")
+
+
+def _phased(phase: str, unit: str, tokens: int, gpu_us: float, source: str) -> dict:
+    return {
+        "tokens": tokens,
+        "tokens_source": source,
+        "totals": {"kernels": 100, "gpu_us": gpu_us},
+        "categories": [{"category": "GEMM", "gpu_us": gpu_us}],
+        "ops": [],
+        "phases": [
+            {
+                "phase": phase,
+                "steps": 1,
+                "tokens": tokens,
+                "unit": unit,
+                "gpu_us": gpu_us,
+                "per_token_us": gpu_us / tokens,
+            }
+        ],  # fmt: skip
+    }
+
+
+def test_different_token_units_are_said_and_phases_compare_like_with_like():
+    """A prefill (per prompt token) against a decode (per output token): the ratios divide different
+    things, which the comparison says; a decode against a decode compares like with like."""
+    prefill = _phased("prefill", "prompt token", 512, 5_000.0, "… 512 prompt tokens (context rows) …")
+    decode = _phased("decode", "output token", 32, 1_000.0, "… 32 output tokens (generation rows) …")
+    paths = (Path("a"), Path("b"))
+    data = compare_reports(decode, prefill, ("dec", "pre"), paths)
+    assert data["same_unit"] is False
+    assert [r["token_unit"] for r in data["runs"]] == ["output token", "prompt token"]
+    assert data["notes"][0].startswith(
+        "WARNING: per-token units differ (dec: per output token, pre: per prompt"
+    )
+    assert data["phases"] == []  # no phase on both sides
+    other = _phased("decode", "output token", 64, 4_000.0, "… 64 output tokens (generation rows) …")
+    other["phases"].append({"phase": "prefill", "steps": 1, "tokens": 10, "unit": "prompt token",
+                            "gpu_us": 100.0, "per_token_us": 10.0})  # fmt: skip
+    like = compare_reports(decode, other, ("a", "b"), paths)
+    assert like["same_unit"] is False  # a decode-only window against prefill + decode steps
+    (phase,) = like["phases"]
+    assert (phase["key"], phase["unit"], phase["a_per_token"], phase["b_per_token"]) == (
+        "decode", "output token", 1_000.0 / 32, 4_000.0 / 64)  # fmt: skip
+    assert phase["ratio"] == pytest.approx(2.0)
+    same = compare_reports(decode, _phased("decode", "output token", 8, 80.0, "x"), ("a", "b"), paths)
+    assert same["same_unit"] is True and not any(n.startswith("WARNING") for n in same["notes"])
+
+
+def test_real_decode_against_prefill_warns():
+    replay = TRACES / "vllm_decode_full" / "graph_execution.json.gz"
+    _need(replay, SGLANG)
+    result = invoke(replay, SGLANG, "--top", "3")
+    assert result.exit_code == 0, result.output
+    assert "per-token units differ" in result.stdout
+    assert "A: per output token, B: per prompt token" in " ".join(result.stdout.split())
