@@ -507,6 +507,7 @@ def analyze(
         op_ctx = op_ctx + replay_ops
     device_items = kernels + memory
     kops, op_notes = _kernel_ops(events, device_items, kernel_ctx, graph_corr, captures, engine_steps)
+    _attach_kv(kops, device_items, engine_steps)
     if not ranges:  # CPU traces too: their leaf cpu_ops have categories from `_kernel_ops`
         hints = {"loops": loops, "layers_per_loop": layers_per_loop}
         kernel_ctx, loop_note = _foreign_contexts(kops[:n_k], kernels, engine_steps, hints)
@@ -700,6 +701,17 @@ def _attribute_foreign_replays(
     if differ:
         note += f" ({differ} kernel names differ from the capture's)"
     return [note]
+
+
+def _attach_kv(kops: list[KernelOp], items: list[tuple[TraceEvent, Position]], steps: list[st.Step]) -> None:
+    """Give each attention kernel the KV length (keys, pairs) of the engine step that launched it, where
+    the step annotation says: the cost of a paged attention op (`opstats._cost`)."""
+    for i, (_, (_, t)) in enumerate(items):
+        if kops[i].category != cats.ATTENTION:
+            continue
+        step = next((s for s in steps if s.event.ts <= t < s.event.end), None)
+        if step is not None and step.keys is not None:
+            kops[i] = dataclasses.replace(kops[i], kv=(step.keys, step.pairs))
 
 
 def _step_rows(steps: list[st.Step], t: float) -> int | None:

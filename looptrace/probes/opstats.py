@@ -37,6 +37,8 @@ class KernelOp:
     layer: int | str | None = None  # a module's layer index; looptrace's own traces: the lt.layer name
     call: Hashable | None = None  # one instance of `op`; None when the kernel name decided
     shapes: TraceEvent | None = None  # the CPU op whose recorded shapes give the call's cost
+    # (keys, pairs) of the engine step that launched it: what a paged attention op reads and computes
+    kv: tuple[int, int | None] | None = None
 
 
 @dataclass
@@ -175,20 +177,32 @@ def op_rows(
     """One row per (category, op, layer): calls, kernels, time, and the calls' summed cost and roofline
     position (against `peak`, a `roofline.DevicePeak`) where `roofline` knows the op; communication rows
     get their collective's bytes and bandwidths instead (`collectives`, with `comm`)."""
+    roofline = _roofline()
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
-        groups[(op.category, op.op, op.layer)].append(i)
-    roofline = _roofline()
+        groups[(op.category, op.op, op.layer, _shape(roofline, op))].append(i)
     rows = []
-    for (category, name, layer), idx in groups.items():
-        calls = {ops[i].call: ops[i].shapes for i in idx if ops[i].call is not None}
+    for (category, name, layer, shape), idx in groups.items():
+        calls = {ops[i].call: ops[i] for i in idx if ops[i].call is not None}
         row = OpRow(category, name, layer, len(calls) or len(idx), len(idx), sum(durations[i] for i in idx))
+        row.shape = shape
         if category == cats.COMM:
-            _add_comm(row, list(calls.values()), comm or CommContext(None))
+            _add_comm(row, [k.shapes for k in calls.values()], comm or CommContext(None))
         elif roofline is not None and calls:
             _add_cost(row, roofline, list(calls.values()), peak)
         rows.append(row)
-    return sorted(rows, key=lambda r: (-r.gpu_us, r.category, r.op, str(r.layer)))
+    return sorted(rows, key=lambda r: (-r.gpu_us, r.category, r.op, str(r.layer), r.shape or ""))
+
+
+# Rows of these categories are split by the calls' shapes: one GEMM op runs several shapes in a model
+# (qkv, out, gate-up, down projections), each at its own place on the roofline.
+SHAPED_CATEGORIES = (cats.GEMM, cats.ATTENTION)
+
+
+def _shape(roofline: ModuleType | None, op: KernelOp) -> str | None:
+    if roofline is None or op.shapes is None or op.category not in SHAPED_CATEGORIES:
+        return None
+    return roofline.shape_label(op.shapes.name, op.shapes.args.get("Input Dims"))
 
 
 def _add_comm(row: OpRow, shapes: list[TraceEvent | None], comm: CommContext) -> None:
@@ -229,14 +243,15 @@ def comm_notes(rows: Sequence[OpRow]) -> list[str]:
     return out
 
 
-def _add_cost(row: OpRow, roofline: ModuleType, shapes: list[TraceEvent | None], peak: Any) -> None:
+def _add_cost(row: OpRow, roofline: ModuleType, calls: list[KernelOp], peak: Any) -> None:
     """Sum the calls' costs; the row gets them only when every call has one (a partial sum would
     understate the floor)."""
     flops = nbytes = 0.0
     dtypes: Counter[str] = Counter()
     first = None
-    for e in shapes:
-        cost = _cost(roofline, e)
+    for call in calls:
+        e = call.shapes
+        cost = _cost(roofline, e, call.kv if call.category == cats.ATTENTION else None)
         if cost is None:
             return
         first = first or cost
@@ -254,11 +269,16 @@ def _add_cost(row: OpRow, roofline: ModuleType, shapes: list[TraceEvent | None],
     row.pct_of_peak, row.bound = got.pct_of_peak, got.bound
 
 
-def _cost(roofline: ModuleType, e: TraceEvent | None) -> Any:
+def _cost(roofline: ModuleType, e: TraceEvent | None, kv: tuple[int, int | None] | None = None) -> Any:
+    """A call's cost from its recorded shapes; an attention op the table does not know (vLLM's paged
+    attention) from its q/k shapes and the step's KV length `kv`, where the annotation gives it."""
     if e is None:
         return None
     dims, types = e.args.get("Input Dims"), e.args.get("Input type")
     if not isinstance(dims, list) or not isinstance(types, list):
         return None
     concrete = e.args.get("Concrete Inputs")
-    return roofline.op_cost(e.name, dims, types, concrete if isinstance(concrete, list) else None)
+    cost = roofline.op_cost(e.name, dims, types, concrete if isinstance(concrete, list) else None)
+    if cost is None and kv is not None and kv[1] is not None:
+        cost = roofline.paged_attention_cost(dims, types, kv[0], kv[1])
+    return cost

@@ -325,11 +325,11 @@ def _sum_opt(values: list[float | None]) -> float | None:
 def ops_by_name(rows: Sequence[OpRow]) -> list[dict[str, Any]]:
     """Op rows summed over layers (the table's view): time, calls, layers, and the roofline position of
     the summed cost where every layer's row has one."""
-    groups: dict[tuple[str, str], list[OpRow]] = {}
+    groups: dict[tuple[str, str, str | None], list[OpRow]] = {}
     for r in rows:
-        groups.setdefault((r.category, r.op), []).append(r)
+        groups.setdefault((r.category, r.op, r.shape), []).append(r)
     out = []
-    for (category, op), rs in groups.items():
+    for (category, op, shape), rs in groups.items():
         us = sum(r.gpu_us for r in rs)
         nbytes, flops = _sum_opt([r.bytes for r in rs]), _sum_opt([r.flops for r in rs])
         pcts = [r.pct_of_peak for r in rs]
@@ -339,7 +339,8 @@ def ops_by_name(rows: Sequence[OpRow]) -> list[dict[str, Any]]:
             else sum((p or 0) * r.gpu_us for p, r in zip(pcts, rs, strict=True)) / (us or 1)
         )
         out.append({
-            "category": category, "op": op, "layers": len({r.layer for r in rs if r.layer is not None}),
+            "category": category, "op": op, "shape": shape,
+            "layers": len({r.layer for r in rs if r.layer is not None}),
             "calls": sum(r.calls for r in rs), "kernels": sum(r.kernels for r in rs), "gpu_us": us,
             "bytes": nbytes, "flops": flops,
             "achieved_tbps": nbytes / us / 1e6 if nbytes is not None and us else None,
@@ -360,6 +361,7 @@ def ops_table(analysis: Analysis) -> Table | None:
     table = Table(title=title, title_justify="left")
     table.add_column("category")
     table.add_column("op", max_width=48, overflow="ellipsis", no_wrap=True)
+    table.add_column("shape", max_width=20, overflow="ellipsis", no_wrap=True)
     for header in (
         "layers",
         "calls",
@@ -375,7 +377,7 @@ def ops_table(analysis: Analysis) -> Table | None:
     for d in ops_by_name(analysis.ops)[:OPS_SHOWN]:
         calls = d["calls"] or 1
         table.add_row(
-            d["category"], d["op"], str(d["layers"] or "–"), f"{d['calls']:,}",
+            d["category"], d["op"], d["shape"] or "", str(d["layers"] or "–"), f"{d['calls']:,}",
             _fmt(d["gpu_us"] / c.tokens, 2), _opt(d["bytes"], 1e-6 / calls, 2),
             _opt(d["flops"], 1e-9 / calls, 2), _opt(d["achieved_tbps"], 1, 2),
             _opt(d["achieved_tflops"], 1, 1), _opt(d["pct_of_peak"], 1, 0), d["bound"] or "–",

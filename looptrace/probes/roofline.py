@@ -560,6 +560,51 @@ def op_cost(
         return None  # a schema other than the one the rule expects: unknown rather than wrong
 
 
+# GEMM ops whose (M, N, K) the shape label gives: name -> (index of A[M,K], index of B, B is [N,K]?)
+_GEMM_OPERANDS = {
+    "aten::mm": (0, 1, False), "aten::addmm": (1, 2, False), "aten::_scaled_mm": (0, 1, False),
+    "aten::linear": (0, 1, True), "aten::bmm": (0, 1, False), "aten::baddbmm": (1, 2, False),
+}  # fmt: skip
+_BATCHED = ("aten::bmm", "aten::baddbmm")
+
+
+def shape_label(op_name: str, input_dims: Any) -> str | None:
+    """A call's shape, to split an op's rows by shape: `M×N×K` for a GEMM (`B×M×N×K` batched), else the
+    first two tensor inputs' dims (attention's q and k: `32×64×64, 32×8×64`); None without shapes."""
+    if not isinstance(input_dims, list):
+        return None
+    tensors = [d for d in input_dims if isinstance(d, list) and d and all(isinstance(x, int) for x in d)]
+    where = _GEMM_OPERANDS.get(op_name)
+    if where is not None and len(input_dims) > max(where[:2]):
+        a, b = input_dims[where[0]], input_dims[where[1]]
+        if isinstance(a, list) and isinstance(b, list) and len(a) >= 2 and len(b) >= 2:
+            batched = op_name in _BATCHED and len(a) == 3
+            m, k = a[1] if batched else math.prod(a[:-1]), a[-1]
+            n = b[-2] if where[2] else b[-1]
+            batch = f"{a[0]}×" if batched else ""
+            return f"{batch}{m}×{n}×{k}"
+    return ", ".join("×".join(map(str, d)) for d in tensors[:2]) or None  # attention: q and k
+
+
+def paged_attention_cost(input_dims: Any, input_types: Any, keys: int, pairs: int | None) -> OpCost | None:
+    """Cost of one paged-attention call (`vllm::unified_attention_with_output(q[T,Hq,D], k[T,Hkv,D],
+    v, out, …)`) whose K/V length the engine's step annotation gives: `keys` = KV positions the step's
+    rows read (sum of their context lengths: the annotation's `sk`), `pairs` = (query, key) pairs
+    (`sqsk`; a decode row's one query meets each of its keys once). Bytes: each key's K and V once per KV
+    head, plus q read and out written; FLOPs: 2·D per pair per query head for QKᵀ and as many for PV.
+    An upper bound on traffic for sliding-window layers, which read fewer keys than the annotation."""
+    if not isinstance(input_dims, list) or not isinstance(input_types, list) or len(input_dims) < 4:
+        return None
+    q, k = input_dims[0], input_dims[1]
+    size = DTYPE_BYTES.get(input_types[1] if len(input_types) > 1 else "", 0)
+    if size == 0 or not (isinstance(q, list) and isinstance(k, list) and len(q) == 3 and len(k) == 3):
+        return None
+    (_, hq, d), (_, hkv, _) = q, k
+    nbytes = keys * hkv * d * 2 * size + 2 * math.prod(q) * size
+    flops = 4.0 * hq * d * (pairs if pairs is not None else 0)
+    return OpCost(flops=flops, bytes=float(nbytes))
+
+
 def op_dtype(input_types: Sequence[str]) -> str | None:
     """The peak-table dtype ("bf16", "fp16", "fp32", "fp8") of an op's first floating tensor, else None."""
     for t in input_types:

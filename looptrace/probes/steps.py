@@ -32,7 +32,7 @@ VLLM_STEP = "execute_"  # prefix of the vLLM grammar (also the marker name repor
 SGLANG_STEP = "step["
 OLD_STEP_MARKERS = ("execute_model", "gpu_model_runner")
 
-_GROUP = r"\(sq(\d+)sk(\d+)sqsq\d+sqsk\d+\)"
+_GROUP = r"\(sq(\d+)sk(\d+)sqsq\d+sqsk(\d+)\)"
 _VLLM_RE = re.compile(rf"^execute_(\d+)_context_(\d+){_GROUP}_generation_(\d+){_GROUP}$")
 _OLD_GROUP = r"\((\d+)(?:_(\d+))?\)"
 _VLLM_OLD_RE = re.compile(rf"^execute_context_(\d+){_OLD_GROUP}_generation_(\d+){_OLD_GROUP}$")
@@ -54,6 +54,18 @@ class Step:
     # keys (KV-cache positions) read by the context / generation rows, where the annotation says
     prompt_keys: int | None = None
     output_keys: int | None = None
+    pairs: int | None = None  # (query, key) pairs attention computes in the step (`sqsk` summed)
+
+    @property
+    def keys(self) -> int | None:
+        """KV positions the step's rows read (their context lengths summed), where the annotation says."""
+        if self.prompt_keys is None and self.output_keys is None:
+            return None
+        if (self.prompt_keys is None and self.prompt_tokens) or (
+            self.output_keys is None and self.output_tokens
+        ):
+            return None  # one group's keys are missing
+        return (self.prompt_keys or 0) + (self.output_keys or 0)
 
     @property
     def phase(self) -> str:
@@ -67,13 +79,17 @@ def parse_step(e: TraceEvent) -> Step | None:
     """The step an annotation names, or None if its name follows neither grammar."""
     m = _VLLM_RE.match(e.name)
     if m:
-        ctx_rows, ctx_q, gen_rows, gen_q = int(m[2]), int(m[3]), int(m[5]), int(m[6])
-        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, int(m[4]), int(m[7]))
+        ctx_rows, ctx_q, gen_rows, gen_q = int(m[2]), int(m[3]), int(m[6]), int(m[7])
+        pairs = int(m[5]) + int(m[9])
+        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, int(m[4]), int(m[8]), pairs)
     m = _VLLM_OLD_RE.match(e.name)
     if m:
         ctx_rows, ctx_q, gen_rows, gen_q = int(m[1]), int(m[2]), int(m[4]), int(m[5])
         ctx_k, gen_k = (int(k) if k is not None else None for k in (m[3], m[6]))
-        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, ctx_k, gen_k)
+        # a generation row's one query meets each of its keys once; a context group's pairs are unknown
+        one_query = gen_k is not None and gen_q == gen_rows
+        pairs = gen_k if one_query and ctx_q == 0 else None
+        return Step(e, "vllm", ctx_q, gen_q, ctx_rows + gen_rows, ctx_k, gen_k, pairs)
     m = _SGLANG_RE.match(e.name)
     if m:
         fields = {k: int(v) for k, v in _KV_RE.findall(m[2])}
@@ -107,6 +123,7 @@ def engine_steps(events: Iterable[TraceEvent]) -> list[Step]:
                 outer.rows or s.rows,
                 outer.prompt_keys if outer.prompt_keys is not None else s.prompt_keys,
                 outer.output_keys if outer.output_keys is not None else s.output_keys,
+                outer.pairs if outer.pairs is not None else s.pairs,
             )
     return out
 

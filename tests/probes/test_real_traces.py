@@ -113,6 +113,28 @@ def test_vllm_categories_match_tracelens(vllm) -> None:
     assert 4.0 < share(vllm, "MoE routing") < 5.0
 
 
+def test_vllm_gemm_rows_per_shape(vllm) -> None:
+    """aten::addmm runs three shapes in each layer; each is its own roofline row (TraceLens: the
+    32×5120×2880 bf16 GEMM is memory-bound at about 35 % of the MI300X roofline; lumped, 25.8 %)."""
+    rows = {r.shape: r for r in vllm.ops if r.op == "aten::addmm"}
+    assert set(rows) == {"32×5120×2880", "32×2880×4096", "32×32×2880"}
+    assert all(r.calls == 24 and r.bound == "memory" for r in rows.values())
+    qkv = rows["32×5120×2880"]
+    assert qkv.flops == 24 * 2 * 32 * 5120 * 2880
+    assert abs(qkv.pct_of_peak - 35.2) <= 1.0
+
+
+def test_vllm_paged_attention_roofline_from_the_step_kv_length(vllm) -> None:
+    """vllm::unified_attention_with_output has no cost in the op table; its q/k shapes (32×64×64 and
+    32×8×64, bf16) and the step annotation's KV length (generation sk 55,086 keys over 32 rows) give it:
+    per layer, K and V of 55,086 positions × 8 heads × 64 × 2 B, plus q in and out."""
+    (attn,) = [r for r in vllm.ops if r.op == "vllm::unified_attention_with_output"]
+    per_call = 55_086 * 8 * 64 * 2 * 2 + 2 * 32 * 64 * 64 * 2
+    assert attn.calls == 24 and attn.bytes == 24 * per_call
+    assert attn.flops == 24 * 4 * 64 * 64 * 55_086
+    assert attn.bound == "memory" and 0 < attn.pct_of_peak < 100
+
+
 def test_vllm_capture_attributes_replayed_kernels(vllm) -> None:
     r = vllm.replays
     assert (r.kernels, r.attributed_share >= 95.0) == (421, True)

@@ -131,3 +131,36 @@ def test_device_override_and_unknown():
     assert DEVICES["h200-measured"].peak_tbps == 4.28
     assert DEVICES["mi300x"].tflops_for("fp8") == 2614.9
     assert DEVICES["a100-sxm"].tflops_for("fp8") == 312.0  # no FP8 on the A100: falls back to bf16
+
+
+def test_paged_attention_cost_from_kv_length() -> None:
+    """One decode call of 4 rows, 2 KV heads of 64 (8 query heads), bf16, 1,000 keys read in all."""
+    from looptrace.probes.roofline import paged_attention_cost
+
+    dims = [[4, 8, 64], [4, 2, 64], [4, 2, 64], [4, 8, 64], [], []]
+    types = ["c10::BFloat16"] * 4 + ["", ""]
+    cost = paged_attention_cost(dims, types, keys=1_000, pairs=1_000)
+    assert cost.bytes == 1_000 * 2 * 64 * 2 * 2 + 2 * 4 * 8 * 64 * 2  # K and V once, q in, out
+    assert cost.flops == 4 * 8 * 64 * 1_000  # QKᵀ and PV: 2·D per pair per query head each
+    assert paged_attention_cost([[4, 512]], ["c10::BFloat16"], 10, 10) is None  # no [T, H, D] shapes
+
+
+@pytest.mark.parametrize(
+    ("op", "dims", "label"),
+    [
+        ("aten::addmm", [[5120], [32, 2880], [2880, 5120], [], []], "32×5120×2880"),
+        ("aten::mm", [[32, 2880], [2880, 201088]], "32×201088×2880"),
+        ("aten::linear", [[4, 8, 16], [32, 16], [32]], "32×32×16"),
+        ("aten::bmm", [[2, 3, 4], [2, 4, 5]], "2×3×5×4"),
+        (
+            "vllm::unified_attention_with_output",
+            [[32, 64, 64], [32, 8, 64], [32, 8, 64], []],
+            "32×64×64, 32×8×64",
+        ),
+        ("aten::mm", None, None),
+    ],
+)
+def test_shape_labels(op, dims, label) -> None:
+    from looptrace.probes.roofline import shape_label
+
+    assert shape_label(op, dims) == label
