@@ -225,7 +225,8 @@ def _op_items(report: dict[str, Any], by_layer: bool = False) -> dict[tuple[str,
     items: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
         layer = r.get("layer") if by_layer else None
-        key = (str(r.get("category")), str(r.get("op")), "" if layer is None else str(layer))
+        op = str(r.get("op")) + (f" [{r['shape']}]" if r.get("shape") else "")  # GEMM/attention shapes apart
+        key = (str(r.get("category")), op, "" if layer is None else str(layer))
         item = items.setdefault(key, {"gpu_us": 0.0, "calls": 0, "floor_us": 0.0, "pct_of_peak": None})
         item["gpu_us"] += _num(r.get("gpu_us")) or 0.0
         item["calls"] += int(_num(r.get("calls")) or 0)

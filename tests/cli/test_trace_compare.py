@@ -128,6 +128,10 @@ def test_vllm_graph_replay_is_attributed_through_the_capture_folder_beside_it():
     data = json.loads(result.stdout)
     cats = {r["key"]: r for r in data["categories"]}
     assert cats["MoE"]["a_share"] > 50 and cats["MoE"]["ratio"] == 1.0  # TraceLens: MoE 67 %
+    # each GEMM shape is its own row, at its own place on the roofline
+    gemms = {r["op"]: r["a_pct_of_peak"] for r in data["ops"] if r["op"].startswith("aten::addmm")}
+    assert set(gemms) == {f"aten::addmm [{s}]" for s in ("32×5120×2880", "32×2880×4096", "32×32×2880")}
+    assert abs(gemms["aten::addmm [32×5120×2880]"] - 35.2) <= 1.0
     assert data["runs"][0]["device"] == "AMD Instinct MI300X"
 
 
