@@ -64,8 +64,8 @@ _COMPOSITE: tuple[tuple[str, re.Pattern[str]], ...] = (
     (LAYERNORM, re.compile(r"layer_?norm")),
     (NORM, re.compile(r"batch_?norm|group_?norm|instance_?norm")),
     (ROPE, re.compile(r"rotary|rope")),
-    # convolution ops: aten::conv1d/2d/3d, convolution, _convolution, cudnn_/mkldnn_/miopen_convolution
-    (CONV, re.compile(r"^aten::(conv\w*|_convolution\w*|\w+_convolution\w*)$|conv_transpose")),
+    # aten::conv1d/2d/3d, _conv_depthwise2d, convolution, cudnn_/mkldnn_/miopen_convolution, conv_transpose
+    (CONV, re.compile(r"^aten::_?conv\w*$|convolution|conv_transpose")),
     # before sampling: `upsample_bilinear2d` resamples an image, it does not sample a token
     (INTERPOLATION, re.compile(r"upsample|interpolat|grid_sampler|affine_grid")),
     (ACTIVATION, re.compile(r"silu|gelu|swiglu|act_and_mul|relu|sigmoid|tanh|softplus")),

@@ -508,6 +508,9 @@ def analyze(
     device_items = kernels + memory
     kops, op_notes = _kernel_ops(events, device_items, kernel_ctx, graph_corr, captures, engine_steps)
     _attach_kv(kops, device_items, engine_steps)
+    for i, (e, _) in enumerate(kernels):  # a collective's kernel may carry its sizes (newer Kineto)
+        if kops[i].category == cats.COMM:
+            kops[i] = dataclasses.replace(kops[i], device=e)
     if not ranges:  # CPU traces too: their leaf cpu_ops have categories from `_kernel_ops`
         hints = {"loops": loops, "layers_per_loop": layers_per_loop}
         kernel_ctx, loop_note = _foreign_contexts(kops[:n_k], kernels, engine_steps, hints)

@@ -39,6 +39,8 @@ class KernelOp:
     shapes: TraceEvent | None = None  # the CPU op whose recorded shapes give the call's cost
     # (keys, pairs) of the engine step that launched it: what a paged attention op reads and computes
     kv: tuple[int, int | None] | None = None
+    device: TraceEvent | None = None  # communication: the kernel itself (newer Kineto copies the
+    # collective's "In msg nelems", "dtype", "Group size" onto it)
 
 
 @dataclass
@@ -85,9 +87,9 @@ class CommContext:
 
     @classmethod
     def of(cls, events: Iterable[TraceEvent], distributed_info: dict[str, Any] | None) -> CommContext:
-        events = list(events)
-        ranges = [e for e in events if e.cat != "kernel" and comms.is_comm_name(e.name)]
-        return cls(comms.world_size_of(distributed_info, ranges), sorted(ranges, key=lambda e: e.ts))
+        named = [e for e in events if comms.is_comm_name(e.name)]
+        ranges = [e for e in named if e.cat != "kernel"]
+        return cls(comms.world_size_of(distributed_info, named), sorted(ranges, key=lambda e: e.ts))
 
 
 def is_ancestry_range(e: TraceEvent) -> bool:
@@ -187,7 +189,8 @@ def op_rows(
         row = OpRow(category, name, layer, len(calls) or len(idx), len(idx), sum(durations[i] for i in idx))
         row.shape = shape
         if category == cats.COMM:
-            _add_comm(row, [k.shapes for k in calls.values()], comm or CommContext(None))
+            comm_calls = list(calls.values()) or [ops[i] for i in idx]  # kernel-named only: each kernel
+            _add_comm(row, comm_calls, comm or CommContext(None))
         elif roofline is not None and calls:
             _add_cost(row, roofline, list(calls.values()), peak)
         rows.append(row)
@@ -205,18 +208,23 @@ def _shape(roofline: ModuleType | None, op: KernelOp) -> str | None:
     return roofline.shape_label(op.shapes.name, op.shapes.args.get("Input Dims"))
 
 
-def _add_comm(row: OpRow, shapes: list[TraceEvent | None], comm: CommContext) -> None:
-    """Collective, bytes and bandwidths of a communication row (rule in `collectives`)."""
-    row.collective = comms.kind_of(row.op, shapes[0].args if shapes and shapes[0] is not None else None)
+def _add_comm(row: OpRow, calls: list[KernelOp], comm: CommContext) -> None:
+    """Collective, bytes and bandwidths of a communication row (rule in `collectives`): each call's bytes
+    from its kernel's arguments, its op's, or its process group range's shapes, the first that has them."""
+    first = calls[0] if calls else None
+    args = next((e.args for e in (first.device, first.shapes) if e is not None), None) if first else None
+    row.collective = comms.kind_of(row.op, args)
+    if row.collective is None and first is not None and first.device is not None:
+        row.collective = comms.kind_of(first.device.name, first.device.args)
     row.world_size = comm.world_size
-    if row.collective is None or not shapes:
+    if row.collective is None or not calls:
         return
     per_call = []
-    for e in shapes:
-        ranges = [] if e is None else [r for r in (_pg_range(e, row.collective, comm),) if r is not None]
-        per_call.append(
-            None if e is None else comms.call_bytes(row.collective, [e, *ranges], comm.world_size)
-        )
+    for call in calls:
+        found = [e for e in (call.device, call.shapes) if e is not None]
+        if call.shapes is not None:
+            found += [r for r in (_pg_range(call.shapes, row.collective, comm),) if r is not None]
+        per_call.append(comms.call_bytes(row.collective, found, comm.world_size) if found else None)
     stat = comms.comm_stat(row.collective, per_call, row.gpu_us, comm.world_size)
     row.bytes, row.alg_gbps, row.bus_gbps = stat.bytes, stat.alg_gbps, stat.bus_gbps
 

@@ -57,6 +57,8 @@ from looptrace.probes import categories as cats
          "void at::native::(anonymous namespace)::upsample_bilinear2d_out_frame<float, float>(...)",
          "interpolation", 0),
         (["aten::group_norm", "aten::native_group_norm"], "k", "normalization", 1),
+        (["aten::conv2d", "aten::convolution", "aten::_convolution", "aten::_conv_depthwise2d"], "k",
+         "convolution", 3),
         (["aten::rms_norm"], "k", "RMSNorm", 0),
     ],
 )  # fmt: skip

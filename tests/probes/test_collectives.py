@@ -112,3 +112,23 @@ def test_world_size_unknown_is_said(kt) -> None:
     ar = next(r for r in a.ops if r.collective == "all_reduce")
     assert ar.bytes == 8_388_608 and ar.bus_gbps is None
     assert any("busbw unknown (world size unknown)" in n for n in a.notes)
+
+
+def test_sizes_on_the_kernel_and_world_size_from_distributed_info(kt) -> None:
+    """Newer Kineto copies the collective's record_param_comms arguments onto the NCCL kernel; the world
+    size is the trace's `distributedInfo` (torch.profiler writes it). An all-gather's bytes are its output."""
+    corr = kt.launch("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", kt.tick(), 250.0)
+    (kernel,) = [e for e in kt.events if e["cat"] == "kernel" and e["args"]["correlation"] == corr]
+    kernel["args"].update({"Collective name": "_allgather_base", "dtype": "Float", "In msg nelems": 262_144,
+                           "Out msg nelems": 1_048_576, "Group size": 4})  # fmt: skip
+    trace = kt.to_dict(distributedInfo={"backend": "nccl", "rank": 0, "world_size": 4})
+    a = analyze(parse_chrome_trace(trace, "ag.json"))
+    (row,) = a.ops
+    assert (row.category, row.collective, row.bytes, row.world_size) == (
+        "communication",
+        "all_gather",
+        4 << 20,
+        4,
+    )
+    assert row.alg_gbps == pytest.approx((4 << 20) / 250.0 / 1e3)
+    assert row.bus_gbps == pytest.approx(row.alg_gbps * 3 / 4)
