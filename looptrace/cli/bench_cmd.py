@@ -136,7 +136,6 @@ def bench(
 
 def _bench(req, fmt: o.OutputFormat, progress: bool) -> None:
     from looptrace.drive import bench_run
-    from looptrace.drive.bench_report import render
 
     with _errors():
         plan = bench_run.prepare(req)
@@ -160,7 +159,7 @@ def _bench(req, fmt: o.OutputFormat, progress: bool) -> None:
             soft_wrap=True,
         )
     data = bench_run.report_data(plan, done, interrupted, failure)
-    _write(data, render(data, fmt), req.output, req.plot)
+    _write(data, fmt, req.output, req.plot)
     if stop:
         raise typer.Exit(c.EXIT_INTERRUPTED if interrupted else c.EXIT_CHECK_FAILED)
 
@@ -207,17 +206,18 @@ def _render_saved(paths: list[Path], fmt: o.OutputFormat, output: Path | None, p
         check_outputs((output, "--output"), (plot, "--plot"), inputs=[(p, "--from") for p in paths])
         if plot is not None:
             check_plot(plot)
-        data, text = render_saved(paths, fmt)
-    _write(data, text, output, plot)
+        data, _ = render_saved(paths, fmt)
+    _write(data, fmt, output, plot)
 
 
-def _write(data: dict, text: str, output: Path | None, plot: Path | None) -> None:
-    from looptrace.drive.bench_report import write_plot
+def _write(data: dict, fmt: o.OutputFormat, output: Path | None, plot: Path | None) -> None:
+    from looptrace.drive.bench_report import render, write_plot
 
     with c.friendly_errors():
         if plot is not None:
             write_plot(data, plot)
-        write_output(text, output, Console(width=160))
+        table = lambda: render(data, "table")  # what the terminal shows when -o gets JSON or CSV
+        write_output(render(data, fmt), output, Console(width=160), fmt, table)
 
 
 @contextmanager

@@ -103,7 +103,7 @@ def _diff(req, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None
     with c.friendly_errors(), _memory_errors(), _progress(show, len(setup.items)) as on_progress:
         data, ok = execute(setup, req, on_progress)
     with c.friendly_errors():
-        write_output(render(data, fmt), output, Console(width=140))
+        write_output(render(data, fmt), output, Console(width=140), fmt, lambda: render(data, "table"))
     if not ok:
         raise typer.Exit(c.EXIT_CHECK_FAILED)
 

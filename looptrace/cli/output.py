@@ -3,6 +3,7 @@ here); this module adds the format inferred from -o and the print-then-write of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -38,8 +39,28 @@ def command_inputs(prompts: Path | None, recipe: str, weights: Path | None) -> l
     return inputs
 
 
-def write_output(text: str, output: Path | None, console: Console) -> None:
-    """Print to stdout and, with --output, write the same text (whole and atomically, after success)."""
-    if output is not None:
-        atomic_write_text(output, text + "\n")
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+def write_output(
+    text: str,
+    output: Path | None,
+    console: Console,
+    fmt: OutputFormat = OutputFormat.table,
+    table: Callable[[], str] | None = None,
+) -> None:
+    """Print to stdout and, with --output, write the same text (whole and atomically, after success).
+
+    With -o and a machine format (json, csv) the terminal gets the human view instead of the file's text
+    (a JSON report can run to thousands of lines): the table from `table()` where the command has one,
+    then one line naming the file written."""
+    if output is None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+        return
+    atomic_write_text(output, text + "\n")
+    if fmt == OutputFormat.table:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+        return
+    if table is not None:
+        console.print(table(), markup=False, highlight=False, soft_wrap=True)
+    lines = text.count("\n") + 1
+    console.print(
+        f"wrote {output} ({fmt.value}, {lines} lines)", markup=False, highlight=False, soft_wrap=True
+    )

@@ -113,7 +113,9 @@ def _profile(a: SimpleNamespace) -> None:
         done = ", ".join(f"{s['header']['label']}: {'+'.join(s['windows'])}" for s in sides)
         c.note(f"reporting the windows that finished ({done})", "interrupted")
     with c.friendly_errors():
-        write_output(text if fmt != o.OutputFormat.json else c.dumps(data), a.output, Console(width=140))
+        table = lambda: render(sides, "table", a.compare is not None)  # the terminal's view with -o X.json
+        text = text if fmt != o.OutputFormat.json else c.dumps(data)
+        write_output(text, a.output, Console(width=140), fmt, table)
     if interrupted:
         raise typer.Exit(c.EXIT_INTERRUPTED)
 

@@ -135,7 +135,7 @@ def _run(a: SimpleNamespace) -> None:
         )
     text = render(data, fmt)
     with c.friendly_errors():
-        write_output(text, a.output, Console(width=120))
+        write_output(text, a.output, Console(width=120), fmt, lambda: render(data, "table"))
     if record.interrupted:
         raise typer.Exit(c.EXIT_INTERRUPTED)
 

@@ -45,13 +45,13 @@ def assert_one_line_error(result, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, quiet_kineto):
-    """One profile run: JSON on stdout, the same JSON in -o, and its Chrome trace. No --format: the
-    `.json` suffix of -o selects JSON."""
+    """One profile run: the JSON report in -o (the terminal gets the table), and its Chrome trace. No
+    --format: the `.json` suffix of -o selects JSON. (data, report file, trace file, stdout)."""
     tmp = tmp_path_factory.mktemp("profile")
     trace, out = tmp / "t.json", tmp / "p.json"
     result = invoke(*FAST, "--trace", trace, "-o", out)
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), out, trace
+    return json.loads(out.read_text()), out, trace, result.stdout
 
 
 def test_default_profile_in_subprocess() -> None:
@@ -83,7 +83,7 @@ def test_default_profile_in_subprocess() -> None:
 
 
 def test_json_report(profiled) -> None:
-    data, out, _ = profiled
+    data, out, _, _ = profiled
     assert data["schema"] == "looptrace.profile/1"
     assert data["header"]["model_preset"] == "ouro-tiny" and data["header"]["level"] == "op"
     decode = data["windows"]["decode"]
@@ -97,14 +97,22 @@ def test_json_report(profiled) -> None:
     assert json.loads(out.read_text()) == data
 
 
+def test_json_output_file_prints_the_table_not_the_json(profiled) -> None:
+    data, out, _, stdout = profiled
+    assert "{" not in stdout  # not one line of the JSON report
+    assert "per token" in stdout.lower() and data["header"]["model_preset"] in stdout  # the table
+    lines = len(out.read_text().splitlines())
+    assert stdout.rstrip().splitlines()[-1] == f"wrote {out} (json, {lines} lines)"
+
+
 def test_trace_file_is_chrome_json_with_decode_window(profiled) -> None:
-    _, _, trace = profiled
+    _, _, trace, _ = profiled
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "lt.window/decode" for e in events)
 
 
 def test_trace_analyze_agrees_with_profile_given_tokens(profiled) -> None:
-    data, _, trace = profiled
+    data, _, trace, _ = profiled
     decode = data["windows"]["decode"]
     result = runner.invoke(
         app,

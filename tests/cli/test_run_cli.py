@@ -50,7 +50,9 @@ def ouro_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "run.json"
     result = invoke("--model", "ouro", "--format", "json", "-o", out)
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), out
+    assert "{" not in result.stdout and "TPOT" in result.stdout  # -o X.json: the table on the terminal
+    assert result.stdout.rstrip().splitlines()[-1].startswith(f"wrote {out} (json, ")
+    return json.loads(out.read_text()), out
 
 
 # --- success paths --------------------------------------------------------------------------------------
