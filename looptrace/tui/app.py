@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from textual import work
 from textual.app import App
 from textual.binding import Binding
@@ -28,6 +29,7 @@ from looptrace.tui.model import DashboardModel
 from looptrace.tui.screens.dashboard import DashboardScreen
 from looptrace.tui.screens.diff import DiffScreen
 from looptrace.tui.screens.help import HelpScreen
+from looptrace.tui.snapshot_schema import SnapshotError, check_snapshot
 from looptrace.tui.sources import Recorder, SourceError
 
 RETRY_S = 2.0
@@ -144,6 +146,11 @@ class LooptraceTop(App[None]):
 
     # Messages -------------------------------------------------------------------------------------------
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
+        try:  # a malformed snapshot (any source, the in-process one included) is named, never drawn
+            check_snapshot(message.snapshot)
+        except SnapshotError as exc:
+            self.on_source_failed(SourceFailed(f"snapshot skipped: {exc}"))
+            return
         self.model.ingest(message.snapshot)
         self.received += 1
         self.last_error = None
@@ -172,11 +179,11 @@ class LooptraceTop(App[None]):
         if self.source_done.is_set():
             parts.append("replay finished")
         if self.recorder is not None:
-            parts.append(f"[b red]● REC[/] {self.recorder.path.name} ({self.recorder.count})")
+            parts.append(f"[b red]● REC[/] {escape(self.recorder.path.name)} ({self.recorder.count})")
         if self.paused:
             parts.append("[b yellow]PAUSED[/] (p resumes)")
         if self.last_error:
-            parts.append(f"[red]{self.last_error}[/]")
+            parts.append(f"[red]{escape(self.last_error)}[/]")
         return "  |  ".join(parts)
 
     def redraw(self, force: bool = False) -> None:

@@ -83,6 +83,17 @@ class DashboardModel:
         return sorted(reqs, key=keys[self.sort_key])
 
 
+def window_label(latency: dict[str, Any]) -> str:
+    """Over what the percentiles are: a Prometheus source says (its histograms count since the server
+    started); a looptrace server's snapshot carries no window ("")."""
+    if latency.get("window") == "total":
+        return "since start"
+    seconds = latency.get("window_s")
+    if latency.get("window") == "interval" and isinstance(seconds, (int, float)):
+        return f"last {seconds:.0f} s" if seconds >= 10 else f"last {seconds:.1f} s"
+    return ""
+
+
 def fmt_ms(seconds: float | None) -> str:
     if seconds is None:
         return "n/a"

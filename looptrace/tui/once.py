@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
-from looptrace.tui.model import fmt_ms, fmt_num
+from looptrace.tui.model import fmt_ms, fmt_num, window_label
 
 
 def snapshot_table(snap: dict[str, Any], label: str, throughput: float | None = None) -> Table:
-    t = Table(title=f"looptrace top: {label}", title_justify="left", show_header=True)
+    t = Table(title=Text(f"looptrace top: {label}"), title_justify="left", show_header=True)
     t.add_column("panel")
     t.add_column("metric")
     t.add_column("value", justify="right")
 
     def row(panel: str, metric: str, value: str) -> None:
-        t.add_row(panel, metric, value)
+        t.add_row(panel, Text(metric), Text(value))  # Text: a cache name or a server note is not markup
 
     tokens = snap.get("tokens") or {}
     row("throughput", "output tokens/s", fmt_num(throughput))
@@ -25,7 +26,9 @@ def snapshot_table(snap: dict[str, Any], label: str, throughput: float | None = 
     lat = snap.get("latency") or {}
     for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
         d = lat.get(key) or {}
-        row("latency", f"{name} p50 / p99", f"{fmt_ms(d.get('p50'))} / {fmt_ms(d.get('p99'))}")
+        window = window_label(d)
+        metric = f"{name} p50 / p99" + (f" ({window})" if window else "")
+        row("latency", metric, f"{fmt_ms(d.get('p50'))} / {fmt_ms(d.get('p99'))}")
     reqs = snap.get("requests") or {}
     row("requests", "running / waiting", f"{reqs.get('running', 0)} / {reqs.get('waiting', 0)}")
     kv = snap.get("kv")
@@ -34,7 +37,7 @@ def snapshot_table(snap: dict[str, Any], label: str, throughput: float | None = 
         if "num_blocks" in kv:
             row(
                 "kv",
-                "blocks used / cached / free",
+                "blocks in requests / cached only / free",
                 f"{kv.get('request_blocks', 0)} / {kv.get('cached_blocks', 0)} / {kv.get('free_blocks', 0)}",
             )
     else:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looptrace.tui.snapshot_schema import SnapshotError, check_snapshot
+
 SESSION_SCHEMA = "looptrace.top-session/1"
 STATS_SCHEMA = "looptrace.stats/1"
 
@@ -56,8 +58,26 @@ def _get(url: str, timeout: float) -> Any:
     except httpx.HTTPError as exc:
         raise SourceError(f"{url}: cannot connect ({type(exc).__name__}: {exc or 'no answer'})") from None
     if resp.status_code != 200:
-        raise SourceError(f"{url}: HTTP {resp.status_code}")
+        raise SourceError(f"{url}: HTTP {resp.status_code}{_status_hint(resp.status_code)}")
     return resp
+
+
+def _status_hint(status: int) -> str:
+    """What to do about a refused request: a server started with --api-key wants the same key."""
+    if status not in (401, 403):
+        return ""
+    if os.environ.get("LOOPTRACE_API_KEY"):
+        return " (the server refused the key in LOOPTRACE_API_KEY: set it to the server's --api-key)"
+    return " (the server wants an API key: set LOOPTRACE_API_KEY to its --api-key)"
+
+
+def checked(snapshot: Any, where: str) -> dict[str, Any]:
+    """`snapshot` if the dashboard can draw it, else SourceError naming `where` and the bad field."""
+    try:
+        check_snapshot(snapshot)
+    except SnapshotError as exc:
+        raise SourceError(f"{where}: {exc}") from None
+    return snapshot
 
 
 class LooptraceSource:
@@ -76,7 +96,7 @@ class LooptraceSource:
             raise SourceError(f"{self.base}/v1/stats: not JSON (is this a looptrace server?)") from None
         if not isinstance(data, dict) or data.get("schema") != STATS_SCHEMA:
             raise SourceError(f"{self.base}/v1/stats: not a looptrace stats document")
-        return data
+        return checked(data, f"{self.base}/v1/stats")
 
     def stream(self, interval: float, stopped: Callable[[], bool]) -> Iterator[dict[str, Any]]:
         """Snapshots from the SSE stats stream until `stopped()` (checked at every event)."""
@@ -91,11 +111,14 @@ class LooptraceSource:
                 ) as client,
                 connect_sse(client, "GET", url, params={"interval": interval}) as events,
             ):
+                status = events.response.status_code
+                if status != 200:
+                    raise SourceError(f"{url}: HTTP {status}{_status_hint(status)}")
                 for sse in events.iter_sse():
                     if stopped():
                         return
                     if sse.event == "stats" and sse.data:
-                        yield json.loads(sse.data)
+                        yield checked(json.loads(sse.data), url)
         except httpx.HTTPError as exc:
             raise SourceError(f"{url}: stream lost ({type(exc).__name__}: {exc or 'no answer'})") from None
 
@@ -133,6 +156,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 class _Scrape:
     values: dict[str, float] = field(default_factory=dict)  # sample name -> sum over label sets
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> count
+    time: float = 0.0  # when it was scraped
 
 
 def parse_prometheus(text: str) -> _Scrape:
@@ -179,11 +203,12 @@ class PrometheusSource:
 
     def convert(self, text: str, now: float) -> dict[str, Any]:
         scrape = parse_prometheus(text)
+        scrape.time = now
         prefix = self._prefix(scrape)
         if prefix is None:
             raise SourceError(f"{self.url}: no vllm: or looptrace: metrics in this endpoint")
         prev, self._prev = self._prev, scrape
-        return snapshot_from_prometheus(scrape, prev, prefix, now, self.url)
+        return checked(snapshot_from_prometheus(scrape, prev, prefix, now, self.url), self.url)
 
     @staticmethod
     def _prefix(scrape: _Scrape) -> str | None:
@@ -195,17 +220,20 @@ class PrometheusSource:
 
 
 def _latency(scrape: _Scrape, prev: _Scrape | None, prefix: str, names: tuple[str, ...]) -> dict:
+    """p50/p99 of one latency histogram. Prometheus histograms are cumulative since the server started:
+    the percentiles are of the observations between the last two scrapes (window "interval", `window_s`
+    seconds) when there are any, else of every observation since the start (window "total")."""
     for name in names:
         cur = scrape.buckets.get(prefix + name)
         if not cur:
             continue
         counts = dict(cur)
-        window = "total"
+        window, window_s = "total", None
         if prev is not None and prefix + name in prev.buckets:
             old = prev.buckets[prefix + name]
             delta = {le: c - old.get(le, 0.0) for le, c in cur.items()}
             if delta.get(math.inf, 0) > 0:
-                counts, window = delta, "interval"
+                counts, window, window_s = delta, "interval", scrape.time - prev.time
         buckets = sorted(counts.items())
         n = buckets[-1][1] if buckets else 0
         return {
@@ -213,6 +241,7 @@ def _latency(scrape: _Scrape, prev: _Scrape | None, prefix: str, names: tuple[st
             "p99": histogram_quantile(0.99, buckets),
             "n": int(n),
             "window": window,
+            "window_s": window_s,
         }
     return {"p50": None, "p99": None, "n": 0}
 
@@ -298,8 +327,12 @@ def load_session(path: Path) -> tuple[dict[str, Any], list[tuple[float, dict[str
             header = obj
             continue
         t, snap = obj.get("t"), obj.get("snapshot")
-        if not isinstance(t, (int, float)) or not isinstance(snap, dict):
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or not isinstance(snap, dict):
             raise ReplayError(f'{path}:{no}: expected {{"t": seconds, "snapshot": {{...}}}}')
+        try:
+            check_snapshot(snap)
+        except SnapshotError as exc:
+            raise ReplayError(f"{path}:{no}: {exc}") from None
         if frames and t < frames[-1][0]:
             raise ReplayError(f"{path}:{no}: time goes backwards ({t} after {frames[-1][0]})")
         frames.append((float(t), snap))

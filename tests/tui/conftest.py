@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -53,3 +54,40 @@ def vllm_endpoint():
     yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics", served
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture
+def stats_endpoint():
+    """A loopback HTTP server whose /v1/stats answers what the test sets: `answer["status"]` and the JSON
+    `answer["body"]` (a refused key, a malformed snapshot)."""
+    answer = {"status": 200, "body": {}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answer["body"]).encode()
+            self.send_response(answer["status"])
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", answer
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def session_variant(tmp_path: Path, name: str, change) -> Path:
+    """The recorded session with `change(snapshot)` applied to every frame, as a new session file."""
+    lines = SESSION.read_text().splitlines()
+    frames = [json.loads(line) for line in lines[1:]]
+    for frame in frames:
+        change(frame["snapshot"])
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("\n".join([lines[0], *map(json.dumps, frames)]) + "\n")
+    return path

@@ -51,12 +51,12 @@ async def test_replay_fills_every_panel():
         )
         table = app.screen.query_one("#requests DataTable", DataTable)
         assert table.row_count == len(last["requests"]["list"])
-        stages = {table.get_row_at(i)[1] for i in range(table.row_count)}
+        stages = {str(table.get_row_at(i)[1]) for i in range(table.row_count)}
         assert stages <= {"prefill", "prelude", "recurrent", "coda", "waiting"}
         probe = text_of(app.screen.query_one("#probe", Static))
         assert "ops (CPU)" in probe and "eager fallbacks" in probe
         kv = text_of(app.screen.query_one("#kv", Static))
-        assert "usage" in kv and "blocks:" in kv
+        assert "usage" in kv and "blocks in requests" in kv and "cached only" in kv
         assert "disabled" in text_of(app.screen.query_one("#graphs", Static))
         cache = app.screen.query_one("#cache")
         assert "prefix hit rate" in text_of(cache.query_one("#prefix-line", Static))

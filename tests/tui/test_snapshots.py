@@ -28,3 +28,10 @@ def test_help_over_dashboard(snap_compare):
 
 def test_diff_screen(snap_compare):
     assert snap_compare(LooptraceTop(diff=load_diff(DIFF), start="diff"), terminal_size=SIZE)
+
+
+def test_dashboard_at_80x24(snap_compare):
+    """The smallest usual terminal: three request rows, whole numbers, the prompt column left out."""
+    assert snap_compare(
+        LooptraceTop(ReplaySource(SESSION), speed=0), terminal_size=(80, 24), run_before=_replayed
+    )

@@ -8,7 +8,7 @@ from textual.containers import Grid
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from looptrace.tui.model import DashboardModel, fmt_ms, fmt_num
+from looptrace.tui.model import DashboardModel, fmt_ms, fmt_num, window_label
 from looptrace.tui.widgets.cache_panel import CachePanel
 from looptrace.tui.widgets.graphs_panel import GraphsPanel
 from looptrace.tui.widgets.kv_panel import KVPanel
@@ -61,13 +61,15 @@ class DashboardScreen(Screen[None]):
         cur = tp[-1] if tp else None
         peak = max(tp) if tp else None
         self.query_one("#throughput", SparkPanel).show(
-            tp, f"[b]{fmt_num(cur)}[/] tok/s   peak {fmt_num(peak)}"
+            tp, [f"[b]{fmt_num(cur)}[/] tok/s", f"peak {fmt_num(peak)}"]
         )
         lat = model.section("latency") or {}
         for key, p50s in (("ttft", model.ttft_p50), ("tpot", model.tpot_p50)):
             d = lat.get(key) or {}
-            text = f"p50 [b]{fmt_ms(d.get('p50'))}[/]   p99 [b]{fmt_ms(d.get('p99'))}[/]   n={d.get('n', 0)}"
-            self.query_one(f"#{key}", SparkPanel).show(list(p50s), text)
+            pieces = [f"p50 [b]{fmt_ms(d.get('p50'))}[/]", f"p99 [b]{fmt_ms(d.get('p99'))}[/]"]
+            window = window_label(d)
+            pieces.append(f"n={d.get('n', 0)}" + (f" ({window})" if window else ""))
+            self.query_one(f"#{key}", SparkPanel).show(list(p50s), pieces)
         self.query_one(RequestsPanel).show(model)
         self.query_one(ProbePanel).show(model)
         self.query_one(KVPanel).show(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
@@ -46,7 +47,7 @@ class DiffScreen(Screen[None]):
         table.add_columns("request", "A", "B", "diverges at")
         for r in self.requests:
             fd = "-" if r.first_divergence is None else str(r.first_divergence)
-            table.add_row(r.id, str(len(r.a_tokens)), str(len(r.b_tokens)), fd, key=r.id)
+            table.add_row(Text(r.id), str(len(r.a_tokens)), str(len(r.b_tokens)), fd, key=r.id)
         first = next((i for i, r in enumerate(self.requests) if r.first_divergence is not None), 0)
         table.move_cursor(row=first)
         table.focus()

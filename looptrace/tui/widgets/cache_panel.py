@@ -17,19 +17,20 @@ class CachePanel(Vertical, can_focus=True):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, classes="panel")
-        self.border_title = "Prefix cache / prefill depth"
+        self.border_title = "Prefix, depth P"
 
     def compose(self) -> ComposeResult:
         yield Static("", id="prefix-line")
         yield Static("", id="depth-line")
-        yield Sparkline([0.0], summary_function=max)
+        yield Sparkline([], summary_function=max)
 
     def show(self, model: DashboardModel) -> None:
         prefix = model.section("prefix")
         if prefix and prefix.get("hit_rate") is not None:
             line = f"prefix hit rate [b]{100 * prefix['hit_rate']:.1f} %[/]"
             if prefix.get("query_tokens") is not None:
-                line += f"  ({int(prefix.get('hit_tokens') or 0)} / {int(prefix['query_tokens'])} tokens)"
+                # a line of its own: a narrow panel would part the numbers from their unit
+                line += f"\n{int(prefix.get('hit_tokens') or 0)} / {int(prefix['query_tokens'])} tokens hit"
         elif prefix and not prefix.get("enabled", True):
             line = "prefix cache off"
         else:
@@ -44,4 +45,4 @@ class CachePanel(Vertical, can_focus=True):
         self.query_one("#depth-line", Static).update(text)
         spark = self.query_one(Sparkline)
         spark.display = bool(model.depth)
-        spark.data = list(model.depth) or [0.0]
+        spark.data = list(model.depth)

@@ -21,7 +21,7 @@ class GraphsPanel(Static, can_focus=True):
             return
         caches = graphs.get("caches") or {}
         if not caches:
-            self.update(Text("disabled (CPU or cuda_graphs.enabled=false)", style="dim"))
+            self.update(Text("disabled (CPU, or graphs off in the recipe)", style="dim"))
             return
         t = Table(box=None, padding=(0, 1), show_edge=False)
         for col in ("cache", "graphs", "hits", "captures", "evict", "fallbacks"):
@@ -30,7 +30,7 @@ class GraphsPanel(Static, can_focus=True):
         for name, c in caches.items():
             style = "bold yellow" if c.get("fallbacks") else None
             t.add_row(
-                name,
+                Text(name),
                 str(c.get("graphs", 0)),
                 str(c.get("replays", 0)),
                 str(c.get("captures", 0)),
@@ -41,5 +41,5 @@ class GraphsPanel(Static, can_focus=True):
             for k, v in (c.get("fallback_reasons") or {}).items():
                 reasons[k] = reasons.get(k, 0) + v
         if reasons:
-            t.add_row("reasons", ", ".join(f"{k} {v}" for k, v in reasons.items()), "", "", "", "")
+            t.add_row("reasons", Text(", ".join(f"{k} {v}" for k, v in reasons.items())), "", "", "", "")
         self.update(t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 from textual.widgets import Static
 
 from looptrace.tui.model import DashboardModel, fmt_num
@@ -11,16 +12,17 @@ from looptrace.tui.model import DashboardModel, fmt_num
 class ProbePanel(Static, can_focus=True):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__("", id=id, classes="panel")
-        self.border_title = "Per token (live probe)"
+        self.border_title = "Per token (probe)"
 
     def show(self, model: DashboardModel) -> None:
         probe = model.section("probe")
         engine = model.section("engine") or {}
-        t = Table.grid(padding=(0, 2))
-        t.add_column()
-        t.add_column(justify="right")
+        t = Table.grid(padding=(0, 1), expand=True)
+        # no_wrap: a narrow panel (80 columns) shortens a label with "…", never wraps it onto a second row
+        t.add_column(no_wrap=True, overflow="ellipsis")
+        t.add_column(justify="right", no_wrap=True)
         if not probe or "per_token" not in probe:
-            t.add_row("probe", f"[dim]{_no_window_note(model, probe)}[/]")
+            t.add_row("probe", Text(_no_window_note(model, probe), style="dim"))
             t.add_row("steps / token", fmt_num(engine.get("steps_per_token"), 2) if engine else "n/a")
             t.add_row(
                 "submissions / token", fmt_num(engine.get("submissions_per_token"), 2) if engine else "n/a"
@@ -35,7 +37,7 @@ class ProbePanel(Static, can_focus=True):
         t.add_row("graph replays", fmt_num(pt.get("graph_replays"), 2))
         t.add_row("eager fallbacks", fmt_num(pt.get("eager_fallbacks"), 2))
         reasons = probe.get("fallback_reasons") or {}
-        t.add_row("  reasons", ", ".join(f"{k} {v}" for k, v in reasons.items()) or "-")
+        t.add_row("  reasons", Text(", ".join(f"{k} {v}" for k, v in reasons.items()) or "-"))
         t.add_row("steps / token", fmt_num(pt.get("steps"), 2))
         t.add_row("submissions / token", fmt_num(pt.get("submissions"), 2))
         w = probe.get("window") or {}
