@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 import looptrace
 from looptrace.cli.common import fail
@@ -34,6 +34,19 @@ def _one_line_usage_errors() -> Iterator[None]:
         raise fail(message + hint, exc.exit_code) from None
 
 
+def _flag_type_hidden(display_type_rich):
+    """Help shows a value type (`<int>`) after an option that takes a value, not after a flag: `--once`
+    and `--progress/--no-progress` take none, and `<bool>` there read as if they wanted one."""
+
+    def display(self: TyperOption, ctx) -> str | None:
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+TyperOption.display_type_rich = _flag_type_hidden(TyperOption.display_type_rich)
+
+
 class OneLineErrorsGroup(TyperGroup):
     """The top-level group: usage errors of any subcommand pass through its context and invoke."""
 
@@ -52,7 +65,7 @@ app = typer.Typer(
     help="Profile, diff and serve looped language models (Ouro, Huginn-0125, recurrent OLMo retrofits).",
     rich_markup_mode="rich",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     epilog="Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 environment missing, 130 interrupted.",
 )
 
@@ -86,15 +99,54 @@ COMMANDS = (
 )
 
 
+HELP_WIDTH = 78  # an 80-column terminal, less the help's one-column margins
+
+
+VERBATIM = ("looptrace", "#", "{", "$")  # how the lines of an example paragraph start
+
+
+def fit_epilog(text: str, width: int = HELP_WIDTH) -> str:
+    """A command's epilog, readable at 80 columns. Help prints it line for line, so a prose paragraph
+    hard-wrapped at 100 columns came out ragged: its lines are joined for the terminal to wrap. An
+    example paragraph keeps its lines; an example that would wrap gets its `# comment` on a line above
+    it and its options continued on the next line (`\\`), as one would type it."""
+    paragraphs = []
+    for paragraph in text.strip("\n").split("\n\n"):
+        lines = paragraph.split("\n")
+        if not any(line.strip().startswith(VERBATIM) for line in lines):
+            paragraphs.append(" ".join(line.strip() for line in lines))
+            continue
+        out: list[str] = []
+        for line in lines:
+            out += _fit_example(line, width) if len(line) > width else [line]
+        paragraphs.append("\n".join(out))
+    return "\n\n".join(paragraphs)
+
+
+def _fit_example(line: str, width: int) -> list[str]:
+    """One example line as lines of at most `width` where its options allow."""
+    indent = line[: len(line) - len(line.lstrip())]
+    command, sep, comment = line.partition("  # ")
+    out = [f"{indent}# {comment.strip()}"] if sep else []
+    command = command.rstrip()
+    while len(command) > width:
+        cut = command.rfind(" -", len(indent), width - 2)  # before an option, leaving room for " \\"
+        if cut <= len(indent):
+            break
+        out.append(command[:cut] + " \\")
+        command = indent + "    " + command[cut + 1 :]
+    return out + [command]
+
+
 def _register() -> None:
     for name, module_name, function in COMMANDS:
         module = importlib.import_module(f"looptrace.cli.{module_name}")
-        app.command(name, epilog=module.EPILOG)(vars(module)[function])
+        app.command(name, epilog=fit_epilog(module.EPILOG))(vars(module)[function])
     from looptrace.cli.trace_cmd import trace_app
     from looptrace.cli.trace_compare_cmd import EPILOG as TRACE_COMPARE_EPILOG
     from looptrace.cli.trace_compare_cmd import compare as trace_compare
 
-    trace_app.command("compare", epilog=TRACE_COMPARE_EPILOG)(trace_compare)
+    trace_app.command("compare", epilog=fit_epilog(TRACE_COMPARE_EPILOG))(trace_compare)
     app.add_typer(trace_app, name="trace")
 
 

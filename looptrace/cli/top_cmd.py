@@ -22,7 +22,9 @@ EPILOG = """\
   looptrace top --diff diff.json                       # with a diff result for the `d` screen
 
 [bold]KEYS[/]  q quit, ? help, p pause, r record, s sort, d diff screen, Tab next panel.
+
 A server started with --api-key wants the same key in the LOOPTRACE_API_KEY environment variable.
+
 Exit codes: 0 ok, 2 bad input (unreachable URL, refused key, malformed snapshot or replay file),
 3 environment missing.
 """
