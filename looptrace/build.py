@@ -306,16 +306,26 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
     }
 
 
+def _other_weights(family: str) -> str:
+    """What `--model FAMILY` without --weights gives: on CPU a family with a packaged tiny checkpoint
+    loads it (trained weights, not random ones)."""
+    from looptrace.assets import shipped_weights
+    from looptrace.engine.model_config import FAMILY_PRESETS
+
+    cpu_preset = FAMILY_PRESETS.get(family, (None, None))[0]
+    if cpu_preset is not None and shipped_weights(cpu_preset) is not None:
+        return f"without --weights, --model {family} loads the packaged trained {cpu_preset} on CPU"
+    return f"random weights: --model {family} without --weights"
+
+
 def _preset_note(model: ResolvedModel, spec, device_type: str) -> str:
     """How the model was picked and how to pick another."""
     from looptrace.engine.model_config import FAMILY_PRESETS
 
     family = (model.requested or DEFAULT_MODEL).lower()
     if model.weights is not None and not model.shipped:
-        return (
-            f"{spec.family} checkpoint {model.weights} (shape from its config.json); "
-            f"random weights: --model {spec.family} without --weights"
-        )
+        where = f"{spec.family} checkpoint {model.weights} (shape from its config.json)"
+        return f"{where}; {_other_weights(spec.family)}"
     if family in FAMILY_PRESETS:
         cpu, cuda = FAMILY_PRESETS[family]
         other = cuda if spec.name == cpu else cpu

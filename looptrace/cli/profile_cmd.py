@@ -104,7 +104,10 @@ def _profile(a: SimpleNamespace) -> None:
         engines = ProfileEngines(model, a.device, a.dtype, a.seed, a.threads)
         runs = sides_to_run(a.recipe, a.sets, a.compare, a.a_set, a.b_set)
         c.check_roofline_device(a.roofline_device, "--roofline-device")
-        status = lambda text: c.spinner(c.err_console.is_terminal, text)
+        # a status line on stderr while each side profiles (45 s at real shape on a CPU), for a terminal
+        # only, and not under JSON on stdout (a script reads it; its stderr may be the same terminal)
+        json_to_stdout = fmt == o.OutputFormat.json and a.output is None
+        status = lambda text: c.spinner(c.err_console.is_terminal and not json_to_stdout, text)
         sides, interrupted = profile_sides(runs, cfg, engines, a.trace, a.roofline_device, status)
     data = report_data(sides, a.compare is not None)
     text = render(sides, fmt, a.compare is not None)
@@ -116,6 +119,10 @@ def _profile(a: SimpleNamespace) -> None:
         table = lambda: render(sides, "table", a.compare is not None)  # the terminal's view with -o X.json
         text = text if fmt != o.OutputFormat.json else c.dumps(data)
         write_output(text, a.output, Console(width=140), fmt, table)
+    if a.trace is not None and a.trace.exists():
+        c.note(
+            f"open {a.trace} in Perfetto (ui.perfetto.dev) or run: looptrace trace analyze {a.trace}", "next"
+        )
     if interrupted:
         raise typer.Exit(c.EXIT_INTERRUPTED)
 

@@ -136,6 +136,8 @@ def _run(a: SimpleNamespace) -> None:
     text = render(data, fmt)
     with c.friendly_errors():
         write_output(text, a.output, Console(width=120), fmt, lambda: render(data, "table"))
+    if header["weights"] == "random (seeded)":
+        c.note("these were seeded random weights: pass a trained checkpoint with --weights DIR", "next")
     if record.interrupted:
         raise typer.Exit(c.EXIT_INTERRUPTED)
 

@@ -10,7 +10,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from looptrace.analysis.diff import inactive_reason
 from looptrace.probes.profile_run import comparison
+
+# Printed under every profile report: its host time sits beside `run`'s and `bench`'s TPOT in the README.
+PROFILER_OVERHEAD_NOTE = (
+    "note: host ms/tok is measured under torch.profiler, which records every op and kernel launch: it is "
+    "higher than the TPOT of an unprofiled `looptrace run` or `looptrace bench`. Compare counts with "
+    "those, not times."
+)
 
 
 def _engine_table(side: dict[str, Any]) -> Table:
@@ -85,6 +93,7 @@ def render_single(side: dict[str, Any], fmt: str) -> str:
     raw, ours = side["raw_profiler_counts"], side["trace_counts"]
     checks = ", ".join(f"{k} {raw[k]}/{ours[k]}" + ("" if raw[k] == ours[k] else " (differ)") for k in raw)
     console.print(f"cross-check, whole profiler session, profiler events / exported trace events: {checks}")
+    console.print(PROFILER_OVERHEAD_NOTE, markup=False)
     return console.export_text().rstrip()
 
 
@@ -141,7 +150,39 @@ def render_compare(sides: list[dict[str, Any]], fmt: str) -> str:
         console.print(t)
     for s, label in zip(sides, labels):
         _print_roofline(console, s, f"Decode roofline per op: {label}")
+    for note in no_effect_notes(sides):
+        console.print(note, markup=False)
+    console.print(PROFILER_OVERHEAD_NOTE, markup=False)
     return console.export_text().rstrip()
+
+
+def no_effect_notes(sides: list[dict[str, Any]]) -> list[str]:
+    """A setting that differs between A and B but does nothing on this device (CUDA graphs on a CPU):
+    the two sides ran the same code for it, so equal counters say nothing about it (`diff`'s rule)."""
+    a, b = (_flat_config(s["header"].get("config") or {}) for s in sides)
+    inactive = {
+        **sides[0]["header"].get("inactive_settings", {}),
+        **sides[1]["header"].get("inactive_settings", {}),
+    }
+    notes = []
+    for path in sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)):
+        why = inactive_reason(path, inactive)
+        if why is not None:
+            notes.append(
+                f"note: {path} differs between A and B but has no effect here ({why}): its effect is untested"
+            )
+    return notes
+
+
+def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"cuda_graphs": {"enabled": true}} -> {"cuda_graphs.enabled": true}."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat |= _flat_config(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def _print_window_comparison(

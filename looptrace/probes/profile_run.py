@@ -95,6 +95,7 @@ def profile_side(
         say = (lambda msg: line.update(f"{label}: {msg}")) if line is not None else None
         result = profile_engine(setup.engine, cfg, trace_path=trace, progress=say)
     roofline = profile_roofline(setup.engine, result, peak)  # needs the engine's modules: before release
+    header["inactive_settings"] = dict(setup.engine.inactive_settings)  # for --compare's "no effect" note
     _release(setup)
     header.update(label=label, concurrency=cfg.concurrency, prompt_len=cfg.prompt_len, level=cfg.level)
     return _side(header, result, roofline)

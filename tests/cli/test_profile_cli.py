@@ -46,12 +46,12 @@ def assert_one_line_error(result, *needles: str) -> None:
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, quiet_kineto):
     """One profile run: the JSON report in -o (the terminal gets the table), and its Chrome trace. No
-    --format: the `.json` suffix of -o selects JSON. (data, report file, trace file, stdout)."""
+    --format: the `.json` suffix of -o selects JSON. (data, report file, trace file, CLI result)."""
     tmp = tmp_path_factory.mktemp("profile")
     trace, out = tmp / "t.json", tmp / "p.json"
     result = invoke(*FAST, "--trace", trace, "-o", out)
     assert result.exit_code == 0, result.output
-    return json.loads(out.read_text()), out, trace, result.stdout
+    return json.loads(out.read_text()), out, trace, result
 
 
 def test_default_profile_in_subprocess() -> None:
@@ -98,11 +98,16 @@ def test_json_report(profiled) -> None:
 
 
 def test_json_output_file_prints_the_table_not_the_json(profiled) -> None:
-    data, out, _, stdout = profiled
+    data, out, trace, result = profiled
+    stdout = result.stdout
     assert "{" not in stdout  # not one line of the JSON report
     assert "per token" in stdout.lower() and data["header"]["model_preset"] in stdout  # the table
     lines = len(out.read_text().splitlines())
     assert stdout.rstrip().splitlines()[-1] == f"wrote {out} (json, {lines} lines)"
+    assert "higher than the TPOT of an unprofiled" in stdout  # the profiler's overhead, said
+    next_step = " ".join(result.stderr.split())  # where to look at the trace
+    assert f"next: open {trace} in Perfetto (ui.perfetto.dev)" in next_step
+    assert f"looptrace trace analyze {trace}" in next_step
 
 
 def test_trace_file_is_chrome_json_with_decode_window(profiled) -> None:
@@ -166,6 +171,24 @@ def test_compare_table_shows_both_labels() -> None:
     head = out.split("Decode window, per output token")[0]  # a header before the tables
     for needle in ("model", "ouro-tiny", "device", "CPU", "versions", "torch", "A: base", "B: base + exit"):
         assert needle in head, needle
+    assert "no effect here" not in out  # exit.max_loops acts on a CPU
+    assert "higher than the TPOT of an unprofiled" in out
+
+
+def test_compare_names_a_setting_with_no_effect_here() -> None:
+    """As `diff` does: a setting that differs but does nothing on this device leaves the sides equal."""
+    from looptrace.engine import EngineConfig, LLMEngine
+    from looptrace.probes.profile_report import no_effect_notes
+
+    inactive = LLMEngine.from_preset("ouro-tiny", EngineConfig(), device="cpu").inactive_settings
+    config = {"cuda_graphs": {"enabled": True}, "exit": {"max_loops": None}}
+    b_config = {"cuda_graphs": {"enabled": False}, "exit": {"max_loops": 2}}
+    sides = [{"header": {"config": c, "inactive_settings": inactive}} for c in (config, b_config)]
+    why = inactive["cuda_graphs"]
+    assert no_effect_notes(sides) == [
+        f"note: cuda_graphs.enabled differs between A and B but has no effect here ({why}): "
+        "its effect is untested"
+    ]
 
 
 def test_output_in_missing_directory_is_bad_input() -> None:

@@ -307,6 +307,19 @@ def test_checkpoint_family_is_used_and_named(ouro_checkpoint, model) -> None:
     h = json.loads(result.stdout)["header"]
     assert h["family"] == "ouro" and h["weights"] == str(ouro_checkpoint)
     assert "ouro checkpoint" in h["preset_note"] and "resolved to" not in h["preset_note"]
+    # on CPU, --model ouro alone loads the packaged trained checkpoint, not random weights
+    assert "without --weights, --model ouro loads the packaged trained ouro-tiny on CPU" in h["preset_note"]
+    assert "random weights: --model ouro without --weights" not in h["preset_note"]
+
+
+@pytest.mark.parametrize("model, random_weights", [("olmo", True), ("ouro", False)])  # olmo: no checkpoint
+def test_random_weights_run_names_the_next_step(model: str, random_weights: bool) -> None:
+    result = invoke("--model", model, "-c", "1")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert (
+        "next: these were seeded random weights: pass a trained checkpoint with --weights DIR" in said
+    ) == (random_weights)
 
 
 # --- Ctrl-C: report what was produced, exit 130 ------------------------------------------------------------
