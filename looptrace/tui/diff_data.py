@@ -5,7 +5,10 @@ Format (what `looptrace diff` writes, or any dict of the same shape):
     {"requests": [{"id": "r0", "a_tokens": [1, 2, 3], "b_tokens": [1, 2, 4], "first_divergence": 2}, ...]}
 
 `first_divergence` is the index of the first differing position (a length difference counts at the shorter
-length), or null when the streams are identical; when the key is missing it is computed.
+length), or null when the streams are identical; when the key is missing it is computed. Optional
+`a_text` / `b_text` hold one decoded piece per token; without them the pieces are decoded with the
+tokenizer of the run's weights (`header.weights` of a `looptrace diff` result; byte-level tokens for
+random weights, as the engine reads them).
 """
 
 from __future__ import annotations
@@ -63,7 +66,32 @@ def parse_diff(data: Any, source: str = "diff data") -> list[DiffRequest]:
             fd = first_divergence(a, b)
         texts = [r.get(k) if isinstance(r.get(k), list) else None for k in ("a_text", "b_text")]
         out.append(DiffRequest(str(r.get("id", i)), a, b, fd, *texts))
+    _decode_pieces(out, data.get("header"))
     return out
+
+
+def _decode_pieces(requests: list[DiffRequest], header: Any) -> None:
+    """Fill in each token's text where the result has none, so the diff screen shows words, not ids."""
+    from looptrace.engine.tokenizer import TokenizerError, load_tokenizer
+
+    if not isinstance(header, dict):
+        return  # not a `looptrace diff` result: which model's ids these are is unknown
+    weights = header.get("weights")
+    directory = Path(weights) if isinstance(weights, str) and Path(weights).is_dir() else None
+    try:
+        tokenizer = load_tokenizer(directory)
+    except (TokenizerError, OSError):
+        return  # ids it is: the screen still works
+    vocab = tokenizer.vocab_size
+
+    def pieces(tokens: list[int]) -> list[str] | None:
+        if any(t >= vocab for t in tokens):  # another model's ids: no text rather than a wrong one
+            return None
+        return [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+
+    for r in requests:
+        r.a_text = r.a_text if r.a_text is not None else pieces(r.a_tokens)
+        r.b_text = r.b_text if r.b_text is not None else pieces(r.b_tokens)
 
 
 def load_diff(source: str | Path | dict) -> list[DiffRequest]:

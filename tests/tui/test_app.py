@@ -162,3 +162,22 @@ async def test_prometheus_panels_from_a_vllm_endpoint(vllm_endpoint):
         assert "50.8 %" in text_of(app.screen.query_one("#cache #prefix-line", Static))
         table = app.screen.query_one("#requests DataTable", DataTable)
         assert "n/a" in str(table.get_row_at(0)[0])
+
+
+async def test_diff_screen_shows_decoded_text_of_a_diff_result():
+    """A `looptrace diff` result holds token ids and the run's weights: the screen decodes them."""
+    from looptrace.assets import shipped_weights
+    from looptrace.engine.tokenizer import load_tokenizer
+
+    weights = shipped_weights("ouro-tiny")
+    tokenizer = load_tokenizer(weights)
+    a, b = tokenizer.encode("12+34=46"), tokenizer.encode("12+34=47")
+    result = {"header": {"weights": str(weights)}, "requests": [{"id": "r0", "a_tokens": a, "b_tokens": b}]}
+    requests = load_diff(result)
+    assert "".join(requests[0].a_text) == "12+34=46" and "".join(requests[0].b_text) == "12+34=47"
+    app = LooptraceTop(diff=requests, start="diff")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        shown = text_of(app.screen.query_one(TokenDiff))
+        assert "4 6" in shown and "4 7" in shown and "first divergence at token 7" in shown
+    assert load_diff({"requests": [{"id": "x", "a_tokens": a, "b_tokens": b}]})[0].a_text is None  # no header
