@@ -12,3 +12,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Put torch back on one thread after a test that changed it (a command run in-process with
+    --threads N sets it for the whole worker, and every later test of that worker would pay for it)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

@@ -134,7 +134,10 @@ def test_train_tiny_cli_writes_a_loadable_checkpoint(tmp_path):
 
     from looptrace.cli.main import app
 
-    res = CliRunner().invoke(app, ["train-tiny", "--family", "ouro", "--out", str(tmp_path), "--steps", "2"])
+    # --threads 1: the command's default (2) beside another pytest worker on 2 cores made this test take
+    # minutes of thread contention for 2 optimizer steps
+    args = ["train-tiny", "--family", "ouro", "--out", str(tmp_path), "--steps", "2", "--threads", "1"]
+    res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     spec, _ = load_checkpoint(tmp_path, "cpu", torch.float32)
     assert spec.family == "ouro" and spec.eos_token_ids == (257,)
