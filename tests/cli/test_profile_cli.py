@@ -356,9 +356,26 @@ def test_compare_csv_has_both_windows() -> None:
 def test_cpu_profile_json_labels_cpu_op_time(profiled) -> None:
     """On CPU the measured time is CPU op time: every `gpu_us` has a `cpu_op_us` twin (kept for one
     release), the roofline's per-token time too, and the report says what it measured."""
-    data, _, _ = profiled
+    data, _, _, _ = profiled
     decode = data["windows"]["decode"]
     assert decode["mode"] == "cpu" and decode["time_measured"].startswith("CPU op time")
     assert decode["totals"]["cpu_op_us"] == decode["totals"]["gpu_us"] > 0
     rows = decode["roofline"]["rows"]
     assert rows and all(r["cpu_op_us_per_token"] == r["gpu_us_per_token"] for r in rows)
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_status_line_on_a_terminal_but_not_under_json(monkeypatch, fmt: str) -> None:
+    """A status line on stderr while profiling (45 s of blank screen at real shape on a CPU), drawn only on
+    a terminal and not when stdout carries JSON."""
+    import io
+
+    from rich.console import Console
+
+    from looptrace.cli import common
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(common, "err_console", Console(file=terminal, force_terminal=True, stderr=True))
+    result = invoke("--model", "ouro", "--prompt-len", "8", "--decode-steps", "6", "--format", fmt)
+    assert result.exit_code == 0, result.output
+    assert ("base: warm-up" in terminal.getvalue()) == (fmt == "table")  # the first stage it names
