@@ -343,8 +343,8 @@ def test_ctrl_c_reports_tokens_produced_and_exits_130(monkeypatch, tmp_path) -> 
     out = tmp_path / "run.json"
     result = invoke("--max-tokens", "32", "-o", out)
     assert result.exit_code == 130, result.output
-    data = json.loads(result.stdout)
-    assert json.loads(out.read_text()) == data  # the report of the partial run is written
+    data = json.loads(out.read_text())  # the report of the partial run is written
+    assert "TPOT" in result.stdout and result.stdout.rstrip().endswith(" lines)")  # its table on stdout
     m = data["metrics"]
     assert m["interrupted"] and m["tokens_sampled"] > 0
     assert (m["completed"], m["failed"], m["interrupted_requests"]) == (0, 0, 2)
