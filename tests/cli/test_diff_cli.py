@@ -385,13 +385,14 @@ def test_perturb_place_that_never_fires_is_reported(tmp_path: Path) -> None:
     few = tmp_path / "few.jsonl"
     few.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     args = ("base", "--b-set", "debug.perturb=coda:1:core0:mlp", "--accuracy", few)  # no coda layer in Ouro
-    r = invoke(*args)
+    out = tmp_path / "diff.json"
+    r = invoke(*args, "-o", out)  # one diff: the table on stdout, the JSON in the file
     assert r.exit_code == 0, r.output
     assert (
         "debug.perturb coda:1:core0:mlp never fired (0 outputs bumped in 2 run(s)): no op output matched"
         in r.stdout
     )
-    data = json.loads(invoke(*args, "--format", "json").stdout)
+    data = json.loads(out.read_text())
     assert data["perturb"] == [{"place": "coda:1:core0:mlp", "runs": 2, "hits": 0}]
     (g,) = data["toggles"]
     assert g["verdict"] == "untested" and "never fired" in g["reason"]
