@@ -369,15 +369,16 @@ def test_each_r3_setting_is_marked_by_its_own_accuracy(tmp_path: Path) -> None:
     assert b["baselines"][b["causes"].index(["depth.prefill_loops"])] == ["kv.layout"]
 
 
-def test_localize_without_divergence_says_so() -> None:
-    r = invoke("base", "--b-set", "exit.policy=fixed", "--localize", "r0")
+def test_localize_without_divergence_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "diff.json"
+    r = invoke("base", "--b-set", "exit.policy=fixed", "--localize", "r0", "-o", out)  # table and JSON
     assert r.exit_code == 0, r.output
     lines = [x for x in r.stdout.splitlines() if x.startswith("localize")]
     assert lines == [
         "localize r0: no divergence to localize (A and B give r0 identical tokens and bitwise-identical "
         "logits, batched and at batch 1)"
     ]
-    data = json.loads(invoke("base", "--b-set", "exit.policy=fixed", "--localize", "r0", "-f", "json").stdout)
+    data = json.loads(out.read_text())
     assert data["localize"] == {"request": "r0", "found": False, "diverged": False, "max_tokens": 2}
 
 
