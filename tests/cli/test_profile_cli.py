@@ -145,10 +145,17 @@ def test_trace_analyze_agrees_with_profile_given_tokens(profiled) -> None:
 COMPARE = [*FAST[:4], "--decode-steps", "12", "--compare", "base", "base", "--b-set", "exit.max_loops=2"]
 
 
-def test_compare_json_fewer_loops_fewer_kernels() -> None:
-    result = invoke(*COMPARE, "--format", "json")
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """One --compare run: its JSON report in -o, its table on stdout. (data, stdout)."""
+    out = tmp_path_factory.mktemp("compare") / "compare.json"
+    result = invoke(*COMPARE, "-o", out)
     assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_compare_json_fewer_loops_fewer_kernels(compared) -> None:
+    data, _ = compared
     assert data["schema"] == "looptrace.compare/1"
     assert data["a"]["header"]["label"] == "base"
     assert data["b"]["header"]["label"] == "base + exit.max_loops=2"
@@ -159,10 +166,8 @@ def test_compare_json_fewer_loops_fewer_kernels() -> None:
     assert 0 < prefill["kernels"]["b_per_token"] < prefill["kernels"]["a_per_token"]
 
 
-def test_compare_table_shows_both_labels() -> None:
-    result = invoke(*COMPARE)
-    assert result.exit_code == 0, result.output
-    out = result.stdout
+def test_compare_table_shows_both_labels(compared) -> None:
+    _, out = compared
     assert "Decode window, per output token" in out
     assert "Engine counters: base" in out and "Engine counters: base + exit.max_loops=2" in out
     assert "base + exit.max_loops=2 vs base (per token)" in out
