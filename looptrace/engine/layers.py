@@ -3,6 +3,10 @@
 Every op is a module with an `op_kind` so probes can attach PyTorch module hooks (NVTX / record_function
 ranges) without the engine knowing about them. The math is written the way the public reference code
 writes it (eager PyTorch), because the kernel count and rounding of that code is what we measure.
+
+Kernel variants (`ExactRMSNorm`, `TritonPagedAttention`, `GemvLinear`, ...) are subclasses that
+`engine/assemble.py` swaps in where the engine plan turns a kernel on; the base forwards hold no kernel
+switches. A variant's only branch is its own fallback (e.g. the exact kernels' row-count scope).
 """
 
 from __future__ import annotations
@@ -22,16 +26,6 @@ def exact_kernels_on(rows: int) -> bool:
     return K.use_exact(rows, K.is_capturing())
 
 
-def enable_exact_kernels(model: nn.Module) -> int:
-    """Switch every op that has an exact Triton kernel to it (CUDA only); returns how many ops."""
-    count = 0
-    for module in model.modules():
-        if hasattr(type(module), "exact"):
-            module.exact = True
-            count += 1
-    return count
-
-
 class RMSNorm(nn.Module):
     """HF/raven RMSNorm: fp32 `x * rsqrt(mean(x^2) + eps)`, cast back, times weight (8 eager kernels)."""
 
@@ -42,14 +36,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    exact = False  # kernels.exact: the fenced Triton kernel where it pays (see exact_kernels_on)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.exact and exact_kernels_on(x.numel() // x.shape[-1]):
-            return K.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype) * self.weight
+
+
+class ExactRMSNorm(RMSNorm):
+    """`kernels.exact`: the fenced Triton kernel where it pays (see exact_kernels_on), the same bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if exact_kernels_on(x.numel() // x.shape[-1]):
+            return K.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 class ResidualRMSNorm(nn.Module):
@@ -146,28 +145,14 @@ def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torc
     return linear(x.materialize(), weight)
 
 
-def enable_fused_tails(model: nn.Module, residual_norm: bool, rope_kv_write: bool) -> int:
-    """Switch on the fused exact kernels beyond the single ops (`kernels.residual_norm`,
-    `kernels.rope_kv_write`) in every module that has them; returns how many modules."""
-    return _switch_on(model, {"residual_norm": residual_norm, "rope_kv_write": rope_kv_write})
+class GemvLinear(nn.Linear):
+    """`kernels.gemv`: a bias-free projection through the Triton GEMV for inputs of at most a few rows
+    (`gemv.linear` routes; above that, or off CUDA, it is `F.linear`). The weight is read at call time, so
+    fused or tied weights stay what they are. Swapped onto every bias-free nn.Linear (LMHead and Adapter
+    included, which keep their op_kind)."""
 
-
-def _switch_on(model: nn.Module, flags: dict[str, bool]) -> int:
-    """Set every asked-for flag to True on the modules whose class declares it; returns how many."""
-    count = 0
-    for module in model.modules():
-        for flag, on in flags.items():
-            if on and hasattr(type(module), flag):
-                setattr(module, flag, True)
-                count += 1
-    return count
-
-
-def enable_gemv_form(model: nn.Module, flag: str) -> int:
-    """Switch on one of the Triton GEMV's fused forms (`kernels.<flag>`: the input forms gemv_silu and
-    gemv_norm, the output forms gemv_silu_out and gemv_norm_out) in every module that declares it; returns
-    how many modules."""
-    return _switch_on(model, {flag: True})
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.gemv_linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -211,15 +196,20 @@ class RotaryHalf(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    exact = False
-
     def forward(self, q, k, cos, sin):  # q: [R, H, D], cos/sin: [R, D]
-        if self.exact and exact_kernels_on(q.shape[0]):
-            return K.rope_half(q, k, cos, sin)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k
+
+
+class ExactRotaryHalf(RotaryHalf):
+    """`kernels.exact`: rotate-half RoPE of q and k as one fenced Triton kernel where it pays."""
+
+    def forward(self, q, k, cos, sin):
+        if exact_kernels_on(q.shape[0]):
+            return K.rope_half(q, k, cos, sin)
+        return super().forward(q, k, cos, sin)
 
 
 class RotaryInterleaved(nn.Module):
@@ -332,9 +322,6 @@ class AttentionMetadata(nn.Module):
     def __init__(self, block_size: int) -> None:
         super().__init__()
         self.block_size = block_size
-        # Build the torch attention path's gather list and length mask once per traversal, here (with the
-        # metadata); the Triton path needs neither (the engine turns this off when it enables that path).
-        self.torch_path = True
 
     def forward(
         self, raw: torch.Tensor, rope: nn.Module, dtype: torch.dtype, k_cache, v_cache
@@ -353,10 +340,14 @@ class AttentionMetadata(nn.Module):
             table_width=width,
             block_size=self.block_size,
         )
-        if self.torch_path:  # build them now, inside the metadata op (the properties cache them)
-            ctx.gather_entries  # noqa: B018
-            ctx.mask  # noqa: B018
+        self.prebuild(ctx)
         return ctx
+
+    def prebuild(self, ctx: AttnContext) -> None:
+        """The torch attention path's gather list and length mask, built once per traversal here, inside
+        the metadata op (the properties cache them)."""
+        ctx.gather_entries  # noqa: B018
+        ctx.mask  # noqa: B018
 
     @staticmethod
     def for_plane(raw: torch.Tensor, base: AttnContext) -> AttnContext:
@@ -377,40 +368,25 @@ class AttentionMetadata(nn.Module):
             blocks=base.blocks,
             _mask_from=base,
         )
-        if base._mask is not None:  # the torch path (see AttentionMetadata.torch_path): gather list now
+        if base._mask is not None:  # the torch path (AttentionMetadata.prebuild): gather list now
             ctx.gather_entries  # noqa: B018
         return ctx
 
 
-def enable_triton_attention(model: nn.Module) -> int:
-    """Switch every paged-attention op to the Triton kernels (CUDA only); returns how many ops."""
-    return _set_attention(model, "triton")
+class TritonAttentionMetadata(AttentionMetadata):
+    """The metadata of the Triton attention path (`kernels.attention=triton`), which needs no gather list
+    and no mask: its traversals do not pay for them."""
 
-
-def enable_key_slots(model: nn.Module) -> int:
-    """`kernels.attn_slots`: every Triton paged-attention op runs the split's per-key-slot form."""
-    return _set_attention(model, "key_slots")
-
-
-def _set_attention(model: nn.Module, flag: str) -> int:
-    count = 0
-    for module in model.modules():
-        if isinstance(module, PagedAttention):
-            setattr(module, flag, True)
-            count += 1
-    return count
+    def prebuild(self, ctx: AttnContext) -> None:
+        pass
 
 
 class PagedAttention(nn.Module):
-    """Write this layer's K/V for every row, then attend over the row's own block table. Torch path:
-    index_put the K/V, gather the pages, SDPA with a length mask (or one causal block per request under
-    packed prefill). Triton path (`kernels.attention`): one K/V write kernel and one paged-attention
-    kernel, one query row per token for prefill rows too, or under packed prefill one program per block of
-    a request's consecutive prompt rows (`kernels/packed_attention.py`)."""
+    """Write this layer's K/V for every row, then attend over the row's own block table: index_put the
+    K/V, gather the pages, SDPA with a length mask (or one causal block per request under packed prefill).
+    The Triton path is the `TritonPagedAttention` variant."""
 
     op_kind = "paged_attention"
-    triton = False
-    key_slots = False  # kernels.attn_slots: the Triton kernel's per-key-slot form (`enable_key_slots`)
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -419,23 +395,6 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        if self.triton:  # write every row's K/V first: a prompt row attends to the rows before it
-            K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
-            return self.attend_written(q, ctx)
-        return self._torch_path(q, k, v, ctx)
-
-    def attend_written(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """Triton path, after this layer's K/V of every row are in the cache (by `write_kv`, or by a kernel
-        that fused the write, `kernels.rope_kv_write`)."""
-        if ctx.blocks is not None:  # packed prefill
-            return K.packed_attn(
-                q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
-            )
-        return K.paged_attn(
-            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale, self.key_slots
-        )
-
-    def _torch_path(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         rows = q.shape[0]
         # Entry view shifted by this layer: row e is entry e + layer_id (no per-layer index arithmetic).
         k_layer = ctx.k_cache[self.layer_id :]
@@ -477,3 +436,33 @@ class PagedAttention(nn.Module):
         )  # [S, H, n_max, D]
         out = out.transpose(1, 2).reshape(seqs * pk.n_max, self.num_heads * self.head_dim)
         return out.index_select(0, pk.row_slots)
+
+
+class TritonPagedAttention(PagedAttention):
+    """`kernels.attention=triton`: one K/V write kernel and one paged-attention kernel, one query row per
+    token for prefill rows too, or under packed prefill one program per block of a request's consecutive
+    prompt rows (`kernels/packed_attention.py`)."""
+
+    key_slots = False  # the paged kernel's per-key-slot form (`KeySlotPagedAttention`)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # write every row's K/V first: a prompt row attends to the rows before it
+        K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
+        return self.attend_written(q, ctx)
+
+    def attend_written(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """After this layer's K/V of every row are in the cache (by `write_kv`, or by a kernel that fused
+        the write, `kernels.rope_kv_write`)."""
+        if ctx.blocks is not None:  # packed prefill (per traversal, not a setting)
+            return K.packed_attn(
+                q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
+            )
+        return K.paged_attn(
+            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale, self.key_slots
+        )
+
+
+class KeySlotPagedAttention(TritonPagedAttention):
+    """`kernels.attn_slots`: the Triton paged kernel keeps its online-softmax state per key slot."""
+
+    key_slots = True

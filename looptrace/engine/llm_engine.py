@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looptrace.engine import kernels
+from looptrace.engine.assemble import assemble
 from looptrace.engine.config import ConfigError, EngineConfig, validate_config
 from looptrace.engine.depth_control import queue_age_p
 from looptrace.engine.hooks import (
@@ -34,13 +35,6 @@ from looptrace.engine.hooks import (
 )
 from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kv_cache import BlockManager, KVPool, size_pool_blocks
-from looptrace.engine.layers import (
-    enable_exact_kernels,
-    enable_fused_tails,
-    enable_gemv_form,
-    enable_key_slots,
-    enable_triton_attention,
-)
 from looptrace.engine.model_config import ModelSpec, resolve_preset
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.noise import NOISE
@@ -52,10 +46,8 @@ from looptrace.engine.plan import (
     RECURRENT,
     WHOLE_TOKEN,
     PrefillDepth,
-    in_report_order,
     resolve_plan,
 )
-from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
 from looptrace.engine.request import (  # EngineInputError, Event, TokenOutput: re-exported (old path)
     Batch,
     EngineInputError,
@@ -82,20 +74,6 @@ def attention_backend(device: torch.device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def kernel_shapes(spec: ModelSpec) -> dict:
-    """The shapes `kernels.warmup` compiles for (every width the model's exact ops see)."""
-    return {
-        "hidden": spec.hidden_size,
-        "heads": spec.num_heads,
-        "kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "intermediate": spec.intermediate_size,
-        "rope": spec.rope_style,
-        "qk_bias": spec.qk_bias,
-        "qk_norm": spec.qk_norm,
-    }
 
 
 class StepError(RuntimeError):
@@ -161,11 +139,13 @@ class LLMEngine:
         _check_config(cfg)
         self.model, self.spec, self.cfg = model, model.spec, cfg
         self.device, self.dtype, self.seed = device, dtype, seed
-        self.plan = resolve_plan(cfg, model.spec, device, device.type == "cuda" and kernels.available())
+        kernels_on = device.type == "cuda" and kernels.available()
+        pdl_on = kernels_on and launch_mode.supported(device)
+        self.plan = resolve_plan(cfg, model.spec, device, kernels_on, pdl_on)
         # Rungs that a startup check on this device decides (config.rung_check == "device").
-        self.checked_rungs: dict[str, str] = {}
+        self.checked_rungs: dict[str, str] = assemble(model, self.plan, device, dtype)
         # Settings accepted but without effect on this device, and why (reported in run headers).
-        self.inactive_settings = self._apply_kernels()
+        self.inactive_settings = self.plan.inactive_settings
         self.exit_policy, self.layout = self.plan.exit_policy, self.plan.layout
         self.blocks, self.pool = self._build_kv()
         self.max_model_len = self._max_model_len()
@@ -185,73 +165,6 @@ class LLMEngine:
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
         self._failures: list[tuple[str, str]] = []  # (request id, why) failed alone: see take_failures
         self.perturbation = install_perturbation(self, cfg.debug.perturb)  # debug.perturb (test aid)
-
-    def _apply_kernels(self) -> dict[str, str]:
-        """The plan's kernels applied to the model (exact ops compiled before any capture); returns the
-        inactive settings: the plan's, plus each fused tail the model family has no kernel for."""
-        plan, model = self.plan, self.model
-        if plan.exact_kernels:
-            enable_exact_kernels(model)
-            kernels.warmup(self.device, specs=[kernel_shapes(self.spec)])
-        if plan.triton_attention:
-            enable_triton_attention(model)
-            if self.cfg.kernels.attn_slots:
-                enable_key_slots(model)
-        missing = {
-            name: f"no fused kernel for the {self.spec.family} family"
-            for name in plan.fused_tails
-            if not enable_fused_tails(
-                model,
-                residual_norm=name == "kernels.residual_norm",
-                rope_kv_write=name == "kernels.rope_kv_write",
-            )
-        }
-        if plan.fused_projections and fuse_model_projections(model):
-            exact = fused_gemm_is_exact(self.spec, self.device, self.dtype)
-            self.checked_rungs["kernels.fused_projections"] = "R0" if exact else "R3"
-        gemv_on = self.cfg.kernels.gemv and kernels.apply_gemv(model, self.device) > 0  # after the fusing
-        if self.cfg.kernels.gemv and not gemv_on:
-            missing["kernels.gemv"] = "the Triton GEMV runs only on CUDA with Triton"
-        missing.update(self._apply_gemv_forms(gemv_on))
-        if self.cfg.kernels.l2_prefetch and not kernels.apply_l2_prefetch(model, self.device):  # wraps gemv
-            missing["kernels.l2_prefetch"] = "the L2 prefetch runs only on CUDA with Triton"
-        pdl_ok = kernels.available() and launch_mode.supported(self.device)
-        self.dependent_launches = self.cfg.kernels.pdl and pdl_ok  # entered by every step (_step_modes)
-        if self.cfg.kernels.pdl and not pdl_ok:
-            missing["kernels.pdl"] = "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
-        # kernels.gemv_preload: entered with the launch mode; it acts only on the Triton GEMV under PDL
-        self.weight_preload = self.cfg.kernels.gemv_preload and self.dependent_launches and gemv_on
-        if self.cfg.kernels.gemv_preload and not self.weight_preload:
-            missing["kernels.gemv_preload"] = "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)"
-        # kernels.attn_prefetch: likewise; it acts only on the Triton paged attention under PDL
-        self.kv_prefetch = (
-            self.cfg.kernels.attn_prefetch and self.dependent_launches and plan.triton_attention
-        )
-        if self.cfg.kernels.attn_prefetch and not self.kv_prefetch:
-            missing["kernels.attn_prefetch"] = "needs kernels.pdl active (CUDA sm_90+) and Triton attention"
-        if self.cfg.kernels.attn_slots and not plan.triton_attention:
-            missing["kernels.attn_slots"] = "needs the Triton attention (kernels.attention=triton, CUDA)"
-        return in_report_order({**plan.inactive_settings, **missing})
-
-    def _apply_gemv_forms(self, gemv_on: bool) -> dict[str, str]:
-        """The GEMV's fused forms (`kernels.gemv_silu`, `gemv_norm`, `gemv_silu_out`, `gemv_norm_out`,
-        `gemv_rope_out`) switched on in the model where they can act; returns the inactive ones with why."""
-        k, missing = self.cfg.kernels, {}
-        asked = ("gemv_silu", "gemv_norm", "gemv_silu_out", "gemv_norm_out", "gemv_rope_out")
-        for flag in [f for f in asked if getattr(k, f)]:
-            name = f"kernels.{flag}"
-            if not gemv_on:
-                missing[name] = "needs kernels.gemv active (CUDA with Triton)"
-            elif (
-                flag in ("gemv_norm", "gemv_norm_out")
-                and "kernels.residual_norm" not in self.plan.fused_tails
-            ):
-                missing[name] = "needs kernels.residual_norm active"
-            elif flag == "gemv_rope_out" and "kernels.rope_kv_write" not in self.plan.fused_tails:
-                missing[name] = "needs kernels.rope_kv_write active"
-            elif not enable_gemv_form(self.model, flag):
-                missing[name] = f"no fused GEMV form for the {self.spec.family} family"
-        return missing
 
     def _build_kv(self) -> tuple[BlockManager, KVPool]:
         """The block manager and the pool, sized for this device (kv.num_blocks, or memory)."""
@@ -902,8 +815,7 @@ class LLMEngine:
         CUDA graphs keep the mode they were captured with."""
         stack = contextlib.ExitStack()
         stack.enter_context(attention_backend(self.device))
-        modes = (self.dependent_launches, self.weight_preload, self.kv_prefetch)
-        stack.enter_context(launch_mode.dependent_launches(*modes))
+        stack.enter_context(launch_mode.entered(self.plan.launch))
         return stack
 
     def graph_bodies(self) -> list[tuple[str, int, Callable[[], None]]]:

@@ -1,9 +1,12 @@
 """The engine plan: every effective choice of an engine, resolved once from (config, model spec, device,
-kernel availability) before anything is built, and read by everyone else (engine, runner, snapshot).
+kernel availability) before anything is built, and read by everyone else (assemble, engine, runner,
+snapshot). This is the only module of the engine that reads `EngineConfig`'s kernel settings.
 
 A recipe asks; the plan says what runs. A setting may be asked for and still be off (loop fusion needs
 fixed-depth rows; async decode needs whole-token decode; Triton needs CUDA): the plan holds the effective
-value and, in `inactive_settings`, why the asked-for one has no effect. Nobody re-reads the raw setting.
+value and, in `inactive_settings`, why the asked-for one has no effect. The kernel settings are resolved
+from their declared requirements (`kernels/registry.py`) into a `KernelPlan` (which variants
+`engine/assemble.py` installs) and a `LaunchPlan` (how every step launches its Triton kernels).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch
 
 from looptrace.engine.config import EngineConfig
 from looptrace.engine.exit_policy import FixedDepth, GateExit, make_exit_policy
+from looptrace.engine.kernels import registry
+from looptrace.engine.kernels.launch_mode import LaunchPlan
 from looptrace.engine.kv_cache import LAYOUTS, KVLayout
 from looptrace.engine.model_config import ModelSpec
 from looptrace.engine.request import EngineInputError, Stage
@@ -27,6 +32,19 @@ RECURRENT = "recurrent"  # one loop a step, its exit gate read at once
 
 # The fused tail kernels a recipe may ask for (kernels.<name>), in report order.
 FUSED_TAILS = ("kernels.residual_norm", "kernels.rope_kv_write")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The `kernels.*` settings that act on this engine (registry names, in registry order): the variants
+    `assemble` installs. Asked-for settings that do not act are in `EnginePlan.inactive_settings`."""
+
+    active: tuple[str, ...] = ()
+
+    def __contains__(self, setting: str) -> bool:
+        return setting in self.active
+
+
 # The order inactive settings are reported in (the order the engine used to find them in).
 REPORT_ORDER = ("kernels.exact", "kernels.attention", *FUSED_TAILS, "cuda_graphs", "scheduler.async_decode")
 
@@ -37,9 +55,11 @@ class EnginePlan:
     exit_policy: FixedDepth | GateExit = field(compare=False, repr=False)
     layout: KVLayout = field(compare=False, repr=False)
     # Kernels
+    kernels: KernelPlan  # the active kernel settings (the variants assemble installs)
+    launch: LaunchPlan  # how every step launches the Triton kernels (entered once per step)
     exact_kernels: bool  # kernels.exact on CUDA with Triton
     triton_attention: bool  # kernels.attention=triton on CUDA with Triton (the runner builds no mask)
-    fused_tails: tuple[str, ...]  # fused tail kernels to try on the model (each may lack one for the family)
+    fused_tails: tuple[str, ...]  # the fused tail kernels active on this model
     fused_projections: bool
     # Decode
     fuse_loops: bool  # a decode row that cannot exit early runs all its loops in one submission
@@ -61,29 +81,39 @@ class EnginePlan:
     inactive_settings: dict[str, str] = field(default_factory=dict, compare=False)
 
 
-def resolve_plan(cfg: EngineConfig, spec: ModelSpec, device: torch.device, kernels_on: bool) -> EnginePlan:
-    """The plan of an engine for `spec` on `device`; `kernels_on`: Triton kernels can run here."""
+def resolve_plan(
+    cfg: EngineConfig, spec: ModelSpec, device: torch.device, kernels_on: bool, pdl_on: bool = False
+) -> EnginePlan:
+    """The plan of an engine for `spec` on `device`; `kernels_on`: Triton kernels can run here; `pdl_on`:
+    so can programmatic dependent launches (compute capability 9+)."""
     cuda = device.type == "cuda"
     max_loops = cfg.exit.max_loops or spec.default_loops
     exit_policy = make_exit_policy(cfg.exit, max_loops, has_gate=spec.family == "ouro")
     layout = LAYOUTS[cfg.kv.layout](spec, max_loops)
-    exact = cfg.kernels.exact and cuda and kernels_on
-    triton = cfg.kernels.attention == "triton" and cuda and kernels_on
+    devices = {registry.CUDA_TRITON: cuda and kernels_on, registry.PDL: cuda and kernels_on and pdl_on}
+    kernel_plan, kernel_reasons = resolve_kernels(cfg, spec.family, devices)
+    exact, triton = "kernels.exact" in kernel_plan, "kernels.attention" in kernel_plan
     fuse = cfg.scheduler.loop_fusion and not exit_policy.can_exit_early
     # Not on the shared layout: a speculative loop overwrites the token's one KV slot, which a rollback
     # cannot restore (depth planes keep the exit loop's slot and copy it deeper).
     async_gate = cfg.scheduler.async_gate and exit_policy.needs_gate and not fuse and layout.num_planes > 1
     whole_token = fuse and cfg.scheduler.whole_token
     async_decode = whole_token and cfg.scheduler.async_decode
-    inactive = _inactive_settings(cfg, cuda, exact, triton, async_decode)
+    inactive = in_report_order({**kernel_reasons, **_inactive_settings(cfg, cuda, async_decode)})
     return EnginePlan(
         max_loops=max_loops,
         exit_policy=exit_policy,
         layout=layout,
+        kernels=kernel_plan,
+        launch=LaunchPlan(
+            dependent="kernels.pdl" in kernel_plan,
+            weight_preload="kernels.gemv_preload" in kernel_plan,
+            kv_prefetch="kernels.attn_prefetch" in kernel_plan,
+        ),
         exact_kernels=exact,
         triton_attention=triton,
-        fused_tails=tuple(n for n in FUSED_TAILS if _wants(cfg, n) and n not in inactive),
-        fused_projections=cfg.kernels.fused_projections,
+        fused_tails=tuple(n for n in FUSED_TAILS if n in kernel_plan),
+        fused_projections="kernels.fused_projections" in kernel_plan,
         fuse_loops=fuse,
         async_gate=async_gate,
         whole_token=whole_token,
@@ -99,9 +129,32 @@ def resolve_plan(cfg: EngineConfig, spec: ModelSpec, device: torch.device, kerne
     )
 
 
-def _wants(cfg: EngineConfig, name: str) -> bool:
-    k = cfg.kernels
-    return {"kernels.residual_norm": k.residual_norm, "kernels.rope_kv_write": k.rope_kv_write}[name]
+def resolve_kernels(cfg: EngineConfig, family: str, devices: dict[str, bool]) -> tuple[KernelPlan, dict]:
+    """The kernel settings that act, and why each other asked-for one does not (the first requirement of
+    its registry entry not met). Entries come in registry order, so a required setting is resolved before
+    the settings that require it."""
+    runs_here: set[str] = set()  # asked for, every requirement met but the family one
+    active: list[str] = []
+    reasons: dict[str, str] = {}
+    for entry in registry.ENTRIES:
+        if getattr(cfg.kernels, entry.setting.removeprefix("kernels.")) != entry.value:
+            continue
+        unmet = [r for r in entry.requires if not _met(r, family, entry, devices, runs_here)]
+        if not any(r.name != registry.FAMILY for r in unmet):
+            runs_here.add(entry.setting)
+        if unmet:
+            reasons[entry.setting] = unmet[0].reason.format(family=family)
+        else:
+            active.append(entry.setting)
+    return KernelPlan(tuple(active)), reasons
+
+
+def _met(req: registry.Requirement, family: str, entry, devices: dict[str, bool], runs_here: set) -> bool:
+    if req.name == registry.FAMILY:
+        return family in entry.families
+    if req.name in devices:
+        return devices[req.name]
+    return req.name in runs_here
 
 
 def in_report_order(reasons: dict[str, str]) -> dict[str, str]:
@@ -136,21 +189,9 @@ def _graph_families(cfg: EngineConfig, cuda: bool, fuse: bool, whole_token: bool
     return frozenset(name for name, on in wanted.items() if on)
 
 
-def _inactive_settings(cfg: EngineConfig, cuda: bool, exact: bool, triton: bool, async_decode: bool) -> dict:
-    """Why each setting asked for has no effect here, in report order (a fused tail the model family has
-    no kernel for is added by the engine, which tries it on the model)."""
+def _inactive_settings(cfg: EngineConfig, cuda: bool, async_decode: bool) -> dict:
+    """Why each setting outside `kernels` asked for has no effect here."""
     out: dict[str, str] = {}
-    if cfg.kernels.exact and not exact:
-        out["kernels.exact"] = "exact Triton kernels run only on CUDA with Triton"
-    if cfg.kernels.attention == "triton" and not triton:
-        out["kernels.attention"] = "the Triton attention kernel runs only on CUDA"
-    for name in FUSED_TAILS:
-        if not _wants(cfg, name):
-            continue
-        if not exact:
-            out[name] = "needs kernels.exact active (CUDA with Triton)"
-        elif name == "kernels.rope_kv_write" and not triton:
-            out[name] = "needs the Triton attention path (kernels.attention=triton)"
     if not cuda:
         out["cuda_graphs"] = "CUDA graphs run only on CUDA"
     if cfg.scheduler.async_decode and not async_decode:

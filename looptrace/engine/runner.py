@@ -38,6 +38,7 @@ from looptrace.engine.layers import (
     AttentionMetadata,
     AttnContext,
     PackedRows,
+    TritonAttentionMetadata,
 )
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.plan import EnginePlan, PrefillDepth
@@ -83,8 +84,10 @@ class ModelRunner:
         # same shapes (and give the same bits); on CPU the batch's own width is enough.
         self.fixed_width = math.ceil(max_model_len / self.block_size) if device.type == "cuda" else None
         self._init_slots(max_slots)
-        self.metadata = AttentionMetadata(self.block_size)
-        self.metadata.torch_path = not plan.triton_attention  # the Triton path needs no mask
+        # The Triton attention path needs no mask and no gather list (TritonAttentionMetadata).
+        self.metadata = (TritonAttentionMetadata if plan.triton_attention else AttentionMetadata)(
+            self.block_size
+        )
         self.ops = nn.ModuleDict(
             dict(
                 metadata=self.metadata,

@@ -8,15 +8,23 @@ import importlib.util
 import pytest
 import torch
 
-from looptrace.engine.layers import META_CTX, META_FIXED, AttentionMetadata, PagedAttention
+from looptrace.engine.layers import (
+    META_CTX,
+    META_FIXED,
+    AttentionMetadata,
+    PagedAttention,
+    TritonAttentionMetadata,
+    TritonPagedAttention,
+)
 from tests.helpers import build_engine, run_interpreted
 
 
 def test_triton_attention_is_inactive_on_cpu_and_keeps_the_torch_path():
     eng = build_engine("ouro-tiny", kernels__attention="triton")
     assert "kernels.attention" in eng.inactive_settings
-    assert eng.runner.metadata.torch_path  # the torch path's mask and gather list are built per traversal
-    assert not any(m.triton for m in eng.model.modules() if isinstance(m, PagedAttention))
+    assert type(eng.runner.metadata) is AttentionMetadata  # the torch path's mask and gather list are built
+    assert not any(isinstance(m, TritonPagedAttention) for m in eng.model.modules())
+    assert any(isinstance(m, PagedAttention) for m in eng.model.modules())
     torch_path = build_engine("ouro-tiny", kernels__attention="torch")
     assert "kernels.attention" not in torch_path.inactive_settings
 
@@ -29,10 +37,8 @@ def test_metadata_mask_and_gather_are_the_same_built_now_or_on_first_use():
     raw[1:, META_FIXED + 1] = torch.tensor([6, 10])
     raw[2, META_FIXED + 2] = 11
     cache = torch.zeros(12, 16, 1, 4)
-    meta = AttentionMetadata(16)
-    eager = meta(raw, rope, torch.float32, cache, cache)
-    meta.torch_path = False
-    lazy = meta(raw, rope, torch.float32, cache, cache)
+    eager = AttentionMetadata(16)(raw, rope, torch.float32, cache, cache)
+    lazy = TritonAttentionMetadata(16)(raw, rope, torch.float32, cache, cache)
     assert lazy._mask is None and lazy._gather is None  # the Triton path pays for neither
     assert torch.equal(lazy.mask, eager.mask) and torch.equal(lazy.gather_entries, eager.gather_entries)
     assert eager.mask[:, 0, 0].sum(-1).tolist() == [1, 17, 40]
@@ -49,15 +55,16 @@ import json, torch
 from looptrace.assets import shipped_weights
 from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.engine.checkpoint import load_checkpoint
-from looptrace.engine.layers import enable_triton_attention
+from looptrace.engine.assemble import install, install_variants
+from looptrace.engine.layers import TritonAttentionMetadata
 torch.set_num_threads(1)
 out = []
 for triton in (False, True):
     spec, net = load_checkpoint(shipped_weights("ouro-tiny"), torch.device("cpu"), torch.float32)
     eng = LLMEngine(net, EngineConfig(noise="zeros"), device=torch.device("cpu"), dtype=torch.float32)
     if triton:
-        assert enable_triton_attention(eng.model) == spec.num_layers
-        eng.runner.metadata.torch_path = False
+        assert install_variants(eng.model, "kernels.attention") == spec.num_layers
+        install(eng.runner.metadata, TritonAttentionMetadata)
     out.append(eng.generate([[3, 5, 7, 9, 11], [4, 6, 8]], SamplingParams(max_tokens=3)))
 print("RESULT " + json.dumps(out))
 """
@@ -81,7 +88,8 @@ from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.engine.checkpoint import load_checkpoint
 from looptrace.engine.config import PrefillConfig, SchedulerConfig
 from looptrace.engine import kernels
-from looptrace.engine.layers import enable_triton_attention
+from looptrace.engine.assemble import install, install_variants
+from looptrace.engine.layers import TritonAttentionMetadata
 torch.set_num_threads(1)
 out, blocks_seen, packed_calls, calls = [], [], [], []
 kernel = kernels.packed_attn
@@ -97,8 +105,8 @@ for packed, triton, graphs in runs:
     )
     eng = LLMEngine(net, cfg, device=torch.device("cpu"), dtype=torch.float32)
     if triton:
-        enable_triton_attention(eng.model)
-        eng.runner.metadata.torch_path = False
+        install_variants(eng.model, "kernels.attention")
+        install(eng.runner.metadata, TritonAttentionMetadata)
         eng.runner.triton_attention = True
         make = eng.runner._packed_blocks
         eng.runner._packed_blocks = lambda spans, rows: blocks_seen.append(len(spans)) or make(spans, rows)

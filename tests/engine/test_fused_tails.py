@@ -18,7 +18,8 @@ import torch
 
 from looptrace.engine import SamplingParams
 from looptrace.engine import kernels as K
-from looptrace.engine.layers import enable_fused_tails, enable_gemv_form
+from looptrace.engine.assemble import install_variants
+from looptrace.engine.models.ouro import ChainedOuroForCausalLM
 from tests.helpers import Recorder, build_engine, interpreted_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -28,10 +29,10 @@ PROMPTS = [[5 + i, 9, 13 + 2 * i, 7, 21, 3 + i] for i in range(3)]
 def _hidden_states(fused: bool, prompts, max_tokens: int, gemv_forms: bool = False, **settings):
     engine = build_engine("ouro-tiny", noise="sequential", **settings)
     if fused:
-        assert enable_fused_tails(engine.model, residual_norm=True, rope_kv_write=False) == 1
+        assert install_variants(engine.model, "kernels.residual_norm") == 1
     if gemv_forms:  # the GEMV's output forms' wiring; their fused launches decline on CPU
         for flag in ("gemv_silu_out", "gemv_norm_out"):
-            assert enable_gemv_form(engine.model, flag) > 0
+            assert install_variants(engine.model, f"kernels.{flag}") > 0
     rec = Recorder(hidden=True)
     engine.attach(rec)
     # graph_warmup: every call takes the exact-kernel path (as under capture), so the chained core runs
@@ -51,7 +52,7 @@ def test_chained_ouro_core_equals_the_plain_layers_bit_for_bit():
 
 
 def test_chained_layers_with_the_gemv_output_forms_switched_on_keep_the_bits(monkeypatch):
-    """`kernels.gemv_silu_out` / `gemv_norm_out` set on the model: the MLP asks for the fused gate/up and
+    """`kernels.gemv_silu_out` / `gemv_norm_out` variants on the model: the MLP asks for the fused gate/up and
     each sandwich block hands its output projection to the `ResidualTail` (`finish`); on CPU both fused
     launches decline, so the same eager ops run and every hidden state keeps the plain model's bits."""
     asked = {"silu": 0, "norm": 0}
@@ -72,7 +73,7 @@ def test_chained_core_is_used_only_where_exact_kernels_run(monkeypatch):
     real = K.residual_rms_norm
     monkeypatch.setattr(K, "residual_rms_norm", lambda *a: calls.append(1) or real(*a))
     engine = build_engine("ouro-tiny")
-    enable_fused_tails(engine.model, residual_norm=True, rope_kv_write=False)
+    install_variants(engine.model, "kernels.residual_norm")
     engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2))  # eager rows <= 256: plain layers
     assert calls == []
     with K.graph_warmup():
@@ -87,12 +88,13 @@ def test_settings_without_cuda_are_reported_inactive():
     )
     assert "kernels.residual_norm" in engine.inactive_settings
     assert "kernels.rope_kv_write" in engine.inactive_settings
-    assert not engine.model.residual_norm
+    assert not isinstance(engine.model, ChainedOuroForCausalLM)
 
 
 def test_families_without_the_fused_kernels_enable_nothing():
     engine = build_engine("huginn-tiny")
-    assert enable_fused_tails(engine.model, residual_norm=True, rope_kv_write=True) == 0
+    assert install_variants(engine.model, "kernels.residual_norm") == 0
+    assert install_variants(engine.model, "kernels.rope_kv_write") == 0
 
 
 # ------------------------------------------------------------------------------ CPU (Triton interpreter)

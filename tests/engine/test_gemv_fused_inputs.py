@@ -240,8 +240,10 @@ def test_both_forms_are_declared_r0_and_inactive_on_cpu():
     engine = build_engine("ouro-tiny", kernels__gemv=True, kernels__gemv_silu=True, kernels__gemv_norm=True)
     for name in ("kernels.gemv_silu", "kernels.gemv_norm"):
         assert engine.inactive_settings[name] == "needs kernels.gemv active (CUDA with Triton)"
-    flags = [getattr(m, flag, False) for m in engine.model.modules() for flag in ("gemv_silu", "gemv_norm")]
-    assert not any(flags)
+    from looptrace.engine.models.ouro import DeferredNormOuroForCausalLM, GemvSiluOuroMLP
+
+    forms = (GemvSiluOuroMLP, DeferredNormOuroForCausalLM)
+    assert not any(isinstance(m, forms) for m in engine.model.modules())  # no variant installed
 
 
 def _mid_ouro():

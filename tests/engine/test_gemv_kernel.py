@@ -4,9 +4,9 @@ CPU: the kernel runs in the Triton interpreter in one child process (`TRITON_INT
 Triton decorates the kernel, so never in this process), on small shapes that reach every code path (split-K
 with ragged and even K, tensor-core and CUDA-core products, N not a multiple of the tile, 3-D input), in fp32
 and bf16, against float64 with the bound below; run-to-run bitwise; the split counters left at zero. In this
-process: the fast recipe is exactloop + `kernels.gemv`, graded R3; the engine's entry point
-`kernels.apply_gemv(model, "cpu")` changes nothing (and imports no Triton); `gemv.apply_gemv` on a CPU model
-switches its projections and leaves every output bit unchanged (`linear` is `F.linear` off CUDA).
+process: the fast recipe is exactloop + `kernels.gemv`, graded R3; an engine asking for `kernels.gemv` on CPU
+changes nothing (and imports no Triton); the `GemvLinear` variants on a CPU model switch its projections
+and leave every output bit unchanged (`linear` is `F.linear` off CUDA).
 
 GPU (`gpu` marker): bf16 at the real projection shapes of Ouro-1.4B and Huginn-0125, M = 1..8, every tile
 candidate at two shapes: float64 bound; CUDA-graph replay == eager bitwise; repeated calls bitwise equal.
@@ -162,24 +162,26 @@ def test_fast_recipe_is_exactloop_plus_the_r3_gemv():
     assert toggle_rung("kernels.gemv", False, True) == "R3"
 
 
-def test_the_engine_entry_point_leaves_a_cpu_model_untouched():
-    """`kernels.apply_gemv(model, device)`, what the engine calls for `kernels.gemv`: 0 on CPU (the setting is
-    then inactive), no module changed, Triton not imported."""
+def test_an_engine_asking_for_the_gemv_on_cpu_leaves_its_model_untouched():
+    """`kernels.gemv` on CPU: inactive in the plan, so `assemble` installs no `GemvLinear`; no module
+    patched, Triton not imported."""
     code = (
-        "import sys, torch; from looptrace.engine import kernels;"
-        "from looptrace.engine.model_config import PRESETS; from looptrace.engine.models import build_model;"
-        "m = build_model(PRESETS['ouro-tiny']); assert kernels.apply_gemv(m, 'cpu') == 0;"
-        "assert not any('forward' in vars(x) or 'fused_linear' in vars(x) for x in m.modules());"
+        "import sys; from tests.helpers import build_engine; from looptrace.engine.layers import GemvLinear;"
+        "e = build_engine('ouro-tiny', kernels__gemv=True); assert 'kernels.gemv' in e.inactive_settings;"
+        "assert not any(isinstance(x, GemvLinear) for x in e.model.modules());"
+        "assert not any('forward' in vars(x) or 'fused_linear' in vars(x) for x in e.model.modules());"
         "assert 'triton' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
-def test_apply_gemv_on_cpu_changes_no_output_bit(preset):
+def test_the_gemv_variants_on_cpu_change_no_output_bit(preset):
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    from looptrace.engine.kernels.gemv import apply_gemv, linear
+    from looptrace.engine.assemble import install_variants
+    from looptrace.engine.kernels.gemv import linear
+    from looptrace.engine.layers import GemvLinear
     from looptrace.engine.model_config import PRESETS
     from looptrace.engine.models import build_model
 
@@ -188,8 +190,9 @@ def test_apply_gemv_on_cpu_changes_no_output_bit(preset):
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     x = {id(m): torch.randn(3, m.in_features) for m in linears}
     before = {id(m): m(x[id(m)]) for m in linears}
-    switched = apply_gemv(model)
+    switched = install_variants(model, "kernels.gemv")
     assert switched >= sum(m.bias is None for m in linears) > 0
+    assert all(isinstance(m, GemvLinear) == (m.bias is None) for m in linears)
     for m in linears:
         assert torch.equal(m(x[id(m)]), before[id(m)])
     a, w = torch.randn(2, 16), torch.randn(8, 16)

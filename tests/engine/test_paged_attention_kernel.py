@@ -563,18 +563,23 @@ def test_a_65536_row_prefill_step_keeps_each_launchs_partials_bounded():
 
 
 def test_attn_slots_is_r3_switches_every_attention_op_and_is_inactive_off_triton():
-    """`kernels.attn_slots` (R3, in `fast`): `enable_key_slots` flags every paged-attention op of a model;
+    """`kernels.attn_slots` (R3, in `fast`): its variant goes onto every Triton paged-attention op;
     an engine without the Triton attention (CPU) reports the setting inactive, with the reason."""
+    from looptrace.engine.assemble import install_variants
     from looptrace.engine.config import toggle_rung
-    from looptrace.engine.layers import PagedAttention, enable_key_slots
+    from looptrace.engine.layers import PagedAttention, TritonPagedAttention
     from tests.helpers import build_engine
 
     assert toggle_rung("kernels.attn_slots", False, True) == "R3"
     engine = build_engine("ouro-tiny", kernels__attn_slots=True)
     ops = [m for m in engine.model.modules() if isinstance(m, PagedAttention)]
-    assert ops and not any(op.key_slots for op in ops)  # CPU: the torch path, nothing switched
+    assert ops and not any(isinstance(op, TritonPagedAttention) for op in ops)  # CPU: the torch path
     assert "Triton attention" in engine.inactive_settings["kernels.attn_slots"]
-    assert enable_key_slots(engine.model) == len(ops) and all(op.key_slots for op in ops)
+    assert install_variants(engine.model, "kernels.attn_slots") == 0  # it refines the Triton path only
+    assert install_variants(engine.model, "kernels.attention") == len(ops)
+    assert install_variants(engine.model, "kernels.attn_slots") == len(ops) and all(
+        op.key_slots for op in ops
+    )
 
 
 def test_attn_slots_takes_the_key_slot_form_for_one_row_launches_only():

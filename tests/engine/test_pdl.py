@@ -296,7 +296,7 @@ def test_the_engine_on_cpu_records_pdl_as_inactive():
     from tests.helpers import build_engine
 
     engine = build_engine("ouro-tiny", kernels__pdl=True)
-    assert not engine.dependent_launches
+    assert not engine.plan.launch.dependent
     assert "compute capability 9" in engine.inactive_settings["kernels.pdl"]
     from looptrace.engine import SamplingParams
 
@@ -308,7 +308,7 @@ def test_the_engine_on_cpu_records_the_attention_prefetch_as_inactive():
     from tests.helpers import build_engine
 
     engine = build_engine("ouro-tiny", kernels__attn_prefetch=True)
-    assert not engine.kv_prefetch
+    assert not engine.plan.launch.kv_prefetch
     assert "kernels.pdl" in engine.inactive_settings["kernels.attn_prefetch"]
 
 
@@ -444,7 +444,7 @@ def test_recipe_with_pdl_generates_the_same_tokens(recipe):
         # A fixed pool: sized from free memory, an engine would leave the next test only scraps
         sets = [f"kernels.pdl={str(pdl).lower()}", "scheduler.max_model_len=256", "kv.num_blocks=2048"]
         engine = LLMEngine.from_preset("ouro-tiny", load_recipe(recipe, sets).config, device="cuda", seed=1)
-        assert engine.dependent_launches is pdl
+        assert engine.plan.launch.dependent is pdl
         outs.append(engine.generate(prompts, SamplingParams(max_tokens=12, seed=3)))
         outs.append(engine.generate(prompts[:1], SamplingParams(max_tokens=12, seed=3)))  # batch 1
         del engine

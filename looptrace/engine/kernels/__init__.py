@@ -223,15 +223,11 @@ def packed_blocks(lengths: list[int], count: int, block_rows: int = PACKED_BLOCK
     return out
 
 
-def apply_gemv(model: torch.nn.Module, device: torch.device | str) -> int:
-    """`kernels.gemv`: every bias-free projection of `model` through the Triton GEMV for inputs of at most
-    8 rows (`gemv.apply_gemv`); returns how many were switched. Off CUDA or without Triton: 0, the model
-    untouched and Triton not imported (the engine then records the setting as inactive)."""
-    if torch.device(device).type != "cuda" or not available():
-        return 0
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through the Triton GEMV where it applies and pays (`gemv.linear`: at most a few rows)."""
     from looptrace.engine.kernels import gemv
 
-    return gemv.apply_gemv(model)
+    return gemv.linear(x, weight, bias)
 
 
 def apply_l2_prefetch(model: torch.nn.Module, device: torch.device | str) -> bool:
@@ -335,7 +331,7 @@ def warmup(device: torch.device | str = "cuda", specs=()) -> None:
 
 __all__ = [
     "EAGER_ROWS_THRESHOLD",
-    "apply_gemv",
+    "gemv_linear",
     "apply_l2_prefetch",
     "available",
     "calibrate",

@@ -46,19 +46,18 @@ fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile conf
 which may depend on M; a row's result is therefore not claimed to be independent of the batch size.
 
 `linear(x, w, b)` is the drop-in for `F.linear`: the Triton GEMV for bias-free bf16 CUDA inputs of at most
-`MAX_ROWS` rows, `F.linear` otherwise. `apply_gemv(model)` points every bias-free projection of a model at it
-(nn.Linear modules and the modules' fused projections, `fused_linear`). Importing this module imports Triton.
+`MAX_ROWS` rows, `F.linear` otherwise. `engine/assemble.py` swaps in the variants that call it: `GemvLinear`
+on every bias-free nn.Linear, `GemvFusedLinear` on Ouro's fused projections. Importing this module imports
+Triton.
 """
 
 from __future__ import annotations
 
 import os
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kernels._fences import (
@@ -671,31 +670,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # --------------------------------------------------------------------------------------------- the model
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
-
-
-def apply_gemv(model: nn.Module) -> int:
-    """Route every bias-free projection of `model` through `linear`; returns how many were switched.
-
-    nn.Linear modules (LMHead, Adapter included) get `linear` as their instance `forward` (the weight is
-    read at call time, so fused or tied weights stay what they are); modules with a `fused_linear` attribute
-    (Ouro's attention and MLP, which call `self.fused_linear(x, self.qkv)` for their concatenated weights)
-    get it set to `linear`. Linears with a bias (Ouro's exit gate, N = 1) keep `F.linear`. On CPU tensors
-    `linear` is `F.linear`, so the model computes exactly what it did; call it once, after
-    `fuse_projections`.
-    """
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.bias is None:
-            module.forward = types.MethodType(_linear_forward, module)
-            count += 1
-        if hasattr(module, "fused_linear"):
-            module.fused_linear = linear
-            count += 1
-    return count
-
-
 def warmup(device: torch.device | str, shapes, rows=range(1, MAX_ROWS + 1)) -> None:
     """Compile the GEMV for every `(N, K)` in `shapes` and row count, outside graph capture."""
     for n, k in shapes:
@@ -711,7 +685,6 @@ __all__ = [
     "ROUTE_ROWS",
     "TILE_TABLE",
     "TileConfig",
-    "apply_gemv",
     "gate_up_silu",
     "gate_up_silu_fusable",
     "gemv",

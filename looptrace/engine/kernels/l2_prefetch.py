@@ -150,7 +150,8 @@ def _wrap_fused(module: nn.Module, prefetcher: WeightPrefetcher) -> None:
 def apply_l2_prefetch(model: nn.Module, device: torch.device | str) -> WeightPrefetcher:
     """Wrap every bias-free projection of `model` (nn.Linear forwards, whatever they are now, e.g. the
     GEMV's, and the modules' `fused_linear`) so that each call first prefetches its successor's weight.
-    The wrapped call computes exactly what it did (R0). Call once, after `fuse_projections`/`apply_gemv`."""
+    The wrapped call computes exactly what it did (R0). Call once, after the fused and GEMV variants are
+    installed (`engine/assemble.py`)."""
     prefetcher = WeightPrefetcher(torch.device(device))
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.bias is None:

@@ -17,9 +17,10 @@ kernel touches (`_pdl.await_inputs` is the first statement of each kernel body).
 kernel directly before; the chain is transitive because a kernel cannot complete before its own wait
 returned. Kernels launched without the attribute (cuBLAS, ATen) wait for full completion as always.
 
-The mode is process-wide state set for the duration of an engine step (`dependent_launches`); CUDA graphs
-record it at capture, so a replay keeps the mode it was captured with. A leaf module: imports nothing of
-Triton, so the engine can enter the scope without loading it.
+The mode is one frozen `LaunchPlan` (resolved by the engine plan from `kernels.pdl`,
+`kernels.gemv_preload` and `kernels.attn_prefetch`) entered once per engine step (`entered`); the kernels
+read it at launch (`current`). CUDA graphs record it at capture, so a replay keeps the plan it was captured
+with. A leaf module: imports nothing of Triton, so the engine can enter the scope without loading it.
 """
 
 from __future__ import annotations
@@ -27,13 +28,31 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter runs no inline PTX
-_dependent = False
-_preload = False
-_kv_prefetch = False
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How the Triton kernels of one step are launched."""
+
+    dependent: bool = False  # kernels.pdl: as programmatic dependents
+    weight_preload: bool = False  # kernels.gemv_preload: the one-row GEMV's first tile before its wait
+    kv_prefetch: bool = False  # kernels.attn_prefetch: the attention prefetches its K/V before its wait
+
+    def effective(self) -> LaunchPlan:
+        """The plan as it can run here: the preloads exist only under PDL, and the interpreter has none."""
+        dependent = self.dependent and not _INTERPRETED
+        return LaunchPlan(dependent, dependent and self.weight_preload, dependent and self.kv_prefetch)
+
+
+# The plan in force: a context variable, entered and restored by `entered` (no module flag to reset).
+_OFF = LaunchPlan()
+_current: ContextVar[LaunchPlan] = ContextVar("launch_plan")
 
 
 def supported(device: torch.device | str) -> bool:
@@ -48,41 +67,53 @@ def supported(device: torch.device | str) -> bool:
 
 
 @contextmanager
-def dependent_launches(
-    enabled: bool, weight_preload: bool = False, kv_prefetch: bool = False
-) -> Iterator[None]:
-    """Launch the Triton kernels as programmatic dependents while the scope is open (when `enabled`);
-    `weight_preload`: the one-row GEMV then loads its first weight tile before its wait; `kv_prefetch`:
-    the paged attention asks L2 for its segment's K/V rows before its wait."""
-    global _dependent, _preload, _kv_prefetch
-    previous = _dependent, _preload, _kv_prefetch
-    _dependent = bool(enabled) and not _INTERPRETED
-    _preload = _dependent and bool(weight_preload)
-    _kv_prefetch = _dependent and bool(kv_prefetch)
+def entered(plan: LaunchPlan) -> Iterator[None]:
+    """Launch the Triton kernels under `plan` while the scope is open."""
+    token = _current.set(plan.effective())
     try:
         yield
     finally:
-        _dependent, _preload, _kv_prefetch = previous
+        _current.reset(token)
+
+
+def dependent_launches(enabled: bool, weight_preload: bool = False, kv_prefetch: bool = False):
+    """`entered(LaunchPlan(enabled, weight_preload, kv_prefetch))`: for kernel tests and bench scripts
+    that pick the launch mode by hand."""
+    return entered(LaunchPlan(bool(enabled), bool(weight_preload), bool(kv_prefetch)))
+
+
+def current() -> LaunchPlan:
+    return _current.get(_OFF)
 
 
 def active() -> bool:
-    return _dependent
+    return _current.get(_OFF).dependent
 
 
 def weight_preload() -> bool:
     """Under PDL with `kernels.gemv_preload`: the GEMV's first weight tile is loaded before the wait."""
-    return _preload
+    return _current.get(_OFF).weight_preload
 
 
 def kv_prefetch() -> bool:
     """Under PDL with `kernels.attn_prefetch`: the paged attention prefetches its K/V before the wait."""
-    return _kv_prefetch
+    return _current.get(_OFF).kv_prefetch
 
 
 def pdl_args() -> dict:
-    """Keyword arguments for a kernel launch under the current mode: the kernel's `PDL` constexpr (its
+    """Keyword arguments for a kernel launch under the current plan: the kernel's `PDL` constexpr (its
     `await_inputs` preamble) and Triton's `launch_pdl` launch option, which always go together."""
-    return {"PDL": True, "launch_pdl": True} if _dependent else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if _current.get(_OFF).dependent else {"PDL": False}
 
 
-__all__ = ["active", "dependent_launches", "kv_prefetch", "pdl_args", "supported", "weight_preload"]
+__all__ = [
+    "LaunchPlan",
+    "active",
+    "current",
+    "dependent_launches",
+    "entered",
+    "kv_prefetch",
+    "pdl_args",
+    "supported",
+    "weight_preload",
+]

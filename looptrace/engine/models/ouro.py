@@ -1,5 +1,10 @@
 """Ouro (ByteDance): every layer is looped; 4-norm sandwich block; the final norm closes every loop and
 its output feeds the next loop; a learned exit gate after each loop. Tensor names = the public checkpoint.
+
+The plain classes are the eager reference. The kernel variants below them (fused projections, exact
+SiLU·mul, the fused tails and the GEMV's fused forms) are subclasses that `engine/assemble.py` swaps in
+where the engine plan turns their setting on; each overrides one step of the forward and falls back to
+it where its kernel does not apply (row count, shapes).
 """
 
 from __future__ import annotations
@@ -31,9 +36,6 @@ from looptrace.engine.models.base import LoopedModel
 
 class OuroAttention(nn.Module):
     op_kind = "attention"
-    rope_kv_write = False  # kernels.rope_kv_write: RoPE of q and k and the K/V cache write, one kernel
-    gemv_rope_out = False  # kernels.gemv_rope_out: the one-row q/k/v GEMV does that kernel's work itself
-    fused_linear = staticmethod(F.linear)  # the fused q/k/v GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
         super().__init__()
@@ -49,44 +51,74 @@ class OuroAttention(nn.Module):
 
     def fuse_projections(self) -> None:
         """q/k/v as one GEMM: the three weights become views of one concatenated tensor (no extra memory,
-        checkpoint names unchanged)."""
+        checkpoint names unchanged). `assemble` then swaps in `FusedQKVOuroAttention`, which reads it."""
         self.qkv = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
         """o_proj of the attention output; with a tail, the tail's (h', x') after it (`finish`)."""
         nh, kvh, d = self.shape
-        fold_rope = self.gemv_rope_out and self.rope_kv_write and self.qkv is not None and self.paged.triton
-        if fold_rope and exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
+        q, k, v = self.project_qkv(x)
+        q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+        return finish(self.o_proj, self.attend(q, k, v, ctx), tail)
+
+    def project_qkv(self, x: torch.Tensor | PendingNorm):
+        x = materialized(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
+        q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
+        return self.paged(q, k, v, ctx)
+
+
+class FusedQKVOuroAttention(OuroAttention):
+    """`kernels.fused_projections`: one GEMM for q/k/v, the three outputs are slices of it."""
+
+    fused_linear = staticmethod(F.linear)  # the fused GEMM (`GemvFusedLinear`: the Triton GEMV)
+
+    def project_qkv(self, x: torch.Tensor | PendingNorm):
+        nh, kvh, d = self.shape
+        return project(x, self.qkv, self.fused_linear).split([nh * d, kvh * d, kvh * d], dim=-1)
+
+
+class GemvFusedLinear:
+    """`kernels.gemv` on a fused projection (mixed into FusedQKVOuroAttention / FusedGateUpOuroMLP): the
+    concatenated weight's GEMM through the Triton GEMV where it applies (`GemvLinear` for plain ones)."""
+
+    fused_linear = staticmethod(K.gemv_linear)
+
+
+class RopeWriteOuroAttention(OuroAttention):
+    """`kernels.rope_kv_write` (exact, Triton attention): RoPE of q and k and the K/V cache write as one
+    exact kernel, then the paged kernel on the written cache; the separate ops below the exact scope."""
+
+    def attend(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
+        if not exact_kernels_on(q.shape[0]):
+            return super().attend(q, k, v, ctx)
+        q = K.rope_half_write_kv(
+            q, k, v, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
+            self.paged.layer_id,
+        )  # fmt: skip
+        return self.paged.attend_written(q, ctx)
+
+
+class GemvRopeOuroAttention(RopeWriteOuroAttention):
+    """`kernels.gemv_rope_out` (with `rope_kv_write`, fused q/k/v and the GEMV): the one-row q/k/v GEMV
+    rotates q and k itself and writes the K/V cache, the same bits as the GEMV + `rope_half_write_kv`."""
+
+    def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
+        if exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
             x = materialized(x)
             if K.qkv_rope_fusable(x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape):
-                # the same bits as the GEMV + rope_half_write_kv below
                 q = K.qkv_rope_write(
                     x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry,
                     ctx.write_offset, self.paged.layer_id, self.shape,
                 )  # fmt: skip
                 return finish(self.o_proj, self.paged.attend_written(q, ctx), tail)
-        if self.qkv is not None:  # fused projections: one GEMM, the three outputs are slices of it
-            q, k, v = project(x, self.qkv, self.fused_linear).split([nh * d, kvh * d, kvh * d], dim=-1)
-        else:
-            x = materialized(x)
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
-        if self.rope_kv_write and self.paged.triton and exact_kernels_on(q.shape[0]):
-            q = K.rope_half_write_kv(
-                q, k, v, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
-                self.paged.layer_id,
-            )  # fmt: skip
-            return finish(self.o_proj, self.paged.attend_written(q, ctx), tail)
-        q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
-        return finish(self.o_proj, self.paged(q, k, v, ctx), tail)
+        return super().forward(x, ctx, tail)
 
 
 class OuroMLP(nn.Module):
     op_kind = "mlp"
-    exact = False  # kernels.exact
-    gemv_silu = False  # kernels.gemv_silu: the one-row down projection computes SiLU·mul itself
-    gemv_silu_out = False  # kernels.gemv_silu_out: the one-row gate/up GEMV stores SiLU·mul itself
-    fused_linear = staticmethod(F.linear)  # the fused gate/up GEMM (kernels.gemv: the Triton GEMV)
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -97,24 +129,61 @@ class OuroMLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # set by fuse_projections()
 
     def fuse_projections(self) -> None:
+        """gate/up as one GEMM (`FusedGateUpOuroMLP` reads it)."""
         self.gate_up = _fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
         """down_proj of SiLU(gate)·up; with a tail, the tail's (h', x') after it (`finish`)."""
-        if self.gemv_silu_out and self.gate_up is not None:
-            x = materialized(x)
-            if K.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
-                return finish(self.down_proj, K.gate_up_silu(x, self.gate_up), tail)
-        if self.gate_up is not None:
-            gate, up = project(x, self.gate_up, self.fused_linear).chunk(2, dim=-1)
-        else:
-            x = materialized(x)
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.gemv_silu and tail is None and K.silu_mul_fusable(gate, up, self.down_proj.weight):
-            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two below
-        if self.exact and exact_kernels_on(gate.shape[0]):
-            return finish(self.down_proj, K.silu_and_mul(gate, up), tail)
-        return finish(self.down_proj, F.silu(gate) * up, tail)
+        gate, up = self.project_gate_up(x)
+        return self.down(gate, up, tail)
+
+    def project_gate_up(self, x: torch.Tensor | PendingNorm):
+        x = materialized(x)
+        return self.gate_proj(x), self.up_proj(x)
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor, tail: ResidualTail | None):
+        return finish(self.down_proj, self.activation(gate, up), tail)
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+class FusedGateUpOuroMLP(OuroMLP):
+    """`kernels.fused_projections`: one GEMM for gate/up, the two halves are slices of it."""
+
+    fused_linear = staticmethod(F.linear)  # the fused GEMM (`GemvFusedLinear`: the Triton GEMV)
+
+    def project_gate_up(self, x: torch.Tensor | PendingNorm):
+        return project(x, self.gate_up, self.fused_linear).chunk(2, dim=-1)
+
+
+class ExactOuroMLP(OuroMLP):
+    """`kernels.exact`: SiLU·mul as one fenced Triton kernel where it pays, the same bits."""
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if exact_kernels_on(gate.shape[0]):
+            return K.silu_and_mul(gate, up)
+        return super().activation(gate, up)
+
+
+class GemvSiluOuroMLP(OuroMLP):
+    """`kernels.gemv_silu`: the one-row down projection computes SiLU·mul of its input itself (no tail:
+    the residual norm's own forms need the projection's output)."""
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor, tail: ResidualTail | None):
+        if tail is None and K.silu_mul_fusable(gate, up, self.down_proj.weight):
+            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two launches
+        return super().down(gate, up, tail)
+
+
+class GemvSiluOutOuroMLP(OuroMLP):
+    """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself."""
+
+    def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
+        x = materialized(x)
+        if K.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
+            return finish(self.down_proj, K.gate_up_silu(x, self.gate_up), tail)
+        return super().forward(x, tail)
 
 
 def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
@@ -139,7 +208,6 @@ class OuroLayer(nn.Module):
     `gemv_norm_out` (one row) each runs inside the o / down GEMV launch before it (`ResidualTail`)."""
 
     op_kind = "layer"
-    gemv_norm_out = False  # kernels.gemv_norm_out: one-row o / down GEMVs apply the residual norm themselves
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: RotaryHalf) -> None:
         super().__init__()
@@ -165,13 +233,19 @@ class OuroLayer(nn.Module):
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
     def _block(self, block: nn.Module, args: tuple, tail: ResidualTail):
-        """(h', x') of the fused chain after `block(*args)` (attention or MLP): with `gemv_norm_out` the
-        block's output projection runs the tail (`finish`); otherwise the tail runs after the block
-        returns, so the residual norm stays an op of its own beside it, as profiles and probes expect."""
-        if self.gemv_norm_out:
-            tail.in_gemv = True
-            return block(*args, tail)
+        """(h', x') of the fused chain after `block(*args)` (attention or MLP): the tail runs after the
+        block returns, so the residual norm stays an op of its own beside it, as profiles and probes
+        expect."""
         return tail.after(block(*args))
+
+
+class GemvNormOutOuroLayer(OuroLayer):
+    """`kernels.gemv_norm_out` (with `residual_norm`): the block hands its output projection to the tail,
+    whose one-row o / down GEMV applies the residual norm itself (`ResidualTail.finish`)."""
+
+    def _block(self, block: nn.Module, args: tuple, tail: ResidualTail):
+        tail.in_gemv = True
+        return block(*args, tail)
 
 
 class OuroModel(nn.Module):
@@ -185,9 +259,6 @@ class OuroModel(nn.Module):
 
 
 class OuroForCausalLM(LoopedModel):
-    residual_norm = False  # kernels.residual_norm: the fused post-norm / residual / pre-norm chain
-    gemv_norm = False  # kernels.gemv_norm: a one-row chain leaves those launches to the next projection
-
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -207,24 +278,43 @@ class OuroForCausalLM(LoopedModel):
         return embedded  # the first loop reads the embedding; later loops read the normed loop output
 
     def core(self, state, inject, ctx):
-        if self.residual_norm and exact_kernels_on(state.shape[0]):
-            state = self._core_chained(state, ctx)
-        else:
-            for layer in self.model.layers:
-                state = layer(state, ctx)
-            state = self.model.norm(state)
+        state = self.loop(state, ctx)
         return state, self.model.early_exit_gate(state).squeeze(-1)
 
-    def _core_chained(self, state, ctx):
-        """The loop with every layer in its fused form: each layer's last launch also computes the next
-        layer's input norm; the last layer's computes the loop's final norm, which is the new state."""
+    def loop(self, state, ctx):
+        """One pass over every layer, then the final norm (the new state)."""
+        for layer in self.model.layers:
+            state = layer(state, ctx)
+        return self.model.norm(state)
+
+    def head(self, hidden):
+        return self.lm_head(hidden)
+
+
+class ChainedOuroForCausalLM(OuroForCausalLM):
+    """`kernels.residual_norm` (exact): the loop with every layer in its fused form, where the exact
+    kernels run. Each layer's last launch also computes the next layer's input norm; the last layer's
+    computes the loop's final norm, which is the new state."""
+
+    def loop(self, state, ctx):
+        if not exact_kernels_on(state.shape[0]):
+            return super().loop(state, ctx)
         layers = self.model.layers
-        defer = self.gemv_norm and state.shape[0] == 1  # kernels.gemv_norm (the GEMV takes one row)
+        defer = self.defers(state.shape[0])
         h, x = state, layers[0].input_layernorm(state)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, x = layer(h, ctx, x, next_norm, defer)
         return materialized(x)  # the loop's final norm is the state: launched on its own
 
-    def head(self, hidden):
-        return self.lm_head(hidden)
+    def defers(self, rows: int) -> bool:
+        """Whether each residual norm is left to the projection that reads it (`DeferredNorm...`)."""
+        return False
+
+
+class DeferredNormOuroForCausalLM(ChainedOuroForCausalLM):
+    """`kernels.gemv_norm` (with `residual_norm`): a one-row chain leaves each residual-norm launch to the
+    GEMV of the projection that reads its output (`layers.PendingNorm`)."""
+
+    def defers(self, rows: int) -> bool:
+        return rows == 1  # the GEMV's input form takes one row

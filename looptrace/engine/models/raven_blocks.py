@@ -31,20 +31,27 @@ class RavenMLP(nn.Module):
         self.fc = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    exact = False  # kernels.exact
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
-        if self.exact and exact_kernels_on(x.shape[0]):
-            return self.proj(K.silu_and_mul(gate, up))
-        return self.proj(F.silu(gate) * up)
+        return self.proj(self.activation(gate, up))
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+class ExactRavenMLP(RavenMLP):
+    """`kernels.exact`: SiLU·mul as one fenced Triton kernel where it pays, the same bits."""
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if exact_kernels_on(gate.shape[0]):
+            return K.silu_and_mul(gate, up)
+        return super().activation(gate, up)
 
 
 class RavenAttention(nn.Module):
     """Wqkv split [q|k|v]; Huginn adds qk_bias before RoPE, OLMo-2 norms q and k over the full width."""
 
     op_kind = "attention"
-    exact = False  # kernels.exact: Huginn's bias + interleaved RoPE as one exact kernel
 
     def __init__(self, spec: ModelSpec, layer_id: int, rope: nn.Module) -> None:
         super().__init__()
@@ -68,15 +75,26 @@ class RavenAttention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.reshape(-1, nh, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
-        if self.exact and self.rope_style == "interleaved" and exact_kernels_on(q.shape[0]):
-            bias = self.qk_bias if self.has_qk_bias else None  # the kernel adds it with the same rounding
-            q, k = K.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)
-            return self.proj(self.paged(q, k, v, ctx))
+        q, k = self.rotate(q, k, ctx)
+        return self.proj(self.paged(q, k, v, ctx))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: AttnContext):
+        """q and k with the checkpoint's bias (Huginn) added, then rotated."""
         if self.has_qk_bias:
             q = q + self.qk_bias[0]
             k = k + self.qk_bias[1]
-        q, k = self.rope[0](q, k, ctx.cos, ctx.sin)
-        return self.proj(self.paged(q, k, v, ctx))
+        return self.rope[0](q, k, ctx.cos, ctx.sin)
+
+
+class ExactRavenAttention(RavenAttention):
+    """`kernels.exact` on interleaved RoPE (Huginn): bias + RoPE of q and k as one exact kernel where it
+    pays, the same bits (`assemble` installs it only where `rope_style` is interleaved)."""
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: AttnContext):
+        if not exact_kernels_on(q.shape[0]):
+            return super().rotate(q, k, ctx)
+        bias = self.qk_bias if self.has_qk_bias else None  # the kernel adds it with the same rounding
+        return K.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)
 
 
 class SandwichBlock(nn.Module):

@@ -1,0 +1,150 @@
+"""The kernel registry (kernels/registry.py), its resolution in the plan (plan.resolve_kernels) and the
+variants `assemble` installs. The plan is pure, so what an engine on CUDA would run is checked here on CPU
+by resolving it for a CUDA device; the variants are installed on CPU models, where every kernel falls back
+to the eager ops, so a model with them computes the plain model's bits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from looptrace.engine import SamplingParams
+from looptrace.engine import kernels as K
+from looptrace.engine.assemble import VARIANTS, install_variants
+from looptrace.engine.config import KernelConfig
+from looptrace.engine.kernels import launch_mode, registry
+from looptrace.engine.model_config import resolve_preset
+from looptrace.engine.models.ouro import (
+    ChainedOuroForCausalLM,
+    ExactOuroMLP,
+    FusedGateUpOuroMLP,
+    GemvRopeOuroAttention,
+    GemvSiluOutOuroMLP,
+    OuroMLP,
+)
+from looptrace.engine.plan import resolve_plan
+from looptrace.recipes import load_recipe
+from tests.helpers import Recorder, build_engine
+
+CUDA = torch.device("cuda")  # only named: resolving a plan touches no device
+# Settings that install no module variant: a launch plan field, or a wrapper (l2_prefetch).
+NO_VARIANT = {"kernels.pdl", "kernels.gemv_preload", "kernels.attn_prefetch", "kernels.l2_prefetch"}
+
+
+def _cuda_plan(recipe: str, sets=(), model: str = "ouro-tiny", pdl: bool = True):
+    cfg = load_recipe(recipe, list(sets)).config
+    return resolve_plan(cfg, resolve_preset(model, "cpu"), CUDA, kernels_on=True, pdl_on=pdl)
+
+
+def test_every_kernel_setting_has_one_registry_entry_and_a_way_to_act():
+    fields = {f"kernels.{f.name}" for f in dataclasses.fields(KernelConfig)}
+    assert set(registry.BY_SETTING) == fields and len(registry.ENTRIES) == len(fields)
+    assert set(VARIANTS) | NO_VARIANT == fields
+    for entry in registry.ENTRIES:  # a required setting is resolved before the settings that need it
+        earlier = {e.setting for e in registry.ENTRIES[: registry.ENTRIES.index(entry)]}
+        needs = {r.name for r in entry.requires if r.name.startswith("kernels.")}
+        assert needs <= earlier, entry.setting
+
+
+def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
+    plan = _cuda_plan("fast")
+    asked = {
+        f"kernels.{k}"
+        for k, v in dataclasses.asdict(load_recipe("fast").config.kernels).items()
+        if v is True or v == "triton"
+    }
+    assert set(plan.kernels.active) == asked and plan.inactive_settings == {}
+    assert plan.launch == launch_mode.LaunchPlan(dependent=True, weight_preload=True, kv_prefetch=True)
+
+
+@pytest.mark.parametrize(
+    "model, recipe, sets, pdl, expected",
+    [
+        # PDL needs sm_90: the preloads that act under it go with it, each with its reason
+        (
+            "ouro-tiny", "fast", (), False,
+            {
+                "kernels.pdl": "programmatic dependent launch needs a CUDA GPU of compute capability 9+",
+                "kernels.gemv_preload": "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)",
+                "kernels.attn_prefetch": "needs kernels.pdl active (CUDA sm_90+) and Triton attention",
+            },
+        ),
+        # a requirement of a requirement: the first unmet one is reported
+        (
+            "ouro-tiny", "fast", ("kernels.attention=torch",), True,
+            {
+                "kernels.attention": None,  # not asked for: absent
+                "kernels.rope_kv_write": "needs the Triton attention path (kernels.attention=triton)",
+                "kernels.gemv_rope_out": "needs kernels.rope_kv_write active",
+                "kernels.attn_prefetch": "needs kernels.pdl active (CUDA sm_90+) and Triton attention",
+                "kernels.attn_slots": "needs the Triton attention (kernels.attention=triton, CUDA)",
+            },
+        ),
+        # a family without the fused forms: the kernel could run, the family has no variant for it
+        (
+            "huginn-tiny", "fast", ("kernels.gemv_norm=true",), True,
+            {
+                "kernels.residual_norm": "no fused kernel for the huginn family",
+                "kernels.rope_kv_write": "no fused kernel for the huginn family",
+                "kernels.gemv_norm": "no fused GEMV form for the huginn family",
+                "kernels.gemv_silu_out": "no fused GEMV form for the huginn family",
+                "kernels.gemv_rope_out": "no fused GEMV form for the huginn family",
+            },
+        ),
+    ],
+)  # fmt: skip
+def test_inactive_settings_come_from_the_declared_requirements(model, recipe, sets, pdl, expected):
+    plan = _cuda_plan(recipe, sets, model, pdl)
+    assert plan.inactive_settings == {k: v for k, v in expected.items() if v is not None}
+    assert not set(plan.kernels.active) & set(expected)
+
+
+def test_the_launch_plan_is_entered_per_scope_and_restored():
+    plan = launch_mode.LaunchPlan(dependent=True, weight_preload=True, kv_prefetch=False)
+    assert launch_mode.current() == launch_mode.LaunchPlan()
+    with launch_mode.entered(plan):
+        assert launch_mode.weight_preload() and not launch_mode.kv_prefetch()
+        with launch_mode.entered(launch_mode.LaunchPlan(weight_preload=True)):
+            assert launch_mode.current() == launch_mode.LaunchPlan()  # no preload without PDL
+        assert launch_mode.current() == plan
+    assert launch_mode.current() == launch_mode.LaunchPlan()
+
+
+def test_variants_stack_on_one_module_in_method_order():
+    engine = build_engine("ouro-tiny", kernels__fused_projections=True)
+    model = engine.model
+    for setting in ("kernels.exact", "kernels.gemv_silu", "kernels.gemv_silu_out"):
+        assert install_variants(model, setting) > 0
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, (GemvSiluOutOuroMLP, FusedGateUpOuroMLP, ExactOuroMLP))
+    mro = type(mlp).__mro__
+    assert mro.index(GemvSiluOutOuroMLP) < mro.index(ExactOuroMLP) < mro.index(OuroMLP)
+    assert "fused_linear" not in vars(mlp) and "forward" not in vars(mlp)  # no instance patch
+    assert install_variants(model, "kernels.gemv_rope_out") == engine.spec.n_core  # on fused q/k/v only
+    assert isinstance(model.model.layers[0].self_attn, GemvRopeOuroAttention)
+
+
+def _states(variants: tuple[str, ...], **settings):
+    engine = build_engine("ouro-tiny", noise="sequential", **settings)
+    for setting in variants:
+        install_variants(engine.model, setting)
+    rec = Recorder(hidden=True)
+    engine.attach(rec)
+    with K.graph_warmup():  # every variant takes its kernel path (as under capture); on CPU: eager ops
+        out = engine.generate([[5, 9, 13, 7, 21], [6, 9, 15]], SamplingParams(max_tokens=4))
+    return out, rec.states
+
+
+def test_every_ouro_variant_of_fast_keeps_the_plain_models_bits_on_cpu():
+    """Every module variant `fast` and its off forms install, on one CPU model: each kernel path falls back
+    to the eager ops, so the wiring of the variants (which step each overrides, in which order) must give
+    the plain model's hidden states bit for bit."""
+    fast = ("kernels.exact", "kernels.residual_norm", "kernels.gemv", "kernels.gemv_silu")
+    fast += ("kernels.gemv_norm", "kernels.gemv_silu_out", "kernels.gemv_norm_out")
+    plain_out, plain = _states((), kernels__fused_projections=True)
+    out, states = _states(fast, kernels__fused_projections=True)
+    assert isinstance(build_engine("ouro-tiny").model, ChainedOuroForCausalLM) is False
+    assert out == plain_out and plain.keys() == states.keys() and len(plain) > 0
+    assert [key for key, h in plain.items() if not torch.equal(h, states[key])] == []
