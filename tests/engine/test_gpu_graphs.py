@@ -11,6 +11,12 @@ from tests.helpers import build_engine
 pytestmark = pytest.mark.gpu
 
 
+# A fixed KV pool. Sized from free memory, the pool of an engine built while other test processes hold
+# the GPU (pytest -n 4) is the one-page minimum: requests then run one at a time, a two-request batch
+# never decodes two rows, and a test that counts graphs per row count sees one capture instead of three.
+POOL_BLOCKS = 4096
+
+
 def _engine(preset: str, graphs: bool, **settings) -> LLMEngine:
     return build_engine(
         preset,
@@ -19,7 +25,7 @@ def _engine(preset: str, graphs: bool, **settings) -> LLMEngine:
         noise="sequential",
         cuda_graphs__enabled=graphs,
         scheduler__max_model_len=256,
-        kv__num_blocks=4096,
+        kv__num_blocks=POOL_BLOCKS,
         **settings,
     )
 
@@ -51,6 +57,7 @@ def test_budget_full_falls_back_with_reason():
         cuda_graphs__max_graphs=1,
         cuda_graphs__coda=False,
         scheduler__max_model_len=128,
+        kv__num_blocks=POOL_BLOCKS,
     )
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=4))
     while eng.has_unfinished_requests():
@@ -75,6 +82,7 @@ def test_lru_eviction_captures_evicts_and_recaptures_with_counters():
         cuda_graphs__eviction="lru",
         cuda_graphs__coda=False,
         scheduler__max_model_len=128,
+        kv__num_blocks=POOL_BLOCKS,
     )
     for batch in ([[1, 2, 3]], [[4, 5, 6], [7, 8, 9]], [[1, 2, 4]]):
         eng.generate(batch, SamplingParams(max_tokens=3))
