@@ -1,6 +1,6 @@
-"""The house's figures (issue #21), measured from the code and its import graph.
+"""The house's figures, measured from the code and its import graph.
 
-    python bench/house_metrics.py [--root DIR] [--json] [--trace] [--out FILE.json]
+    python bench/house_metrics.py [--root DIR] [--json] [--trace] [--trace-cuda] [--out FILE.json]
 
 Static part (pure `ast`, nothing of the package is imported):
 
@@ -33,10 +33,19 @@ Static part (pure `ast`, nothing of the package is imported):
   config module), a chain where a part containing "cfg"/"config" is followed by a section or field, a
   local alias or `self.<attr>` assigned from such a read (a direct read or a boolean expression over
   one), or `self.<bool field name>`.
+- The engine's kernels: reads of the recipe's `kernels` section (`cfg.kernels`, `self.cfg.kernels`, ...)
+  and where they are (the plan should be the only reader); branch tests in `engine/models/` and
+  `engine/layers.py` that read a switch on `self` (a class-level boolean, or an attribute a method other
+  than `__init__` assigns), apart from a variant's fallback (a test calling `exact_kernels_on` or a
+  `*_fusable` check); module globals rebound through `global` in `engine/`; methods and lines of
+  `LLMEngine` and `ModelRunner`, lines of `LLMEngine.step`; function-level imports (lazy edges).
 - Lines per package, functions over 40 lines in cli/, the five longest functions per package.
 - Duplicated regions: lines normalised (stripped, inner whitespace collapsed; blank, comment and import
   lines dropped), windows of 6 normalised lines hashed, matching windows extended to maximal regions; each
   copy after the first is one region; the 10 largest are listed.
+
+CUDA part (`--trace-cuda`, on a machine with a GPU): the files called during one decode step of
+recipe `fast` on ouro-tiny (one request, after the warm-up steps that capture its graphs).
 
 Dynamic part (`--trace`): in a subprocess with PYTHONPATH=DIR (so the package under DIR is the one
 traced), `sys.setprofile` records which looptrace source files had functions called during (a)
@@ -579,6 +588,116 @@ def recipe_branch_sites(modules: dict[str, Module]) -> dict[str, list[dict]]:
     return sites
 
 
+# --------------------------------------------------------------------------------- the engine's kernels
+
+PLAN_FILE = "looptrace/engine/plan.py"
+MODEL_FILES_PREFIX = ("looptrace/engine/models/", "looptrace/engine/layers.py")
+FALLBACK_CALLS = ("exact_kernels_on",)  # a variant's own scope test (row count, capture); also `*_fusable`
+GOD_CLASSES = {"LLMEngine": "looptrace/engine/llm_engine.py", "ModelRunner": "looptrace/engine/runner.py"}
+
+
+def kernel_setting_reads(modules: dict[str, Module]) -> list[dict]:
+    """Reads of the recipe's `kernels` section: an attribute `kernels` right after a name or attribute that
+    names a config (`cfg.kernels`, `self.cfg.kernels`, `config.kernels`), anywhere in the package."""
+    hits = []
+    for module in sorted(modules.values(), key=lambda m: m.rel):
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and node.attr == "kernels":
+                chain = attribute_chain(node.value)
+                if chain and _names_config(chain[-1]):
+                    hits.append(
+                        {**_hit(module, node, "reads " + ".".join([*chain, "kernels"])), "rel": module.rel}
+                    )
+    return hits
+
+
+def _toggle_names(module: Module) -> set[str]:
+    """Switches a model module may carry: class-level booleans (`exact = False`) and attributes that a
+    method other than `__init__` assigns on `self` (set from outside, e.g. by `fuse_projections`)."""
+    names: set[str] = set()
+    for cls in [n for n in ast.walk(module.tree) if isinstance(n, ast.ClassDef)]:
+        for stmt in cls.body:
+            if isinstance(stmt, ast.Assign) and isinstance(getattr(stmt.value, "value", None), bool):
+                names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+            if isinstance(stmt, ast.FunctionDef) and stmt.name != "__init__":
+                for node in ast.walk(stmt):
+                    if isinstance(node, (ast.Assign, ast.AugAssign)):
+                        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                        for t in targets:
+                            if isinstance(t, ast.Attribute) and attribute_chain(t.value) == ["self"]:
+                                names.add(t.attr)
+    return names
+
+
+def toggle_branch_sites(modules: dict[str, Module]) -> dict[str, list[dict]]:
+    """Branch tests in `engine/models/` and `engine/layers.py` that read a switch on `self` (see
+    `_toggle_names`, gathered over all those files: `self.exact`, `self.paged.triton`, `self.qkv is not
+    None`), apart from the variants' fallbacks: tests that call `exact_kernels_on` (the exact kernels' scope)
+    or a `*_fusable` check (the shapes a fused kernel takes)."""
+    files = [m for m in modules.values() if m.rel.startswith(MODEL_FILES_PREFIX)]
+    toggles = set().union(*(_toggle_names(m) for m in files)) if files else set()
+    # PendingNorm.h: the residual stream a consumer records; private names: caches built on first use
+    toggles = {name for name in toggles if name != "h" and not name.startswith("_")}
+    out: dict[str, list[dict]] = {"toggles": [], "fallbacks": []}
+    for module in sorted(files, key=lambda m: m.rel):
+        for test in _branch_tests(module.tree):
+            calls = {
+                attribute_chain(n.func)[-1:] and attribute_chain(n.func)[-1]
+                for n in ast.walk(test)
+                if isinstance(n, ast.Call)
+            }
+            passed = {
+                id(sub)
+                for n in ast.walk(test)
+                if isinstance(n, ast.Call)
+                for a in n.args
+                for sub in ast.walk(a)
+            }  # an argument of a call is data, not a switch tested
+            read = sorted(
+                n.attr
+                for n in ast.walk(test)
+                if isinstance(n, ast.Attribute) and id(n) not in passed
+                if attribute_chain(n)[:1] == ["self"] and n.attr in toggles
+            )
+            if read:  # a switch read, whatever else the test does
+                out["toggles"].append(_hit(module, test, "reads self." + ", self.".join(read)))
+            elif calls & set(FALLBACK_CALLS) or any(c.endswith("_fusable") for c in calls if c):
+                out["fallbacks"].append(_hit(module, test, "variant fallback"))
+    return out
+
+
+def launch_globals(modules: dict[str, Module]) -> list[dict]:
+    """Module-level names rebound through a `global` statement inside a function of `engine/` (process
+    state flipped at run time, such as a launch mode)."""
+    hits = []
+    for module in sorted(modules.values(), key=lambda m: m.rel):
+        if not module.in_engine:
+            continue
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Global):
+                hits.extend(_hit(module, node, f"global {name}") for name in node.names)
+    return hits
+
+
+def class_sizes(modules: dict[str, Module]) -> dict[str, dict]:
+    """Methods and lines of the engine's two big classes, and the lines of `LLMEngine.step`."""
+    by_rel = {m.rel: m for m in modules.values()}
+    out = {}
+    for name, rel in GOD_CLASSES.items():
+        module = by_rel.get(rel)
+        cls = module and next(
+            (n for n in ast.walk(module.tree) if isinstance(n, ast.ClassDef) and n.name == name), None
+        )
+        if cls is None:
+            continue
+        methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        out[name] = {"methods": len(methods), "lines": cls.end_lineno - cls.lineno + 1}
+        step = next((m for m in methods if m.name == "step"), None)
+        if step is not None:
+            out[name]["step_lines"] = step.end_lineno - step.lineno + 1
+    return out
+
+
 # ------------------------------------------------------------------------------------ size and repeats
 
 
@@ -675,6 +794,7 @@ def analyse(root: Path) -> dict:
     all_functions = functions(modules)
     duplicates, largest = duplicated_regions(modules)
     branch_sites = recipe_branch_sites(modules)
+    kernel_reads = kernel_setting_reads(modules)
     return {
         "root": str(root),
         "modules": len(modules),
@@ -689,6 +809,10 @@ def analyse(root: Path) -> dict:
         "getattr_into_engine": getattr_hits(modules),
         "engine_reaches": engine_reaches(modules),
         "recipe_branch_sites": branch_sites,
+        "kernel_setting_reads": kernel_reads,
+        "toggle_branch_sites": toggle_branch_sites(modules),
+        "launch_globals": launch_globals(modules),
+        "class_sizes": class_sizes(modules),
         "cli_functions_over_40": [
             f for f in all_functions if f["package"] == "cli" and f["lines"] > LONG_FUNCTION_LINES
         ],
@@ -825,6 +949,36 @@ def trace_child(kind: str, root: Path) -> dict:
     }
 
 
+FAST_STEP_WARMUP = 12  # steps before the traced one: prefill, first tokens, every graph of one row captured
+
+
+def trace_fast_step(root: Path) -> dict:
+    """The files called during one decode step of recipe `fast` on CUDA (ouro-tiny, one request, after
+    FAST_STEP_WARMUP steps, so the step replays its whole-token graph as a decode step does)."""
+    import looptrace
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.recipes import load_recipe
+
+    package_dir = Path(looptrace.__file__).resolve().parent
+    if package_dir != (root / PACKAGE).resolve():
+        raise SystemExit(f"traced {package_dir}, not the package under {root}")
+    cfg = load_recipe("fast", ["scheduler.max_model_len=256", "kv.num_blocks=2048"]).config
+    engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cuda", seed=1)
+    engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=64))
+    for _ in range(FAST_STEP_WARMUP):
+        engine.step()
+    recorder = CallRecorder(package_dir)
+    sys.setprofile(recorder)
+    try:
+        engine.step()
+    finally:
+        sys.setprofile(None)
+    return {
+        "command": "LLMEngine.step() of fast, ouro-tiny, CUDA, one decode row",
+        "calls": dict(recorder.calls),
+    }
+
+
 def _floor_of_file(rel: str, floors: dict[str, int]) -> int:
     parts = rel[: -len(".py")].split("/")
     name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -849,8 +1003,10 @@ def run_trace(root: Path, floors: dict[str, int]) -> dict:
     return traces
 
 
-def _trace_subprocess(kind: str, root: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+def _trace_subprocess(kind: str, root: Path, cuda: bool = False) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "trace.json"
         command = [sys.executable, __file__, "--root", str(root), "--trace-child", kind, "--out", str(out)]
@@ -878,6 +1034,31 @@ def summary(result: dict) -> dict[str, int]:
     }
     for rel, sites in result["recipe_branch_sites"].items():
         figures[f"recipe branch sites {rel.removeprefix('looptrace/')}"] = len(sites)
+    reads = result["kernel_setting_reads"]
+    figures["reads of cfg.kernels in engine/ outside plan.py"] = sum(
+        h["rel"].startswith("looptrace/engine/") and h["rel"] != PLAN_FILE for h in reads
+    )
+    figures["reads of cfg.kernels outside engine/"] = sum(
+        not h["rel"].startswith("looptrace/engine/") for h in reads
+    )
+    figures["toggle branch sites in engine/models + layers.py"] = len(
+        result["toggle_branch_sites"]["toggles"]
+    )
+    figures["variant fallback sites (exact_kernels_on, *_fusable)"] = len(
+        result["toggle_branch_sites"]["fallbacks"]
+    )
+    figures["module globals rebound in engine/ (global)"] = len(result["launch_globals"])
+    figures["  of them in engine/kernels/launch_mode.py"] = sum(
+        h["where"].startswith("looptrace/engine/kernels/launch_mode.py") for h in result["launch_globals"]
+    )
+    for name, size in result["class_sizes"].items():
+        figures[f"{name} methods"] = size["methods"]
+        figures[f"{name} lines"] = size["lines"]
+        if "step_lines" in size:
+            figures[f"{name}.step lines"] = size["step_lines"]
+    figures["function-level imports (lazy edges)"] = result["import_edges"]["lazy"]
+    if "fast_step" in result:
+        figures["files crossed: one fast decode step (CUDA)"] = len(result["fast_step"]["calls"])
     for kind, trace in result.get("trace", {}).items():
         figures[f"files crossed: {kind}"] = len(trace["files"])
         if kind == "run":
@@ -911,6 +1092,13 @@ def render_text(result: dict) -> str:
     lines += _section("reaches into engine internals", [_hit_row(h) for h in result["engine_reaches"]])
     for rel, sites in result["recipe_branch_sites"].items():
         lines += _section(f"recipe branch sites in {rel}", [_hit_row(h) for h in sites])
+    lines += _section("reads of cfg.kernels", [_hit_row(h) for h in result["kernel_setting_reads"]])
+    toggles = result["toggle_branch_sites"]
+    lines += _section(
+        "toggle branch sites in engine/models + layers.py", [_hit_row(h) for h in toggles["toggles"]]
+    )
+    lines += _section("variant fallback sites", [_hit_row(h) for h in toggles["fallbacks"]])
+    lines += _section("module globals rebound in engine/", [_hit_row(h) for h in result["launch_globals"]])
     lines += _section(
         "cli functions over 40 lines", [_function_row(f) for f in result["cli_functions_over_40"]]
     )
@@ -921,6 +1109,12 @@ def render_text(result: dict) -> str:
     lines += _section("lazy imports", [_edge_row(e) for e in result["lazy_imports"]])
     for kind, trace in result.get("trace", {}).items():
         lines += _trace_rows(kind, trace)
+    if "fast_step" in result:
+        calls = result["fast_step"]["calls"]
+        lines += _section(
+            "files crossed by one fast decode step (CUDA)",
+            [f"{n:>8} calls  {f}" for f, n in sorted(calls.items())],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -953,7 +1147,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the text report")
     parser.add_argument("--trace", action="store_true", help="also trace `diff` and one `run` request")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
-    parser.add_argument("--trace-child", choices=sorted(TRACE_COMMANDS), help=argparse.SUPPRESS)
+    parser.add_argument("--trace-cuda", action="store_true", help="also trace one `fast` decode step on CUDA")
+    parser.add_argument(
+        "--trace-child", choices=[*sorted(TRACE_COMMANDS), "fast_step"], help=argparse.SUPPRESS
+    )
     return parser.parse_args(argv)
 
 
@@ -961,11 +1158,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     root = args.root.resolve()
     if args.trace_child:
-        args.out.write_text(json.dumps(trace_child(args.trace_child, root)))
+        child = (
+            trace_fast_step(root) if args.trace_child == "fast_step" else trace_child(args.trace_child, root)
+        )
+        args.out.write_text(json.dumps(child))
         return
     result = analyse(root)
     if args.trace:
         result["trace"] = run_trace(root, result["floors"])
+    if args.trace_cuda:
+        result["fast_step"] = _trace_subprocess("fast_step", root, cuda=True)
     result["summary"] = summary(result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,6 +1,8 @@
-"""The house's rules (issue #21), checked on the source with `ast` (bench/house_metrics.py): no import
-circles, no upward arrows between floors, no `getattr(` into engine objects outside engine/, and an engine
-that imports no client package. LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
+"""The house's rules, checked on the source with `ast` (bench/house_metrics.py): no import circles, no
+upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
+client package; and in the engine: the plan is the only reader of the `kernels` settings, model forwards
+test no kernel switches (only their variants' fallbacks), and no launch flag is a module global.
+LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
 from __future__ import annotations
 
@@ -64,6 +66,29 @@ def test_engine_imports_no_client_package(house):
     assert imports == [], "the engine imports client code:\n" + _listing(imports)
 
 
+# Family constants of the model architecture (Huginn norms before its coda, OLMo does not): not switches.
+ARCHITECTURE_CONSTANTS = {"norm_before_coda"}
+
+
+def test_only_the_plan_reads_the_kernel_settings(house):
+    modules, _, _ = house
+    reads = [h for h in hm.kernel_setting_reads(modules) if h["rel"] != hm.PLAN_FILE]
+    assert reads == [], "reads of cfg.kernels outside engine/plan.py:\n" + _listing(reads)
+
+
+def test_model_forwards_test_no_kernel_switches(house):
+    modules, _, _ = house
+    sites = hm.toggle_branch_sites(modules)["toggles"]
+    switches = [h for h in sites if h["reason"].removeprefix("reads self.") not in ARCHITECTURE_CONSTANTS]
+    assert switches == [], "switch tests in engine/models or layers.py:\n" + _listing(switches)
+
+
+def test_no_launch_flag_is_a_module_global(house):
+    modules, _, _ = house
+    flags = [h for h in hm.launch_globals(modules) if "launch_mode.py" in h["where"]]
+    assert flags == [], "module globals rebound in launch_mode.py:\n" + _listing(flags)
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / "looptrace" / rel
@@ -108,3 +133,30 @@ def test_the_rules_catch_what_they_name(tmp_path):
     assert [e["dst"] for e in hm.client_imports_of_engine(modules, edges)] == ["looptrace.probes.hooks"]
     hits = [h["where"] for h in hm.getattr_hits(modules)]
     assert hits == ["looptrace/serve/app.py:6", "looptrace/serve/app.py:6"]
+
+
+def test_the_engine_rules_catch_what_they_name(tmp_path):
+    """On a made-up engine: a kernel setting read outside the plan, a switch tested in a model forward
+    (beside a variant's fallback, which is not one), and a launch flag flipped through `global`."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/plan.py": "def resolve(cfg):\n    return cfg.kernels.exact\n",
+            "engine/runner.py": "def run(self):\n    return self.cfg.kernels.gemv\n",
+            "engine/layers.py": (
+                "class Norm:\n    exact = False\n\n    def forward(self, x):\n"
+                "        if self.exact:\n            return x\n"
+                "        if exact_kernels_on(x.shape[0]):\n            return x\n        return x\n"
+            ),
+            "engine/kernels/launch_mode.py": "_on = False\n\n\ndef enter():\n    global _on\n    _on = 1\n",
+        },
+    )
+    modules = hm.load_modules(tmp_path)
+    reads = [h["where"] for h in hm.kernel_setting_reads(modules) if h["rel"] != hm.PLAN_FILE]
+    assert reads == ["looptrace/engine/runner.py:2"]
+    sites = hm.toggle_branch_sites(modules)
+    assert [h["where"] for h in sites["toggles"]] == ["looptrace/engine/layers.py:5"]
+    assert [h["where"] for h in sites["fallbacks"]] == ["looptrace/engine/layers.py:7"]
+    assert [h["reason"] for h in hm.launch_globals(modules)] == ["global _on"]

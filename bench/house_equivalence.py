@@ -1,0 +1,136 @@
+"""Behaviour of one tree, recorded so that two trees (before and after a refactor of the engine) can be
+compared: tokens, counters, rung grades and inactive settings on CPU, nothing timed.
+
+    python bench/house_equivalence.py record --root DIR --out FILE.json   # DIR: a looptrace checkout
+    python bench/house_equivalence.py compare BEFORE.json AFTER.json      # exit 1 on any difference
+
+`record` runs, each in a subprocess with PYTHONPATH=DIR (so DIR's package is the one measured):
+- `looptrace diff base exactloop` and `diff exactloop fast` (the latter with every fused GEMV form the
+  recipe leaves off switched on, `--b-set`), JSON, for each model family;
+- `looptrace diff base R` for every other recipe R x model family (tokens batched and alone, rung
+  grades, and the settings R leaves inactive on this device);
+- `looptrace run -r R` (counters: steps, submissions, stages, KV, graphs) for every recipe x family;
+- `looptrace bench --a exactloop --b fast` on two cells (tokens and counters of each arm);
+- the engine's `inactive_settings` and `checked_rungs` for every recipe x family, built through build.py.
+Timings, paths and versions are dropped (`normalise`); what is left must be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+FAMILIES = ("ouro", "huginn", "olmo")
+RECIPES = ("base", "exactloop", "exactloop-cache", "fast", "loopduet")
+FAST_FORMS_OFF = ("kernels.gemv_silu=true", "kernels.gemv_norm=true", "kernels.gemv_norm_out=true")
+BENCH_CELLS = ("ouro-tiny:16/4@2", "huginn-tiny:16/4@1")
+# Keys whose values depend on the clock, the machine or the checkout's path.
+VOLATILE = re.compile(
+    r"(^|_)(s|ms|duration|elapsed|throughput|goodput|per_s|ttft|tpot|itl|e2el|time|seconds|spread|"
+    r"speedup|ratio|weights|source|file|versions|device|path|command|recipe_source|wall|host)($|_)"
+)
+
+ENGINE_PROBE = r"""
+import json, sys
+from looptrace.build import build_engine, preset_model
+out = {}
+for recipe in sys.argv[1].split(","):
+    for family in sys.argv[2].split(","):
+        setup = build_engine(preset_model(family, "cpu"), recipe=recipe, sets=[], device="cpu",
+                             dtype="float32", seed=0, threads=1)
+        e = setup.engine
+        out[f"{recipe} x {family}"] = {"inactive": list(e.inactive_settings.items()),
+                                       "rungs": dict(e.checked_rungs)}
+print(json.dumps(out))
+"""
+
+
+def normalise(value, key: str = ""):
+    """The JSON with volatile keys dropped (recursively); lists keep their order."""
+    if isinstance(value, dict):
+        return {k: normalise(v, k) for k, v in value.items() if not VOLATILE.search(k.lower())}
+    if isinstance(value, list):
+        return [normalise(v, key) for v in value]
+    return value
+
+
+def _run(root: Path, args: list[str]) -> object:
+    env = {**os.environ, "PYTHONPATH": str(root), "TQDM_DISABLE": "1"}
+    done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 1: a diff found a difference, which is a recorded outcome
+        return {"exit": done.returncode, "stderr": done.stderr.strip().splitlines()[-1:]}
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {"exit": done.returncode, "stdout": done.stdout.strip().splitlines()[-3:]}
+
+
+def _cli(root: Path, *args: str) -> object:
+    return _run(root, [sys.executable, "-m", "looptrace", *args, "--device", "cpu", "-f", "json"])
+
+
+def record(root: Path) -> dict:
+    out: dict[str, object] = {}
+    for family in FAMILIES:
+        out[f"diff base exactloop -m {family}"] = _cli(root, "diff", "base", "exactloop", "-m", family)
+        b_sets = [a for s in FAST_FORMS_OFF for a in ("--b-set", s)]
+        out[f"diff exactloop fast -m {family} (forms on)"] = _cli(
+            root, "diff", "exactloop", "fast", "-m", family, *b_sets
+        )
+        for recipe in RECIPES:
+            if recipe not in ("base", "exactloop"):  # diff base exactloop is above
+                out[f"diff base {recipe} -m {family}"] = _cli(root, "diff", "base", recipe, "-m", family)
+            out[f"run -r {recipe} -m {family}"] = _cli(
+                root, "run", "-r", recipe, "-m", family, "-c", "2", "--max-tokens", "4", "--no-progress"
+            )
+    cells = [a for c in BENCH_CELLS for a in ("--cell", c)]
+    out["bench exactloop fast"] = _cli(
+        root, "bench", "--a", "exactloop", "--b", "fast", *cells, "--runs", "2"
+    )
+    probe = [sys.executable, "-c", ENGINE_PROBE, ",".join(RECIPES), ",".join(FAMILIES)]
+    out["engine inactive settings and checked rungs"] = _run(root, probe)
+    return normalise(out)
+
+
+def compare(before: dict, after: dict) -> list[str]:
+    """One line per differing entry (missing entries included)."""
+    lines = []
+    for name in sorted(set(before) | set(after)):
+        a, b = before.get(name), after.get(name)
+        if a != b:
+            lines.append(f"DIFFERS: {name}\n  before: {json.dumps(a)[:400]}\n  after:  {json.dumps(b)[:400]}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    rec.add_argument("--out", type=Path, required=True)
+    cmp_ = sub.add_parser("compare")
+    cmp_.add_argument("before", type=Path)
+    cmp_.add_argument("after", type=Path)
+    args = parser.parse_args()
+    if args.command == "record":
+        recorded = record(args.root.resolve())
+        args.out.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+        failed = [name for name, v in recorded.items() if isinstance(v, dict) and "exit" in v]
+        for name in failed:  # a command that did not run is no evidence: say so
+            print(f"FAILED: {name}: {recorded[name]}", file=sys.stderr)
+        return 1 if failed else 0
+    before, after = (json.loads(p.read_text()) for p in (args.before, args.after))
+    lines = compare(before, after)
+    print("\n".join(lines) if lines else f"identical: {len(before)} entries")
+    return 1 if lines else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
