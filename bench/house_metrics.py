@@ -1004,7 +1004,9 @@ def run_trace(root: Path, floors: dict[str, int]) -> dict:
 
 
 def _trace_subprocess(kind: str, root: Path, cuda: bool = False) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # the package under `root` first; what the path held before (installed dependencies) after it
+    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as scratch:
