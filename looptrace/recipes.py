@@ -5,6 +5,9 @@
     kv: {layout: planes, block_size: 16}
     scheduler: {max_num_seqs: 8}
 
+A recipe may say `extends: NAME` (or a .yaml path): the parent's settings, with this file's merged over
+them key by key within each section; `name` and `description` are this file's own.
+
 `--recipe NAME` reads `recipes/NAME.yaml`; `--recipe PATH` reads that file; `--set section.key=value`
 overrides one setting (the value is parsed as YAML: `32`, `true`, `null`, `[1, 2]`). Every problem is one
 line naming the file (or `--set`), the key path and what was expected. Numeric bounds come from each
@@ -72,6 +75,17 @@ def resolve_path(name_or_path: str) -> Path:
 
 def load_recipe(name_or_path: str = "base", overrides: list[str] | None = None) -> Recipe:
     path = resolve_path(name_or_path)
+    data = _extended(_read_mapping(path), path)
+    overrides = list(overrides or [])
+    for item in overrides:
+        apply_override(data, item)
+    config = build_config({k: v for k, v in data.items() if k not in META_KEYS}, str(path), overrides)
+    return Recipe(
+        str(data.get("name", path.stem)), str(data.get("description", "")), config, str(path), overrides
+    )
+
+
+def _read_mapping(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -82,13 +96,28 @@ def load_recipe(name_or_path: str = "base", overrides: list[str] | None = None) 
         raise RecipeError(f"{path}: the recipe is empty: expected a mapping of settings (name, kv, ...)")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    overrides = list(overrides or [])
-    for item in overrides:
-        apply_override(data, item)
-    config = build_config({k: v for k, v in data.items() if k not in META_KEYS}, str(path), overrides)
-    return Recipe(
-        str(data.get("name", path.stem)), str(data.get("description", "")), config, str(path), overrides
-    )
+    return data
+
+
+def _extended(data: dict, path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """`extends: PARENT`: the parent's settings (its own `extends` first), this file's sections merged over
+    them key by key; name and description stay this file's."""
+    parent_name = data.pop("extends", None)
+    if parent_name is None:
+        return data
+    if not isinstance(parent_name, str):
+        raise RecipeError(f"{path}: extends: expected a recipe name or a .yaml path, got {parent_name!r}")
+    parent_path = resolve_path(parent_name)
+    if parent_path.resolve() in (*seen, path.resolve()):
+        raise RecipeError(f"{path}: extends: {parent_name} extends this recipe again (a circle)")
+    parent = _extended(_read_mapping(parent_path), parent_path, (*seen, path.resolve()))
+    merged = {k: v for k, v in parent.items() if k not in META_KEYS}
+    for key, value in data.items():
+        inherited = merged.get(key)
+        merged[key] = (
+            {**inherited, **value} if isinstance(value, dict) and isinstance(inherited, dict) else value
+        )
+    return merged
 
 
 def apply_override(data: dict, item: str) -> None:

@@ -175,3 +175,41 @@ def test_missing_recipe_path_and_unknown_name(tmp_path) -> None:
     assert error(str(missing)) == f"recipe file {missing} does not exist"
     msg = error("nosuch")
     assert msg.startswith("unknown recipe 'nosuch'") and "base" in msg and ".yaml path" in msg
+
+
+# --- extends --------------------------------------------------------------------------------------------
+def test_fast_extends_exactloop_and_lists_only_its_own_settings() -> None:
+    text = yaml.safe_load((RECIPE_DIR / "fast.yaml").read_text())
+    assert text["extends"] == "exactloop" and set(text) == {"name", "description", "extends", "kernels"}
+    fast, exactloop = (
+        config_to_dict(load_recipe("fast").config),
+        config_to_dict(load_recipe("exactloop").config),
+    )
+    assert {k: v for k, v in fast.items() if k != "kernels"} == {
+        k: v for k, v in exactloop.items() if k != "kernels"
+    }
+    own = {k: v for k, v in fast["kernels"].items() if v != exactloop["kernels"][k]}
+    assert own == {k: v for k, v in text["kernels"].items() if v != exactloop["kernels"][k]} and own
+    assert load_recipe("fast").name == "fast"
+
+
+def test_extends_merges_by_key_and_set_applies_last(tmp_path) -> None:
+    parent = tmp_path / "parent.yaml"
+    parent.write_text("name: parent\nkv: {layout: packed, block_size: 32}\nscheduler: {max_num_seqs: 4}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {parent}\nkv: {{block_size: 64}}\n")
+    recipe = load_recipe(str(child), ["scheduler.max_num_seqs=2"])
+    assert recipe.name == "child"  # the parent's name is not inherited
+    assert (recipe.config.kv.layout, recipe.config.kv.block_size) == ("packed", 64)
+    assert recipe.config.scheduler.max_num_seqs == 2
+
+
+def test_an_extends_circle_or_a_bad_parent_is_one_line(tmp_path) -> None:
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"extends: {b}\n")
+    b.write_text(f"extends: {a}\n")
+    assert "a circle" in error(str(a))
+    a.write_text("extends: [exactloop]\n")
+    assert "extends: expected a recipe name" in error(str(a))
+    a.write_text("extends: no-such-recipe\n")
+    assert "unknown recipe 'no-such-recipe'" in error(str(a))
