@@ -12,7 +12,9 @@ compared: tokens, counters, rung grades and inactive settings on CPU, nothing ti
 - `looptrace run -r R` (counters: steps, submissions, stages, KV, graphs) for every recipe x family;
 - `looptrace bench --a exactloop --b fast` on two cells (tokens and counters of each arm);
 - the engine's `inactive_settings` and `checked_rungs` for every recipe x family, built through build.py.
-Timings, paths and versions are dropped (`normalise`); what is left must be identical.
+Timings, paths and versions are dropped (`normalise`); what is left must be identical, except the rows of
+settings whose result reads the wall clock (`WALL_CLOCK_SETTINGS`: LoopDuet's queue-age controller picks
+P from how long requests have waited), which `compare` leaves out and counts.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ FAMILIES = ("ouro", "huginn", "olmo")
 RECIPES = ("base", "exactloop", "exactloop-cache", "fast", "loopduet")
 FAST_FORMS_OFF = ("kernels.gemv_silu=true", "kernels.gemv_norm=true", "kernels.gemv_norm_out=true")
 BENCH_CELLS = ("ouro-tiny:16/4@2", "huginn-tiny:16/4@1")
+WALL_CLOCK_SETTINGS = ("depth.controller",)  # P from queue ages in seconds: differs run to run
 # Keys whose values depend on the clock, the machine or the checkout's path.
 VOLATILE = re.compile(
     r"(^|_)(s|ms|duration|elapsed|throughput|goodput|per_s|ttft|tpot|itl|e2el|time|seconds|spread|"
-    r"speedup|ratio|weights|source|file|versions|device|path|command|recipe_source|wall|host)($|_)"
+    r"speedup|ratio|weights|source|file|versions|device|command|recipe_source|wall|host)($|_)"
 )
 
 ENGINE_PROBE = r"""
@@ -50,13 +53,14 @@ print(json.dumps(out))
 """
 
 
-def normalise(value, key: str = ""):
-    """The JSON with volatile keys dropped (recursively); lists keep their order."""
+def normalise(value, root: str):
+    """The JSON with volatile keys dropped (recursively) and the checkout's path in strings replaced by
+    `<root>`; lists keep their order."""
     if isinstance(value, dict):
-        return {k: normalise(v, k) for k, v in value.items() if not VOLATILE.search(k.lower())}
+        return {k: normalise(v, root) for k, v in value.items() if not VOLATILE.search(k.lower())}
     if isinstance(value, list):
-        return [normalise(v, key) for v in value]
-    return value
+        return [normalise(v, root) for v in value]
+    return value.replace(root, "<root>") if isinstance(value, str) else value
 
 
 def _run(root: Path, args: list[str]) -> object:
@@ -94,12 +98,31 @@ def record(root: Path) -> dict:
     )
     probe = [sys.executable, "-c", ENGINE_PROBE, ",".join(RECIPES), ",".join(FAMILIES)]
     out["engine inactive settings and checked rungs"] = _run(root, probe)
-    return normalise(out)
+    return normalise(out, str(root))
+
+
+def _without_wall_clock(value, skipped: list[str], where: str = ""):
+    """`value` without the diff rows (toggles, accuracy by setting) of WALL_CLOCK_SETTINGS."""
+    if isinstance(value, dict):
+        return {k: _without_wall_clock(v, skipped, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        kept = []
+        for item in value:
+            setting = item.get("path", item.get("setting")) if isinstance(item, dict) else None
+            if setting in WALL_CLOCK_SETTINGS:
+                skipped.append(f"{where}: {setting}")
+                continue
+            kept.append(_without_wall_clock(item, skipped, where))
+        return kept
+    return value
 
 
 def compare(before: dict, after: dict) -> list[str]:
     """One line per differing entry (missing entries included)."""
-    lines = []
+    lines, skipped = [], []
+    before, after = _without_wall_clock(before, skipped), _without_wall_clock(after, [])
+    if skipped:
+        print(f"left out (wall-clock settings {', '.join(WALL_CLOCK_SETTINGS)}): {len(skipped)} rows")
     for name in sorted(set(before) | set(after)):
         a, b = before.get(name), after.get(name)
         if a != b:
