@@ -37,7 +37,14 @@ lt.tokens/<n> markers of looptrace's own traces (the same tokens `looptrace prof
 engine's step annotations (vLLM execute_<n>_context_…_generation_…, SGLang step[EXTEND|DECODE …]: output
 tokens when the window decodes, else prompt tokens; the phase table gives decode per output token and
 prefill per prompt token), else lt.step#, ProfilerStep#, execute_model or gpu_model_runner instances,
-else 1 (totals; the notes say so).
+else the model's forward passes (FORWARDS below), else 1 (totals; the notes say so).
+
+[bold]FORWARDS[/bold]  without step annotations (a Hugging Face generate, a script's decode loop), each
+forward of the model is one step: the lm-head GEMM (output dimension = the vocabulary) closes it, its
+module / forward event or embedding lookup opens it (record with record_shapes=True). Its rows (the
+lookup's ids, else the first GEMM's M) tell prefill (prompt tokens) from decode (one output token per
+sequence). tokens = decode rows; the default window is the decode forwards (--window prefill: the
+prefill forwards; all: everything); the phase table gives both.
 
 [bold]GRAPH REPLAYS[/bold]  kernels of a CUDA/HIP graph replay have no CPU op around them; --capture DIR
 (default: a capture_traces/ folder beside the trace, with execution_details.json) maps them, by order,
@@ -45,12 +52,14 @@ to the launches recorded while the graph was captured (vLLM --profiler-config.ca
 SGLang --enable-profile-cuda-graph). Without one the report says they are not attributed.
 
 [bold]LOOPED MODELS[/bold]  in a trace without looptrace's lt.* ranges, a looped model (Ouro, Huginn) is
-found from its launch pattern: within each engine step, two or more consecutive blocks of layers with the
-same ops, separated by the same ops, are passes of the recurrent block. Kernels then get stage, loop and
-layer (core<i>, prelude<i>, coda<i>); the report adds "Kernels by op and loop" (JSON: breakdown.by_loop,
-breakdown.by_op_layer_loop) and a note on what was found. Loops that run back to back with no op between
-them look like a deeper plain model: --loops N and/or --layers-per-loop L split them (and keep only
-patterns of that shape). Traces with lt ranges take loops from the ranges; the hints are ignored there.
+found from its launch pattern: within each engine step or forward, two or more consecutive blocks of
+layers with the same ops, separated by the same ops, are passes of the recurrent block. Kernels then get
+stage, loop and layer (core<i>, prelude<i>, coda<i>); the report adds a "Loop structure" line (JSON:
+structure = prelude_layers, layers_per_loop, loops, coda_layers, source, coverage), "Kernels by op and
+loop" (JSON: breakdown.by_loop, breakdown.by_op_layer_loop) and a note on what was found. Loops that
+run back to back with no op between them look like a deeper plain model: --loops N and/or
+--layers-per-loop L split them (and keep only patterns of that shape). Traces with lt ranges take
+loops from the ranges; the hints are ignored there.
 
 [bold]OUTPUT[/bold]  -o FILE: the format follows the suffix (.json, .csv, else table) unless --format is
 given; written whole and atomically, through a symlink; a directory or a device is refused.
@@ -60,8 +69,8 @@ events, no such window, unknown --step-marker, a capture folder without executio
 unwritable -o) · 130 interrupted (Ctrl-C)
 
 [bold]LEARN MORE[/bold]  counters and event rules: looptrace/probes/counters.py and classify.py docstrings;
-runtime names: runtime.py; steps: steps.py; categories: categories.py; capture traces: capture.py;
-loop inference: loops.py
+runtime names: runtime.py; steps: steps.py; forwards: forwards.py; categories: categories.py; capture
+traces: capture.py; loop inference: loops.py; structure: structure.py
 """
 
 trace_app = typer.Typer(

@@ -58,7 +58,8 @@ from looptrace.probes import steps as st
 from looptrace.probes.capture import HOW_TO_RECORD, CapturedGraph, attribute_replay, pick_graph
 from looptrace.probes.context import NONE, Context
 from looptrace.probes.events import Trace, TraceError, TraceEvent, enclosing_chains
-from looptrace.probes.loops import detect_loops
+from looptrace.probes.forwards import find_forwards
+from looptrace.probes.loops import LoopStructure, detect_loops
 from looptrace.probes.opstats import (
     CategoryRow,
     CommContext,
@@ -72,6 +73,7 @@ from looptrace.probes.opstats import (
     op_rows,
     short_kernel_name,
 )
+from looptrace.probes.structure import RANGES, Structure, source_kind, structure_of
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
 # --- annotation-name convention -------------------------------------------------------------------------
@@ -268,6 +270,9 @@ class Analysis:
     # The window's device events and blocking syncs with their contexts, for `findings` (not rendered).
     device_items: list[DeviceItem] = field(default_factory=list, repr=False)
     sync_items: list[SyncItem] = field(default_factory=list, repr=False)
+    # A looped model's prelude / loop / coda layers and the share of device time they account for
+    # (`structure`); None without loops. Kernels' stage/layer/loop are in `breakdown` (by_op_layer_loop).
+    structure: Structure | None = None
 
 
 @dataclass
@@ -443,7 +448,16 @@ def analyze(
         if hint is not None and hint < 1:
             raise ValueError(f"{flag} must be >= 1")
     mode = cl.detect_mode(events)
-    windows, label = select_windows(trace, window)
+    ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
+    all_engine_steps = [] if ranges else st.engine_steps(events)
+    # Without lt ranges and engine annotations, the model's forward passes are the steps (`forwards`):
+    # they group the kernels for the loop inference and, where no step marker or --tokens says
+    # otherwise, give the tokens and the default window (the decode forwards).
+    all_forwards = [] if ranges or all_engine_steps else find_forwards(events)[1]
+    by_forwards = bool(all_forwards) and tokens is None and step_marker is None and not _has_marker(events)
+    windows, label = _forward_windows(all_forwards, window, trace.source) if by_forwards else (None, "")
+    if not label:
+        windows, label = select_windows(trace, window)
     inside = _window_test(windows)
     locate = _Locator(events)
     stale = _queued_before_trace(events, locate)
@@ -452,14 +466,16 @@ def analyze(
         located = ((e, locate(e)) for e in items if id(e) not in stale)
         return [(e, pos) for e, pos in located if inside(pos[1])]
 
-    ranges = [e for e in events if e.cat == ANNOTATION_CAT and e.name.startswith(PREFIX)]
-    engine_steps = [] if ranges else [s for s in st.engine_steps(events) if inside(s.event.ts)]
+    engine_steps = [s for s in all_engine_steps if inside(s.event.ts)]
+    forward_steps = [s for s in all_forwards if inside(s.event.ts)]
     marker, steps = _count_steps(events, step_marker, inside, f"{trace.source} (window {label})")
     tokens_source = ""
     if tokens is None and step_marker is None:
         tokens, tokens_source = _marked_tokens(events, inside)
     if tokens is None and step_marker is None and engine_steps and marker != STEP_PREFIX:
         marker, steps, tokens, tokens_source = _engine_tokens(engine_steps)
+    if by_forwards and forward_steps:
+        marker, steps, tokens, tokens_source = _engine_tokens(forward_steps)
     if not tokens_source:
         tokens, tokens_source = _resolve_tokens(tokens, marker, steps)
     host_us = _host_span(events) if windows is None else sum(end - start for start, end in windows)
@@ -506,6 +522,13 @@ def analyze(
         kernel_ctx, replay_ops, replay_note = _attribute_replays(kernels, kernel_ctx, graph_corr, bodies)
         op_ctx = op_ctx + replay_ops
     device_items = kernels + memory
+    if by_forwards:  # every forward's phase, whatever the window: prefill per prompt token too
+        on_device = (
+            [e for e in events if e.cat in DEVICE_CATS - {cl.SYNC_CAT}] if mode == "gpu" else kernel_events
+        )
+        phases = _phases(all_forwards, [(e, locate(e)) for e in on_device if id(e) not in stale])
+    else:
+        phases = _phases(engine_steps, device_items)
     kops, op_notes = _kernel_ops(events, device_items, kernel_ctx, graph_corr, captures, engine_steps)
     _attach_kv(kops, device_items, engine_steps)
     for i, (e, _) in enumerate(kernels):  # a collective's kernel may carry its sizes (newer Kineto)
@@ -513,8 +536,12 @@ def analyze(
             kops[i] = dataclasses.replace(kops[i], device=e)
     if not ranges:  # CPU traces too: their leaf cpu_ops have categories from `_kernel_ops`
         hints = {"loops": loops, "layers_per_loop": layers_per_loop}
-        kernel_ctx, loop_note = _foreign_contexts(kops[:n_k], kernels, engine_steps, hints)
-        op_notes += [loop_note] if loop_note else []
+        kernel_ctx, found = _foreign_contexts(kops[:n_k], kernels, engine_steps or forward_steps, hints)
+        op_notes += [f"loops inferred from the kernel pattern: {found.how}"] if found.how else []
+        structure_source = ", ".join(sorted({source_kind(how) for how in found.sources}))
+    else:
+        structure_source = RANGES
+    structure = structure_of(kernel_ctx, [e.dur for e, _ in kernels], structure_source)
     breakdown = _breakdown(kernels, kernel_ctx, op_ctx, graph_corr, tokens)
     by_count, by_time = _top_kernels([e for e, _ in kernels], top)
     notes = _notes(c, tokens_source, unlinked, mode)
@@ -532,7 +559,7 @@ def analyze(
         c, breakdown, by_count, by_time, tokens_source, marker, notes, sites,
         categories=category_rows(durations, kops, tokens),
         ops=ops,
-        phases=_phases(engine_steps, device_items),
+        phases=phases,
         device=_device_name(peak, props),
         replays=_replay_stat(kernels, kops, graph_corr),
         device_items=_device_items(kernels, kernel_ctx, memory, graph_corr),
@@ -541,6 +568,7 @@ def analyze(
             for (what, e, _), cx in zip(site_items, site_ctx, strict=True)
             if what.startswith("sync ") and what[len("sync ") :] in cl.BLOCKING_SYNC_KINDS
         ],
+        structure=structure,
     )  # fmt: skip
 
 
@@ -557,6 +585,27 @@ def _device_items(
     ]
     items += [DeviceItem(e, Context(), True) for e, _ in memory]
     return sorted(items, key=lambda item: item.event.ts)
+
+
+def _has_marker(events: list[TraceEvent]) -> bool:
+    """Whether any default step marker (lt.step#, ProfilerStep#, ...) is in the trace: then its
+    instances, not the forwards, are the steps (as before forwards were found)."""
+    return any(e.cat == ANNOTATION_CAT and e.name.startswith(DEFAULT_STEP_MARKERS) for e in events)
+
+
+def _forward_windows(forwards: list[st.Step], window: str, source: str) -> tuple[list[Interval] | None, str]:
+    """The spans of the decode (or, with --window prefill, the prefill) forwards as the window; (None,
+    "") where the choice is not theirs (--window all, or auto with no decode forward)."""
+    if window == "all":
+        return None, ""
+    phase = st.PREFILL if window == "prefill" else st.DECODE
+    mine = [s for s in forwards if s.phase == phase]
+    if not mine:
+        if window == "auto":
+            return None, ""
+        raise TraceError(f"{source}: no 'lt.window/{phase}' range and no {phase} forward in the trace")
+    spans = _merge([(s.event.ts, s.event.end) for s in mine])
+    return spans, f"{phase} forwards ×{len(mine)} (no lt.window/{phase} range)"
 
 
 def _device_name(peak: object, props: list[dict]) -> str | None:
@@ -583,7 +632,7 @@ def _engine_tokens(steps: list[st.Step]) -> tuple[str, int, int, str]:
     """(marker, steps, tokens, source) from the engine's step annotations; tokens 1 (totals) if the
     annotations carry no counts (older vLLM `execute_model`)."""
     totals = st.step_tokens(steps)
-    marker = st.VLLM_STEP if steps[0].grammar == "vllm" else st.SGLANG_STEP
+    marker = {"vllm": st.VLLM_STEP, "sglang": st.SGLANG_STEP}.get(steps[0].grammar, steps[0].grammar)
     if totals.tokens < 1:
         return marker, totals.steps, 1, "unknown (step annotations without token counts): pass --tokens"
     return marker, totals.steps, totals.tokens, st.describe(totals, steps[0].grammar)
@@ -730,10 +779,10 @@ def _foreign_contexts(
     kernels: list[tuple[TraceEvent, Position]],
     steps: list[st.Step],
     hints: dict[str, int | None],
-) -> tuple[list[Context], str | None]:
+) -> tuple[list[Context], LoopStructure]:
     """Contexts of kernels in a trace without lt ranges: op = category, layer from the module path; and,
     where a looped pattern repeats within a step, stage/loop/layer/role from `loops.detect_loops` (the
-    one call site; kernels grouped by engine step, in launch order). Also the note on what was found."""
+    one call site; kernels grouped by engine step, in launch order), and what it found."""
     ctx = [Context(op=k.category, layer=None if k.layer is None else f"layer{k.layer}") for k in kops]
 
     groups: dict[int, list[int]] = defaultdict(list)
@@ -742,9 +791,25 @@ def _foreign_contexts(
         j = bisect.bisect_right(starts, t) - 1
         groups[j if j >= 0 and t < steps[j].event.end else -1].append(i)
     # launch order; kernels of one graph replay share a launch time, so device order breaks ties
-    order = [
-        sorted(idx, key=lambda i: (kernels[i][1][1], kernels[i][0].ts)) for _, idx in sorted(groups.items())
-    ]
+    order = {
+        j: sorted(idx, key=lambda i: (kernels[i][1][1], kernels[i][0].ts))
+        for j, idx in sorted(groups.items())
+    }
+    outside = order.pop(-1, None) if order.keys() - {-1} else None
+    found = _detect(ctx, kernels, list(order.values()), hints)
+    if outside is not None:  # kernels outside every step: their own sequence, not counted as a step
+        alone = _detect(ctx, kernels, [outside], hints)
+        found = found if found.found or not alone.found else alone
+    return ctx, found
+
+
+def _detect(
+    ctx: list[Context],
+    kernels: list[tuple[TraceEvent, Position]],
+    order: list[list[int]],
+    hints: dict[str, int | None],
+) -> LoopStructure:
+    """`loops.detect_loops` on the kernels of each sequence in `order`; their contexts updated in `ctx`."""
     found = detect_loops(
         [[ctx[i] for i in idx] for idx in order],
         names=[[kernels[i][0].name for i in idx] for idx in order],
@@ -753,7 +818,7 @@ def _foreign_contexts(
     for idx, inferred in zip(order, found.steps, strict=True):
         for i, cx in zip(idx, inferred, strict=True):
             ctx[i] = cx
-    return ctx, (f"loops inferred from the kernel pattern: {found.how}" if found.how else None)
+    return found
 
 
 def _sites(items: list[tuple[str, TraceEvent, Position]], ctx: list[Context], locate) -> list[SiteStat]:

@@ -14,7 +14,9 @@ and exit gate). A plain transformer is N × [layer] once per forward: no repeate
    previous one (0 after L-1) starts a new block. Otherwise attention calls anchor the layers: the ops
    from one attention call to the next are the layer period; calls linked by exactly that period form a
    block; a layer starts where the ops before a block's first call stop matching the period's end (its
-   input norm, QKV GEMM, RoPE, KV write), the shortest such match over the blocks.
+   input norm, QKV GEMM, RoPE, KV write), the shortest such match over the blocks of several layers.
+   Indices that give no chain (one module per (loop, layer), numbered loop × L + layer) fall back to the
+   attention anchors.
 2. Loops. Two or more consecutive blocks with the same ops, separated by the same gap (both up to a
    one-off op, e.g. a first-use allocation), are the passes of one recurrent block; not when the gap
    samples a token (successive forwards of a plain model in one sequence spanning several steps), nor when
@@ -25,7 +27,8 @@ and exit gate). A plain transformer is N × [layer] once per forward: no repeate
    last pass also runs after its layers are tail, those the first pass also runs before its layers are
    head (tail wins where both hold); ops that are neither run between loops (stage recurrent, no loop).
 4. Ops before the first pass are prelude, after the last coda (between two chains of passes in one
-   sequence: coda up to the last sampling op, then prelude); layer passes there are prelude<i>/coda<i>.
+   sequence: coda up to the last sampling op, then prelude); layer passes there are prelude<i>/coda<i>,
+   numbered on across the region's blocks (a repeat of its first block starts again at 0).
 
 Hints (`layers_per_loop`, `loops`: the CLI's --layers-per-loop / --loops) keep only chains of that shape;
 where no chain is found, they split the largest block of k = loops × layers_per_loop layers into loops (a
@@ -34,9 +37,10 @@ model whose loops run back to back, with no op between them, looks like a deeper
 Limits. Kernel names (`names=`) match far more precisely than categories: with categories alone a per-loop
 op can pass for the end of a layer and shift layer boundaries (the loop index stays right on our traces).
 Successive forwards of a plain model with no recognisable sampling op between them look like loops: pass
-one sequence per engine step where the trace has step annotations. Our own engine's bookkeeping between
-two loop ranges (a step's state gather, the gate readback) shares its place with the loops' tails and
-heads, so structure gives it to a loop where `profile` (its lt ranges) gives it none.
+one sequence per engine step where the trace has step annotations, else per forward (`forwards`). Our
+own engine's bookkeeping between two loop ranges (a step's state gather, the gate readback) shares its
+place with the loops' tails and heads, so structure gives it to a loop where `profile` (its lt ranges)
+gives it none.
 """
 
 from __future__ import annotations
@@ -264,8 +268,11 @@ def _anchored_blocks(ctxs: list[Context], keys: list[Hashable]) -> list[_Block]:
     # Layer head: the shortest match over the blocks. Ops before a block that look like the end of a
     # layer lengthen it (a per-loop GEMM like an MLP's last one) but cannot shorten it; a block at the
     # very start of the sequence may be cut off, so it does not count when its whole prefix matched.
+    # Blocks of one layer count only where no block has more: a lone layer (Huginn's coda layers in a
+    # CPU trace, each after an op the others lack) can have a shorter head than the model's layers.
     counted = [h for k, h in enumerate(heads) if k or h < groups[0][0]] or heads
-    head = min(counted)
+    multi = [h for k, h in enumerate(heads) if len(groups[k]) > 1 and (k or h < groups[0][0])]
+    head = min(multi or counted)
     tail = len(period) - head
     blocks: list[_Block] = []
     prev_end = 0
@@ -284,10 +291,25 @@ def _anchored_blocks(ctxs: list[Context], keys: list[Hashable]) -> list[_Block]:
 def _find_chains(
     ctxs: list[Context], keys: list[Hashable], layers_per_loop: int | None, loops: int | None
 ) -> tuple[list[_Block], list[_Chain]]:
-    """The step's layer blocks, and the chains of recurrent passes among them."""
-    blocks, source = _indexed_blocks(ctxs), "module layer indices"
-    if not blocks:
-        blocks, source = _anchored_blocks(ctxs, keys), "repeated op pattern"
+    """The step's layer blocks, and the chains of recurrent passes among them: from module layer indices
+    where they give a chain, else from the op pattern (indices that never repeat, e.g. one module per
+    (loop, layer) numbered loop × L + layer, make one long block: the pattern still shows the loops)."""
+    indexed = _indexed_blocks(ctxs)
+    if indexed:
+        blocks, chains = _chains_of(ctxs, keys, indexed, "module layer indices", layers_per_loop, loops)
+        if chains:
+            return blocks, chains
+    return _chains_of(ctxs, keys, _anchored_blocks(ctxs, keys), "repeated op pattern", layers_per_loop, loops)
+
+
+def _chains_of(
+    ctxs: list[Context],
+    keys: list[Hashable],
+    blocks: list[_Block],
+    source: str,
+    layers_per_loop: int | None,
+    loops: int | None,
+) -> tuple[list[_Block], list[_Chain]]:
     chains: list[_Chain] = []
     candidates = 0
     i = 0
@@ -461,9 +483,18 @@ def _outside(
             stage[p] = SAMPLE if name == CODA and _is_sampling(ctxs[p], keys[p]) else name
         while k < len(blocks) and blocks[k].start < lo:
             k += 1
+        first, index = None, 0
         while k < len(blocks) and blocks[k].end <= hi:
-            for j, (s, e) in enumerate(blocks[k].layers):  # per block: a repeated coda pass is coda0.. again
-                layer[s:e] = [f"{name}{j}"] * (e - s)
+            # Layers are numbered on across the region's blocks (its layers need not run as one block);
+            # a repeat of the region's first block is a repeated pass: coda0.. again.
+            content = _content(keys, blocks[k])
+            if first is None:
+                first = content
+            elif content == first and len(blocks[k].layers) > 1:
+                index = 0
+            for s, e in blocks[k].layers:
+                layer[s:e] = [f"{name}{index}"] * (e - s)
+                index += 1
             k += 1
 
 

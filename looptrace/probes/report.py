@@ -318,6 +318,21 @@ def phase_table(analysis: Analysis) -> Table | None:
     return table
 
 
+def structure_text(analysis: Analysis) -> Text | None:
+    """One line on a looped model's structure (`Analysis.structure`), e.g. "Loop structure: prelude 2
+    layers · 4 layers × 32 loops · coda 2 layers (inferred; 99.6 % of GPU time attributed)"."""
+    s = analysis.structure
+    if s is None:
+        return None
+    parts = [f"prelude {s.prelude_layers} layers"] if s.prelude_layers else []
+    parts.append(f"{s.layers_per_loop} layers × {s.loops} loops")
+    parts += [f"coda {s.coda_layers} layers"] if s.coda_layers else []
+    time = _time_header(analysis.counters.mode)
+    text = Text("Loop structure: ", style="bold")
+    text.append(" · ".join(parts) + f" ({s.source}; {100 * s.coverage:.1f} % of {time} time attributed)")
+    return text
+
+
 def _sum_opt(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
@@ -423,6 +438,7 @@ def report_renderables(analysis: Analysis, header: dict[str, Any]) -> list[Any]:
         counters_table([(label, c)]),
         *([timeline] if timeline is not None else []),
         *(t for t in optional if t is not None),
+        *([structure] if (structure := structure_text(analysis)) is not None else []),
         detail_table(c),
         sites_table(analysis),
         group_table("Kernels by stage", ["stage"], b.by_stage, c),
@@ -514,6 +530,7 @@ def to_dict(analysis: Analysis, header: dict[str, Any]) -> dict[str, Any]:
             for x in analysis.sites
         ],
         "device": analysis.device,
+        "structure": dataclasses.asdict(analysis.structure) if analysis.structure is not None else None,
         "phases": [
             {"phase": p.phase, "steps": p.steps, "tokens": p.tokens, "unit": p.unit, "gpu_us": p.gpu_us,
              "per_token_us": p.per_token_us}

@@ -40,6 +40,7 @@ _SGLANG_RE = re.compile(r"^step\[(EXTEND|DECODE|MIXED|IDLE)\b([^\]]*)\]$")
 _KV_RE = re.compile(r"(\w+)=(\d+)")
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+FORWARD_GRAMMAR = "forward"  # steps found from the model's forward passes (`forwards`), not annotations
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,12 @@ def describe(t: StepTokens, grammar: str) -> str:
     engine = {"vllm": "execute_…_context_…_generation_…", "sglang": "step[…]"}.get(grammar, grammar)
     unit = "output tokens (generation rows)" if t.output_tokens else "prompt tokens (context rows)"
     counts = ", ".join(f"{n} {phase}" for phase, n in sorted(t.phases.items()))
+    if grammar == FORWARD_GRAMMAR:
+        unit = "output tokens (decode rows)" if t.output_tokens else "prompt tokens (prefill rows)"
+        return (
+            f"forward passes (no step annotations): {t.tokens:,} {unit} in {t.steps} forward(s) "
+            f"({counts}); prompt {t.prompt_tokens:,}, output {t.output_tokens:,}"
+        )
     return (
         f"{engine} step annotations: {t.tokens:,} {unit} in {t.steps} step(s) ({counts}); "
         f"prompt {t.prompt_tokens:,}, output {t.output_tokens:,}"

@@ -17,6 +17,7 @@ alternating layer types, MoE experts), module layer indices (vLLM paths), and th
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections import Counter
@@ -33,8 +34,10 @@ from looptrace.engine.llm_engine import LLMEngine
 from looptrace.probes import categories as cats
 from looptrace.probes import classify as cl
 from looptrace.probes import counters as C
+from looptrace.probes import session
 from looptrace.probes.counters import Context
 from looptrace.probes.events import TraceEvent, load_chrome_trace
+from looptrace.probes.forwards import find_forwards
 from looptrace.probes.loops import detect_loops, infer_loops
 from looptrace.probes.opstats import ancestry_chains, kernel_op
 from looptrace.probes.report import render_report, to_dict
@@ -56,6 +59,7 @@ class Stripped:
     def __init__(self, engine: LLMEngine, events: list[TraceEvent], path: Path) -> None:
         self.engine, self.path = engine, path  # path: the trace as `profile --trace` writes it
         bare = [e for e in events if not (e.cat == C.ANNOTATION_CAT and e.name.startswith(C.PREFIX))]
+        self.events, self.bare = events, bare
         self.leaves = sorted(cl.leaf_cpu_ops(bare), key=lambda e: e.ts)
         positions = [((e.pid, e.tid), e.ts) for e in self.leaves]
         self.truth = _truth(events, positions)
@@ -79,8 +83,10 @@ def _truth(events: list[TraceEvent], positions: list[tuple]) -> list[Context]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """preset -> Stripped, for a short decode window and a prefill window (the profile path)."""
+    """preset -> Stripped, for a short decode window and a prefill window (the profile path), recorded
+    with the ops' shapes (`record_shapes=True`, as users record foreign traces: the forwards' rows)."""
     cache: dict[str, Stripped] = {}
+    activities = session._activities
 
     def get(preset: str) -> Stripped:
         if preset not in cache:
@@ -88,7 +94,9 @@ def recorded(tmp_path_factory):
             steps = DECODE_TOKENS * (engine.max_loops + 2)  # prelude + one step per loop + coda, per token
             cfg = ProfileConfig(concurrency=1, prompt_len=16, decode_steps=steps, warmup_tokens=1)
             path = tmp_path_factory.mktemp(preset) / "trace.json"
-            result = profile_engine(engine, cfg, trace_path=path)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(session, "_activities", lambda e: activities(e) | {"record_shapes": True})
+                result = profile_engine(engine, cfg, trace_path=path)
             cache[preset] = Stripped(engine, result.trace.events, path)
         return cache[preset]
 
@@ -138,6 +146,39 @@ def test_stripped_trace_loops_agree_with_profile(preset, recorded):
     extra = {k: ours[k] - profiles[k] for k in range(loops)}
     assert set(ours) == set(profiles) == set(range(loops))
     assert extra == {k: 2 * decode_tokens - (preset == "ouro-tiny" and k == 0) for k in range(loops)}, extra
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
+def test_stripped_trace_forwards_give_profiles_tokens_and_structure(preset, recorded, analyzed):
+    """Without the lt ranges, the forwards (lm-head GEMM, embedding lookup, rows from its ids) give the
+    tokens `profile` counts in each of its windows (its lt.tokens/<n> markers), and the structure its
+    ranges give."""
+    run = recorded(preset)
+    found, forwards = find_forwards(run.bare)
+    assert found is not None and found.vocab == run.engine.spec.vocab_size
+    annotations = [e for e in run.events if e.cat == C.ANNOTATION_CAT]
+    for phase, expected in (("decode", DECODE_TOKENS), ("prefill", 16)):
+        [window] = [e for e in annotations if e.name == C.window_name(phase)]
+        marked = sum(
+            int(e.name[len(C.TOKENS_PREFIX) :])
+            for e in annotations
+            if e.name.startswith(C.TOKENS_PREFIX) and window.ts <= e.ts < window.end
+        )
+        inside = [f for f in forwards if window.ts <= f.event.ts < window.end]
+        assert {f.phase for f in inside} == {phase}
+        tokens = sum(f.output_tokens if phase == "decode" else f.prompt_tokens for f in inside)
+        assert tokens == marked == expected
+    # Every forward of the trace: the windows' and the warm-up token's (outside both windows).
+    assert [f.phase for f in forwards].count("decode") == DECODE_TOKENS + 1
+    _, original, bare, _ = analyzed(preset)
+    spec, profiled, inferred = run.engine.spec, original.structure, bare.structure
+    assert (profiled.prelude_layers, profiled.layers_per_loop, profiled.loops, profiled.coda_layers) == (
+        spec.n_prelude, spec.n_core, run.engine.max_loops, spec.n_coda,
+    )  # fmt: skip
+    assert dataclasses.replace(inferred, source="ranges", coverage=0) == dataclasses.replace(
+        profiled, coverage=0
+    )
+    assert inferred.source == "inferred" and inferred.coverage >= 0.95
 
 
 def test_stripped_trace_stages(recorded):
@@ -235,7 +276,8 @@ def test_analyze_stripped_trace_loop_table(preset, analyzed):
     layer × loop table of `profile` (analyze of the trace with its ranges), up to the bookkeeping."""
     run, original, bare, _ = analyzed(preset)
     spec, loops, tokens = run.engine.spec, run.engine.max_loops, run.loop0 - 1
-    how = f"{spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in 1 step)"
+    # One sequence per forward (lm-head GEMM, embedding lookup: `forwards`), one chain in each.
+    how = f"{spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in {run.loop0} steps)"
     assert f"loops inferred from the kernel pattern: repeated op pattern: {how}" in bare.notes
     assert bare.counters.kernels == original.counters.kernels and bare.breakdown.has_loops
     profiled, inferred = per_loop(original.breakdown.by_loop), per_loop(bare.breakdown.by_loop)
@@ -379,6 +421,22 @@ def test_vllm_ouro_step(indexed):
     assert [c.layer for c in first] == [f"core{i}" for i in range(3) for _ in LAYER] + [None]
     assert {c.role for c in first[:-1]} == {"core"} and first[-1].role == C.NONE
     assert [c.op for c in got] == [c.op for c in step]  # categories kept
+
+
+def test_vllm_ouro_with_one_index_per_loop_and_layer():
+    """vLLM's Ouro keeps one attention layer (and KV cache) per (loop, layer), named with index loop × L +
+    layer: the indices never repeat, one long run; the op pattern still gives the loops."""
+    n, loops = 3, 4
+    step = ops(cats.COPY)
+    for r in range(loops):
+        step += layers(n, True, first=r * n) + ops(cats.RMSNORM)
+    step += ops(cats.GEMM, cats.SAMPLING)
+    found = detect_loops([step, step])
+    assert found.how == f"repeated op pattern: {n} layers × {loops} loops (2 chains of passes in 2 steps)"
+    per_loop = n * len(LAYER) + 1
+    got = found.steps[0]
+    assert [c.loop for c in got[1:-2]] == [r for r in range(loops) for _ in range(per_loop)]
+    assert [c.layer for c in got[1 : 1 + per_loop]] == [f"core{i}" for i in range(n) for _ in LAYER] + [None]
 
 
 @pytest.mark.parametrize("indexed", [False, True])
