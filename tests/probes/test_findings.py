@@ -157,7 +157,7 @@ def test_findings_are_ranked_by_saving(analyses) -> None:
 @pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared traces not present at {SHARED}")
 def test_eager_rmsnorm_pattern_in_a_trace_without_ranges() -> None:
     """The public Ouro CPU trace: 4 forwards x (2 layers x 4 loops x 4 norms + 4 loop norms), no lt ranges."""
-    a = analyze(load_chrome_trace(SHARED / "ouro-tiny_cpu_public_decode.json.gz"))
+    a = analyze(load_chrome_trace(SHARED / "ouro-tiny_cpu_public_decode.json.gz"), window="all")  # 4 forwards
     calls, how = norm_calls(a.device_items)
     assert how.startswith("PyTorch's eager RMSNorm")
     assert len(calls) == 4 * (2 * 4 * 4 + 4)
