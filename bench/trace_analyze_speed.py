@@ -1,6 +1,6 @@
 """Wall time and peak memory of `looptrace trace analyze` on one trace file (a benchmark, not a test).
 
-    python bench/trace_analyze_speed.py TRACE [--runs N] [--out DIR] [-- extra trace analyze options]
+    python bench/trace_analyze_speed.py TRACE [--runs N] [--out DIR] [--label L] [-- trace analyze options]
 
 Each run is a fresh process, `/usr/bin/time -v looptrace trace analyze TRACE --format json -o FILE`, so the
 figures include Python start-up, loading the trace and writing the report, as a user sees them. Recorded
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="directory for the .json and .md results")
+    parser.add_argument("--label", default="", help="suffix of the result files (e.g. baseline)")
     args = parser.parse_args(ours)
     if not args.trace.is_file():
         raise SystemExit(f"{args.trace}: no such trace file")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.trace.name.split(".")[0]
+        stem = args.trace.name.split(".")[0] + (f"_{args.label}" if args.label else "")
         (args.out / f"trace_analyze_{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
         (args.out / f"trace_analyze_{stem}.md").write_text(_markdown(result, args.trace))
 
