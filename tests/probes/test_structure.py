@@ -178,7 +178,11 @@ def test_cli_json_and_table_report_the_structure():
 def test_plain_models_have_no_structure():
     """The other shared traces (vLLM, SGLang, Hugging Face Qwen): no loops, structure null."""
     traces = HF_LOOPED.parent
-    for path in (traces / "h100_qwen1.5_0.5b" / "trace.json.gz",):
+    for path in (
+        traces / "h100_qwen1.5_0.5b" / "trace.json.gz",
+        traces / "sglang_prefilldecode" / "sglang_Qwen3-8B_prefilldecode.json.gz",
+        traces / "vllm_decode_full" / "graph_execution.json.gz",
+    ):
         a = C.analyze(load_chrome_trace(path))
         assert a.structure is None and to_dict(a, {})["structure"] is None
 
