@@ -278,6 +278,10 @@ STEP, WINDOW = "step", "window (no token count)"
 def token_unit(report: dict[str, Any]) -> str:
     """What one "token" of a report's per-token values is: from its engine phases where it has them,
     else from where its token count came from (`tokens_source`) and its window."""
+    window = str(report.get("window") or "").lower()
+    # A window of forwards (a trace without step annotations) is one phase; its phases cover every forward.
+    if window.startswith(("decode forwards", "prefill forwards")):
+        return OUTPUT_TOKEN if window.startswith("decode") else PROMPT_TOKEN
     phases = {p.get("phase") for p in report.get("phases") or [] if isinstance(p, dict) and p.get("steps")}
     if phases == {"decode"}:
         return OUTPUT_TOKEN
@@ -286,7 +290,6 @@ def token_unit(report: dict[str, Any]) -> str:
     if phases:
         return MIXED_TOKEN
     source = str(report.get("tokens_source") or "").lower()
-    window = str(report.get("window") or "").lower()
     if "output tokens" in source:
         return OUTPUT_TOKEN
     if "prompt tokens" in source:

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from looptrace.cli.trace_cmd import trace_app
 from looptrace.probes import counters as C
+from looptrace.probes.compare import token_unit
 from looptrace.probes.context import NONE, Context
 from looptrace.probes.events import Trace, load_chrome_trace
 from looptrace.probes.report import render_report, to_dict
@@ -159,7 +160,7 @@ def test_cli_json_and_table_report_the_structure():
     assert {k: v for k, v in data["structure"].items() if k != "coverage"} == {
         "prelude_layers": 0, "layers_per_loop": 2, "loops": 4, "coda_layers": 0, "source": "inferred",
     }  # fmt: skip
-    assert (data["tokens"], data["steps"]) == (3, 3)
+    assert (data["tokens"], data["steps"], token_unit(data)) == (3, 3, "output token")
     assert [(p["phase"], p["steps"], p["tokens"]) for p in data["phases"]] == [
         ("prefill", 1, 12),
         ("decode", 3, 3),
@@ -169,6 +170,7 @@ def test_cli_json_and_table_report_the_structure():
     data = json.loads(result.stdout)
     assert (data["tokens"], data["window"]) == (12, "prefill forwards ×1 (no lt.window/prefill range)")
     assert data["structure"]["loops"] == 4
+    assert token_unit(data) == "prompt token"  # the window is the prefill forwards (phases cover both)
     buf = io.StringIO()
     render_report(C.analyze(load_chrome_trace(OURO)), {}, Console(file=buf, width=160, color_system=None))
     assert "Loop structure: 2 layers × 4 loops (inferred; " in buf.getvalue()
