@@ -16,6 +16,7 @@ field's metadata (`ge`/`gt`/`le`), which pydantic applies to dataclass fields.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ import yaml
 
 from looptrace.engine import config as engine_config
 from looptrace.engine.config import ConfigError, EngineConfig
+from looptrace.input_files import (
+    MAX_RECIPE_BYTES,
+    InputError,
+    check_regular_file,
+    check_tree,
+    load_yaml,
+    read_text,
+)
 
 
 def _recipe_dir() -> Path:
@@ -58,12 +67,17 @@ def available() -> list[str]:
 
 
 def resolve_path(name_or_path: str) -> Path:
+    """The recipe file a name (`recipes/NAME.yaml`) or a path names; a path must be a regular file."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or os.path.lexists(path):
         if path.is_dir():
             raise RecipeError(f"recipe path {path} is a directory: expected a .yaml file")
-        if not path.is_file():
+        if not path.exists():
             raise RecipeError(f"recipe file {path} does not exist")
+        try:  # a fifo would block the read forever, a device never end it
+            check_regular_file(path, "recipe file")
+        except InputError as exc:
+            raise RecipeError(str(exc)) from None
         return path
     candidate = RECIPE_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
@@ -87,11 +101,9 @@ def load_recipe(name_or_path: str = "base", overrides: list[str] | None = None) 
 
 def _read_mapping(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{path}:{where} invalid YAML ({getattr(exc, 'problem', exc)})") from None
+        data = load_yaml(read_text(path, "recipe", MAX_RECIPE_BYTES), str(path))
+    except InputError as exc:
+        raise RecipeError(str(exc)) from None
     if data is None:
         raise RecipeError(f"{path}: the recipe is empty: expected a mapping of settings (name, kv, ...)")
     if not isinstance(data, dict):
@@ -127,7 +139,13 @@ def apply_override(data: dict, item: str) -> None:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
-        value = raw
+        value = raw  # not YAML: the text itself (the schema check names the key if it wants another type)
+    except (RecursionError, ValueError, OverflowError) as exc:  # 5,000 brackets, a 5,000-digit integer
+        raise RecipeError(f"--set {item!r}: cannot read the value ({type(exc).__name__})") from None
+    try:
+        check_tree(value, f"--set {key.strip()}")
+    except InputError as exc:
+        raise RecipeError(str(exc)) from None
     node = data
     parts = key.strip().split(".")
     for part in parts[:-1]:

@@ -8,12 +8,13 @@ workload object can drive several runs and gives the same prompts every time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from looptrace.input_files import InputError, iter_jsonl
 
 
 class WorkloadError(ValueError):
@@ -233,14 +234,12 @@ class JsonlWorkload(Workload):
 
     def __post_init__(self) -> None:
         _check_count("default_max_tokens", self.default_max_tokens)
-        try:
-            raw = Path(self.path).read_bytes()
-        except OSError as e:
-            raise WorkloadError(f"{self.path}: cannot read workload file ({e.strerror or e})") from None
         self.items = []
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if line.strip():
-                self.items.append(self._parse_line(line, lineno))
+        try:  # a regular UTF-8 file (BOM and CRLF accepted), each line within the nesting/number limits
+            for lineno, obj in iter_jsonl(self.path):
+                self.items.append(self._parse_item(obj, lineno))
+        except InputError as exc:
+            raise WorkloadError(str(exc)) from None
         if not self.items:
             raise WorkloadError(f"{self.path}: no requests (the file is empty)")
 
@@ -253,13 +252,7 @@ class JsonlWorkload(Workload):
     def _fail(self, lineno: int, problem: str) -> WorkloadError:
         return WorkloadError(f"{self.path}:{lineno}: {problem}")
 
-    def _parse_line(self, line: bytes, lineno: int) -> WorkItem:
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise self._fail(lineno, "not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise self._fail(lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+    def _parse_item(self, obj: Any, lineno: int) -> WorkItem:
         if not isinstance(obj, dict):
             raise self._fail(lineno, f"expected a JSON object, got {type(obj).__name__}")
         prompt = self._prompt(obj, lineno)

@@ -9,16 +9,18 @@ names are normalised so that Kineto names (suffix already stripped) and nsys-sty
 from __future__ import annotations
 
 import gzip
-import json
+import math
 import re
 import sys
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looptrace.input_files import InputError, check_regular_file, parse_json
 from looptrace.probes import runtime as rt
 
 # Categories whose names are CUDA API calls (the only ones that carry CUPTI's `_vNNNN` suffix).
@@ -137,6 +139,7 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
+MAX_TRACE_BYTES = 4 << 30  # decompressed: parsed, that is tens of GiB of Python objects
 PROGRESS_MIN_BYTES = 64 * 2**20  # files this large show a progress bar (stderr on a terminal only)
 _CHUNK = 8 * 2**20
 
@@ -158,28 +161,28 @@ def _progress(path: Path, size: int) -> Iterator[Callable[[int], None]]:
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The decompressed file in one pass (read in chunks, so that a long read shows progress)."""
-    size = path.stat().st_size
-    chunks = []
+    """The decompressed file in one pass (read in chunks, so that a long read shows progress); only a
+    regular file (a fifo would block, /dev/zero never end) and at most MAX_TRACE_BYTES decompressed."""
+    size = check_regular_file(path).st_size
+    chunks, total = [], 0
     with open(path, "rb") as raw, _progress(path, size) as advance:
         stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
         while chunk := stream.read(_CHUNK):
+            total += len(chunk)
+            if total > MAX_TRACE_BYTES:
+                raise InputError(f"{path}: more than {MAX_TRACE_BYTES >> 30} GiB of trace (decompressed)")
             chunks.append(chunk)
             advance(raw.tell())
     return b"".join(chunks)
 
 
 def _read_json(path: Path) -> Any:
+    """The trace's JSON, parsed within looptrace.input_files' limits (nesting, digits, surrogates)."""
     try:
-        return json.loads(_read_bytes(path))
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory, not a trace file") from None
-    except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno}, column {exc.colno}"
-        raise TraceError(f"{path}: invalid JSON ({exc.msg} at {where})") from None
-    except (OSError, UnicodeDecodeError, EOFError) as exc:  # unreadable, bad gzip, binary junk
+        return parse_json(_read_bytes(path), str(path), check=False)
+    except InputError as exc:
+        raise TraceError(str(exc).replace("; expected a file", ", not a trace file")) from None
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, bad or truncated gzip
         raise TraceError(f"{path}: cannot read trace ({exc})".replace("\n", " ")) from None
 
 
@@ -199,9 +202,12 @@ def parse_chrome_trace(data: Any, source: str = "<memory>") -> Trace:
         if not isinstance(raw, dict) or raw.get("ph") != "X":
             continue
         try:
-            events.append(TraceEvent.from_dict(raw))
-        except (KeyError, TypeError, ValueError):
+            event = TraceEvent.from_dict(raw)
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise TraceError(f"{source}: event {i} has no numeric 'ts'/'dur'") from None
+        if not (math.isfinite(event.ts) and math.isfinite(event.dur)):  # NaN would poison every sum
+            raise TraceError(f"{source}: event {i} has a non-finite 'ts'/'dur' ({event.ts}, {event.dur})")
+        events.append(event)
     charge_replay_overlaps(events)
     return Trace(events=events, metadata=metadata, source=source)
 

@@ -3,10 +3,11 @@ itself (greedy decoding, stop at EOS), and the evaluation-set reader shared by t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from looptrace.input_files import InputError, iter_jsonl
 
 
 class EvalSetError(ValueError):
@@ -20,27 +21,27 @@ class EvalItem:
 
 
 def read_items(path: Path, *, need_answer: bool = False) -> list[EvalItem]:
-    if not path.is_file():
-        raise EvalSetError(f"{path}: file not found")
+    """The items of a `{"prompt", "answer"}` JSONL file (a regular UTF-8 file, BOM and CRLF accepted)."""
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalSetError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise EvalSetError(f"{path}:{lineno}: needs a non-empty string field 'prompt'")
-        answer = obj.get("answer")
-        if answer is not None and not isinstance(answer, str):
-            raise EvalSetError(f"{path}:{lineno}: field 'answer' must be a string")
-        if need_answer and answer is None:
-            raise EvalSetError(f"{path}:{lineno}: needs a string field 'answer'")
-        items.append(EvalItem(obj["prompt"], answer))
+    try:
+        for lineno, obj in iter_jsonl(path):
+            items.append(_item(obj, f"{path}:{lineno}", need_answer))
+    except InputError as exc:
+        raise EvalSetError(str(exc)) from None
     if not items:
         raise EvalSetError(f"{path}: no prompts")
     return items
+
+
+def _item(obj: object, where: str, need_answer: bool) -> EvalItem:
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        raise EvalSetError(f"{where}: needs a non-empty string field 'prompt'")
+    answer = obj.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise EvalSetError(f"{where}: field 'answer' must be a string")
+    if need_answer and answer is None:
+        raise EvalSetError(f"{where}: needs a string field 'answer'")
+    return EvalItem(obj["prompt"], answer)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -301,7 +301,7 @@ def test_jsonl_missing_and_empty_files(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(WorkloadError) as exc:
         JsonlWorkload(missing)
-    assert str(exc.value) == f"{missing}: cannot read workload file (No such file or directory)"
+    assert str(exc.value) == f"{missing}: no such file"
     empty = _write(tmp_path, ["", "  "])
     with pytest.raises(WorkloadError, match=r"work\.jsonl: no requests"):
         JsonlWorkload(empty)
