@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from looptrace.cli.common import UsageError, fail, interrupt_exit
 from looptrace.cli.options import OutputFormat, arg, opt
@@ -96,7 +97,7 @@ def emit(text: str, output: Path | None) -> None:
         atomic_write_text(output, text)
     except OutputError as exc:
         raise fail(str(exc)) from None
-    Console(stderr=True, highlight=False).print(f"wrote {output}")
+    Console(stderr=True, highlight=False).print(Text(f"wrote {output}"))  # a path, not markup
 
 
 TraceArg = arg(Path, help="Chrome/Kineto trace: .json or .json.gz.")
@@ -167,6 +168,8 @@ def analyze(
 
         try:
             check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
+            if step_marker is not None and not step_marker.strip():  # '' would match every annotation
+                raise UsageError("--step-marker: expected a name prefix (e.g. ProfilerStep#), got ''")
             result, header, captures = analyze_file(
                 trace, capture, tokens=tokens, window=window.value, step_marker=step_marker, top=top,
                 device=device, loops=loops, layers_per_loop=layers_per_loop,

@@ -117,7 +117,8 @@ def _render(data: dict[str, Any], fmt: OutputFormat, output: Path | None) -> Non
         buf = io.StringIO()
         width = None if output is None and sys.stdout.isatty() else 200
         file = None if output is None and sys.stdout.isatty() else buf
-        console = Console(file=file, width=width, color_system=None if file is buf else "auto")
+        # markup off: labels, paths and op names are user text (`--labels "A,[/]"` is no closing tag)
+        console = Console(file=file, width=width, color_system=None if file is buf else "auto", markup=False)
         render_tables(data, console)
         if file is None:
             return

@@ -9,7 +9,6 @@ The cells, schedule, statistics and ratios live in `looptrace.drive.paired`, the
 from __future__ import annotations
 
 import gc
-import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from looptrace.build import (
 )
 from looptrace.drive import paired
 from looptrace.drive.paired import ARMS, BenchInputError
+from looptrace.input_files import InputError, read_json
 
 SCHEMA = "looptrace.bench/1"
 TABLE2_SETS = ("cuda_graphs.max_graphs=64",)  # what `--cells table2` sets on both arms
@@ -477,12 +477,10 @@ def malformed(exc: Exception) -> str:
 
 def load_saved(path: Path) -> dict[str, Any]:
     """One saved `looptrace bench --format json` report, checked whole (the error names the file)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BenchInputError(f"--from {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BenchInputError(f"--from {path}: not a JSON file ({type(exc).__name__})") from None
+    try:  # a regular file, within the nesting/number limits (a fifo would block, a 5,000-deep list crash)
+        data = read_json(path, "--from")
+    except InputError as exc:
+        raise BenchInputError(str(exc).replace("invalid JSON", "not a JSON file")) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("cells"), list):
         raise BenchInputError(
             f"--from {path}: expected a `looptrace bench --format json` file (schema {SCHEMA})"

@@ -16,10 +16,10 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 from pathlib import Path
 from typing import Any
 
+from looptrace.input_files import InputError, check_regular_file, read_json
 from looptrace.probes.events import TraceError
 
 SCHEMA = "looptrace.trace_compare/1"
@@ -61,12 +61,10 @@ def _peek(path: Path, n: int = 4096) -> str:
 
 
 def _load_report(path: Path) -> dict[str, Any]:
-    opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{path}: cannot read report ({exc})".replace("\n", " ")) from None
+        data = read_json(path)
+    except InputError as exc:
+        raise TraceError(str(exc)) from None
     if not isinstance(data, dict) or not isinstance(data.get("totals"), dict):
         raise TraceError(f"{path}: not a `trace analyze --format json` report (no 'totals' object)")
     return data
@@ -78,6 +76,10 @@ def load_side(
     """A trace or a saved report as the `to_dict` report shape, and which it was ("trace" | "report");
     raises TraceError. A trace's graph replays are attributed through `capture`, else the
     capture_traces/ folder beside it (as `trace analyze` does)."""
+    try:  # before the peek: a fifo would block it, a device never end it
+        check_regular_file(path)
+    except InputError as exc:
+        raise TraceError(str(exc)) from None
     if REPORT_SCHEMA_PREFIX in _peek(path):  # a saved report names its schema in its first line
         return _load_report(path), "report"
     from looptrace.probes.report import to_dict

@@ -13,10 +13,11 @@ random weights, as the engine reads them).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from looptrace.input_files import InputError, read_json
 
 
 class DiffDataError(ValueError):
@@ -99,10 +100,8 @@ def load_diff(source: str | Path | dict) -> list[DiffRequest]:
     if isinstance(source, dict):
         return parse_diff(source)
     path = Path(source)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DiffDataError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DiffDataError(f"{path}: not a JSON file ({exc})") from None
+    try:  # looptrace.input_files: a regular file, within the nesting/number limits
+        data = read_json(path)
+    except InputError as exc:
+        raise DiffDataError(str(exc).replace("invalid JSON", "not a JSON file")) from None
     return parse_diff(data, str(path))

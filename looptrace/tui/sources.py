@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looptrace.input_files import InputError, iter_jsonl
 from looptrace.tui.snapshot_schema import SnapshotError, check_snapshot
 
 SESSION_SCHEMA = "looptrace.top-session/1"
@@ -302,21 +303,13 @@ class ReplaySource:
 
 def load_session(path: Path) -> tuple[dict[str, Any], list[tuple[float, dict[str, Any]]]]:
     """(header, [(t, snapshot)]) of a session file; ReplayError names the first bad line."""
-    if not path.is_file():
-        raise ReplayError(f"{path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReplayError(f"{path}: unreadable ({exc})") from None
     header: dict[str, Any] | None = None
     frames: list[tuple[float, dict[str, Any]]] = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReplayError(f"{path}:{no}: not JSON ({exc.msg})") from None
+    try:  # looptrace.input_files: a regular file, within the nesting/number limits
+        lines = list(iter_jsonl(path))
+    except InputError as exc:
+        raise ReplayError(str(exc).replace("invalid JSON", "not JSON")) from None
+    for no, obj in lines:
         if not isinstance(obj, dict):
             raise ReplayError(f"{path}:{no}: expected a JSON object")
         if header is None:
