@@ -42,6 +42,34 @@ _KINDS = (
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def recipe_dir() -> Path:
+    """Where `--recipe NAME` looks: a source checkout reads the top-level `recipes/`; an installed wheel
+    carries them as the data package `looptrace/recipe_files/` (mapped from `recipes/` by setup.py)."""
+    root = PACKAGE_DIR.parent
+    if (root / "pyproject.toml").is_file() and (root / "recipes").is_dir():
+        return root / "recipes"
+    return PACKAGE_DIR / "recipe_files"
+
+
+def recipe_file(name_or_path: str) -> Path:
+    """The file `--recipe NAME_OR_PATH` reads: a .yaml/.yml or existing path as given, else
+    recipes/NAME.yaml (whether it exists or not: looptrace.recipes names the problem)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.path.lexists(path):
+        return path
+    return recipe_dir() / f"{name_or_path}.yaml"
+
+
+def package_data_dirs() -> tuple[Path, ...]:
+    """The directories of inputs that come with looptrace: the recipes and the packaged tiny checkpoints
+    and evaluation sets (looptrace/assets). Commands read them without being told, so no output may
+    land there (looptrace.output_files)."""
+    return (recipe_dir(), PACKAGE_DIR / "recipe_files", PACKAGE_DIR / "assets")
+
+
 class InputError(ValueError):
     """An input file that cannot be used (the commands' exit code 2); the message is one line."""
 

@@ -8,6 +8,8 @@ Rules (the same for every command: `run`, `profile --trace`, `trace analyze`, `b
   a reader never sees half a file and a failure or Ctrl-C leaves the old file (or none) and no temp file;
 - a symlink is written *through* to its target, like shell redirection: the link itself stays;
 - a replaced file keeps its permission bits (and owner, when running as root); a new one gets the umask;
+- never inside looptrace's own data (the recipes, the packaged tiny checkpoints and evaluation sets),
+  which commands read without being told: `profile -o recipes/base.yaml` would break every later run;
 - never one of the command's inputs: `check_output(path, inputs=[...])` refuses an output that is the same
   file as an input through any path, symlink or hard link (`trace analyze t.json -o t.json` would have
   replaced the trace with its analysis).
@@ -23,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Union
+
+from looptrace.input_files import package_data_dirs
 
 _KINDS = (
     (stat.S_ISCHR, "character device"),
@@ -102,12 +106,22 @@ def _check_target(path: Path, option: str) -> Path:
                 )
         if not os.access(target, os.W_OK):
             raise OutputError(f"{where}: file is not writable")
+    _check_not_package_data(target, where)
     parent = target.parent
     if not parent.exists():
         raise OutputError(f"{where}: directory {parent} does not exist")
     if not parent.is_dir():
         raise OutputError(f"{where}: {parent} is not a directory")
     return target
+
+
+def _check_not_package_data(target: Path, where: str) -> None:
+    for data_dir in package_data_dirs():
+        if target.is_relative_to(data_dir.resolve()):
+            raise OutputError(
+                f"{where}: is inside looptrace's own data ({data_dir}), which commands read as their "
+                "defaults; choose a path outside it"
+            )
 
 
 def _mkstemp(target: Path, where: str) -> Path:

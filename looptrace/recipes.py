@@ -16,7 +16,6 @@ field's metadata (`ge`/`gt`/`le`), which pydantic applies to dataclass fields.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,20 +31,11 @@ from looptrace.input_files import (
     check_tree,
     load_yaml,
     read_text,
+    recipe_dir,
+    recipe_file,
 )
 
-
-def _recipe_dir() -> Path:
-    """A source checkout reads the top-level `recipes/`; an installed wheel carries them as the data
-    package `looptrace/recipe_files/` (mapped from `recipes/` by setup.py)."""
-    package = Path(__file__).resolve().parent
-    root = package.parent
-    if (root / "pyproject.toml").is_file() and (root / "recipes").is_dir():
-        return root / "recipes"
-    return package / "recipe_files"
-
-
-RECIPE_DIR = _recipe_dir()
+RECIPE_DIR = recipe_dir()  # recipes/ of a checkout, looptrace/recipe_files/ of a wheel
 META_KEYS = ("name", "description")
 
 
@@ -69,7 +59,7 @@ def available() -> list[str]:
 def resolve_path(name_or_path: str) -> Path:
     """The recipe file a name (`recipes/NAME.yaml`) or a path names; a path must be a regular file."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or os.path.lexists(path):
+    if recipe_file(name_or_path) == path:  # a path (not a name in recipes/)
         if path.is_dir():
             raise RecipeError(f"recipe path {path} is a directory: expected a .yaml file")
         if not path.exists():

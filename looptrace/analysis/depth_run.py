@@ -112,8 +112,8 @@ def parse_depths(text: str) -> list[int]:
     """--accuracy-by-depth: comma-separated loop counts."""
     from looptrace.engine.config import LOOPS_MAX
 
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+    try:  # every item a number: `1,,2` is a typo, not a list of two
+        out = [int(x) for x in text.split(",")]
     except ValueError:
         raise D.DepthInputError(f"--accuracy-by-depth '{text}': expected comma-separated integers") from None
     if not out or min(out) < 1 or max(out) > LOOPS_MAX:

@@ -63,7 +63,9 @@ AOpt = o.opt(str, "--a", help="Recipe of arm A (the baseline): name or YAML path
 BOpt = o.opt(str, "--b", help="Recipe of arm B: name or YAML path.")
 ASetsOpt, BSetsOpt = _arm_opt("--a-set", "A"), _arm_opt("--b-set", "B")
 SetsOpt = o.opt(SetList, "--set", help="Override a setting of both arms (repeatable).")
-ModelOpt = o.opt(str, "--model", "-m", help="Model of cells that name none (family or preset).")
+ModelOpt = o.opt(
+    str, "--model", "-m", parser=o.non_empty, help="Model of cells that name none (family or preset)."
+)
 CellsOpt = o.opt(
     str | None,
     "--cells",
@@ -79,6 +81,7 @@ CellOpt = o.opt(
 RunsOpt = o.opt(int, help="Runs per arm and cell; the first of each arm is dropped.")
 PlotOpt = o.opt(
     Path | None,
+    parser=o.output_path,
     help="Write the speedup plot (B/A vs C per model) here: .svg, .png or .pdf.",
     show_default=False,
 )

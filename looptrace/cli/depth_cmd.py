@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import MofNCompleteColumn
 
 from looptrace.cli import options as o
-from looptrace.cli.common import EXIT_INTERRUPTED, err_console, friendly_errors, progress_bar
+from looptrace.cli.common import EXIT_INTERRUPTED, UsageError, err_console, friendly_errors, progress_bar
 from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
 
 EPILOG = """
@@ -61,7 +61,9 @@ class _Phases:
             self.bar.stop()
 
 
-DepthModelOpt = o.opt(str, "--model", "-m", help="Family or preset (huginn -> huginn-tiny on CPU).")
+DepthModelOpt = o.opt(
+    str, "--model", "-m", parser=o.non_empty, help="Family or preset (huginn -> huginn-tiny on CPU)."
+)
 PromptsOpt = o.opt(
     Path | None, help='JSONL of {"prompt": ..., "answer": ...}; default: the built-in evaluation set.'
 )
@@ -127,6 +129,10 @@ def _depth(a: SimpleNamespace) -> None:
     try:
         with friendly_errors(), _Phases(a.progress and err_console.is_terminal) as phases:
             R.check_loops(a.tau, s_ref=a.s_ref, s=a.s, p=a.p)
+            if a.random_weights and a.weights is not None:  # one would be silently ignored
+                raise UsageError("--random-weights and --weights: give one (--weights loads that checkpoint)")
+            if by_depth:
+                R.parse_depths(a.accuracy_by_depth)  # before the model loads
             check_output(a.output, inputs=command_inputs(a.prompts, a.recipe, a.weights))
             R.check_sizes(a.limit, shape)
             items = R.load_items(a.prompts, a.limit, need_answer=by_depth)

@@ -13,7 +13,7 @@ from rich.progress import MofNCompleteColumn, TextColumn
 
 from looptrace.cli import common as c
 from looptrace.cli import options as o
-from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
+from looptrace.cli.output import check_output, command_inputs, infer_format, recipe_input, write_output
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -94,7 +94,7 @@ def _diff(req, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None
     from looptrace.analysis.diff_run import execute, prepare
 
     inputs = command_inputs(req.prompts, req.recipe_a, req.weights) + [(req.accuracy, "--accuracy")]
-    inputs += [(Path(r), "recipe B") for r in (req.recipe_b,) if r and Path(r).is_file()]
+    inputs.append(recipe_input(req.recipe_b, "recipe B"))
     with c.friendly_errors(), _memory_errors():
         check_output(output, inputs=inputs)
         setup = prepare(req)

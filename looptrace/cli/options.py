@@ -4,6 +4,10 @@ behaves the same in every command."""
 from __future__ import annotations
 
 import enum
+import math
+import os
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,8 +15,50 @@ import typer
 
 
 def opt(kind: Any, *names: str, **settings: Any) -> Any:
-    """`Annotated[kind, typer.Option(*names, **settings)]`: an option type, on one line where it fits."""
+    """`Annotated[kind, typer.Option(*names, **settings)]`: an option type, on one line where it fits.
+    A float option takes finite numbers only (`nan` and `inf` are refused as any bad value is)."""
+    if _is_float(kind) and "parser" not in settings:
+        settings["parser"] = finite_float
     return Annotated[kind, typer.Option(*names, **settings)]
+
+
+def _is_float(kind: Any) -> bool:
+    return kind is float or (
+        typing.get_origin(kind) in (typing.Union, types.UnionType) and float in typing.get_args(kind)
+    )
+
+
+def finite_float(text: str) -> float:
+    """A float option's value: Python's float syntax, finite (nan or inf would slip past every bound)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
+
+def output_path(text: str) -> Path:
+    """A file to write, as typed: `out.json/` names a directory (pathlib would drop the slash and write
+    `out.json`), and '' names nothing."""
+    if not text:
+        raise typer.BadParameter("expected a file path, got ''")
+    if text.endswith(("/", "/.")):  # what pathlib drops; `.` and `x/..` survive for output_files to refuse
+        raise typer.BadParameter(f"{text!r} is a directory path; expected a file path")
+    return Path(text)
+
+
+def non_empty(text: str) -> str:
+    """A name that must name something: '' would silently mean the default."""
+    if not text.strip():
+        raise typer.BadParameter(f"expected a name, got {text!r}")
+    return text
+
+
+# Threads: torch starts this many workers, and 100000 of them crash the process (SIGSEGV) instead of
+# failing; more threads than cores never speeds a torch op up, so four times the cores is plenty.
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 
 
 def arg(kind: Any, **settings: Any) -> Any:
@@ -30,6 +76,7 @@ ModelOpt = opt(
     str | None,
     "--model",
     "-m",
+    parser=non_empty,
     help="Family (ouro, huginn, olmo: tiny preset on CPU, real shape on CUDA) or a preset name (ouro-1.4b, "
     "ouro-2.6b, huginn-0125, olmo-retrofit-1b, ouro-tiny, huginn-tiny, olmo-retrofit-tiny). Default: ouro; "
     "with --weights, the checkpoint's family (a contradicting --model is an error).",
@@ -58,10 +105,16 @@ OutputOpt = opt(
     Path | None,
     "--output",
     "-o",
+    parser=output_path,
     help="Also write the output to this file (whole, atomically; a symlink is written through; directories "
     "and devices are refused).",
 )
-ThreadsOpt = opt(int, help="CPU threads for torch (1 is fastest for tiny models).")
+ThreadsOpt = opt(
+    int,
+    min=1,
+    max=MAX_THREADS,
+    help="CPU threads for torch (1 is fastest for tiny models; at most 4 x the CPU count).",
+)
 RandomWeightsOpt = opt(
     bool,
     "--random-weights",

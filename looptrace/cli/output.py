@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from looptrace.cli.options import OutputFormat
+from looptrace.input_files import recipe_file
 from looptrace.output_files import (  # noqa: F401  (the commands' API)
     OutputError,
     atomic_path,
@@ -28,15 +29,25 @@ def infer_format(fmt: OutputFormat | None, output: Path | None) -> OutputFormat:
     return {".json": OutputFormat.json, ".csv": OutputFormat.csv}.get(suffix, OutputFormat.table)
 
 
-def command_inputs(prompts: Path | None, recipe: str, weights: Path | None) -> list:
-    """Files the command reads, which --output must not replace: the prompts, a recipe given as a file
-    and the checkpoint's files."""
-    inputs: list = [(prompts, "--prompts")]
-    if Path(recipe).is_file():
-        inputs.append((Path(recipe), "--recipe"))
-    if weights is not None and weights.is_dir():
-        inputs += [(f, "--weights") for f in sorted(weights.iterdir()) if f.is_file()]
+def command_inputs(prompts: Path | None, recipe: str | None, weights: Path | None) -> list:
+    """Files the command reads, which --output must not replace: the prompts, the recipe (a path, or the
+    file a name stands for) and the checkpoint's files. (The packaged checkpoints, eval sets and recipes
+    are refused as outputs whatever the command: looptrace.output_files.)"""
+    inputs: list = [(prompts, "--prompts"), recipe_input(recipe, "--recipe")]
+    inputs += folder_inputs(weights, "--weights")
     return inputs
+
+
+def recipe_input(recipe: str | None, what: str) -> tuple[Path | None, str]:
+    """(the file a recipe option reads, `what`): a path as given, else recipes/NAME.yaml."""
+    return (recipe_file(recipe) if recipe else None), what
+
+
+def folder_inputs(folder: Path | None, what: str) -> list[tuple[Path, str]]:
+    """The files of an input folder (a checkpoint, capture traces), each an input named `what`."""
+    if folder is None or not folder.is_dir():
+        return []
+    return [(f, what) for f in sorted(folder.iterdir()) if f.is_file()]
 
 
 def write_output(

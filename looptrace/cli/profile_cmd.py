@@ -14,7 +14,7 @@ from rich.console import Console
 from looptrace.build import check_seed, resolve_model
 from looptrace.cli import common as c
 from looptrace.cli import options as o
-from looptrace.cli.output import check_outputs, command_inputs, infer_format, write_output
+from looptrace.cli.output import check_outputs, command_inputs, infer_format, recipe_input, write_output
 
 EPILOG = (
     """\
@@ -49,7 +49,7 @@ ConcurrencyOpt = o.opt(int, "--concurrency", "-c", help="Requests decoding toget
 PromptLenOpt = o.opt(int, help="Prompt tokens per request (random ids).")
 DecodeStepsOpt = o.opt(int | None, help="Engine steps in the decode window (default: ~8 tokens per request).")
 LevelOpt = o.opt(str, help="Range granularity: step, loop, layer or op.")
-TraceOpt = o.opt(Path | None, "--trace", help="Write the Chrome trace here.")
+TraceOpt = o.opt(Path | None, "--trace", parser=o.output_path, help="Write the Chrome trace here.")
 CompareOpt = o.opt(
     tuple[str, str] | None,
     help="Profile two recipes on the same workload and compare: --compare A B.",
@@ -135,7 +135,7 @@ def _check_options(a: SimpleNamespace) -> None:
     if a.compare is not None and a.recipe is not None:  # --compare names both recipes
         raise c.UsageError(f"--recipe {a.recipe} and --compare A B: give one (--compare sets both sides)")
     recipe = a.recipe or "base"
-    inputs = command_inputs(None, recipe, a.weights) + [(Path(r), "--compare") for r in a.compare or ()]
+    inputs = command_inputs(None, recipe, a.weights) + [recipe_input(r, "--compare") for r in a.compare or ()]
     check_outputs((a.output, "--output"), (a.trace, "--trace"), inputs=inputs)
     check_seed(a.seed)
     if a.compare is None and (a.a_set or a.b_set):

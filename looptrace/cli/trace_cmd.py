@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.text import Text
 
 from looptrace.cli.common import UsageError, fail, interrupt_exit
-from looptrace.cli.options import OutputFormat, arg, opt
-from looptrace.cli.output import OutputError, atomic_write_text, check_output, infer_format
+from looptrace.cli.options import OutputFormat, arg, opt, output_path
+from looptrace.cli.output import OutputError, atomic_write_text, check_output, folder_inputs, infer_format
 
 EXAMPLES = """
 [bold]EXAMPLES[/bold]
@@ -117,7 +117,9 @@ TraceFormatOpt = opt(
     "--format",
     help="Output format. Default: from the --output suffix (.json, .csv), else table.",
 )
-TraceOutputOpt = opt(Optional[Path], "--output", "-o", help="Write to PATH instead of stdout.")
+TraceOutputOpt = opt(
+    Optional[Path], "--output", "-o", parser=output_path, help="Write to PATH instead of stdout."
+)
 TopOpt = opt(int, min=0, help="Kernels listed in each top-kernels table.")
 CaptureOpt = opt(
     Optional[Path],
@@ -167,7 +169,8 @@ def analyze(
         from looptrace.probes.events import TraceError
 
         try:
-            check_output(output, inputs=[(trace, "trace")])  # never replace the trace with its analysis
+            inputs = [(trace, "trace"), *folder_inputs(capture or find_capture_dir(trace), "--capture")]
+            check_output(output, inputs=inputs)  # never replace the trace (or a capture) with its analysis
             if step_marker is not None and not step_marker.strip():  # '' would match every annotation
                 raise UsageError("--step-marker: expected a name prefix (e.g. ProfilerStep#), got ''")
             result, header, captures = analyze_file(

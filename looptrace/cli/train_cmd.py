@@ -12,7 +12,7 @@ from rich.text import Text
 
 from looptrace.build import SEED_MAX
 from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
-from looptrace.cli.options import opt
+from looptrace.cli.options import MAX_THREADS, opt
 from looptrace.cli.output import output_dir, same_file
 
 META_FILE = "train_meta.json"  # looptrace.train.trainer.META_FILE (not imported: it loads torch)
@@ -49,7 +49,12 @@ ReplaceShippedOpt = opt(
 )
 StepsOpt = opt(int | None, help="Optimizer steps (default: the shipped run's).")
 TrainSeedOpt = opt(int, help="Seed (data, init, Huginn depth and noise).")
-TrainThreadsOpt = opt(int, help="torch CPU threads (1 is faster on a busy machine).")
+TrainThreadsOpt = opt(
+    int,
+    min=1,
+    max=MAX_THREADS,
+    help="torch CPU threads (1 is faster on a busy machine; at most 4 x the CPU count).",
+)
 
 
 def train_tiny(
@@ -67,8 +72,6 @@ def train_tiny(
         preset = f"{family.value}-tiny"
         if steps is not None and steps < 1:
             raise UsageError(f"--steps must be >= 1, got {steps}")
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
         if not 0 <= seed <= TRAIN_SEED_MAX:
             raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-2")
         shipped = ASSETS_DIR / preset

@@ -28,7 +28,7 @@ from looptrace.build import (
 )
 from looptrace.drive import paired
 from looptrace.drive.paired import ARMS, BenchInputError
-from looptrace.input_files import InputError, read_json
+from looptrace.input_files import InputError, read_json, recipe_file
 
 SCHEMA = "looptrace.bench/1"
 TABLE2_SETS = ("cuda_graphs.max_graphs=64",)  # what `--cells table2` sets on both arms
@@ -127,7 +127,7 @@ def _check_options(req: BenchRequest) -> None:
     check_seed(req.seed)
     if req.threads < 1:
         raise BenchInputError(f"--threads must be >= 1, got {req.threads}")
-    recipe_files = [(Path(r), flag) for r, flag in ((req.a, "--a"), (req.b, "--b")) if Path(r).is_file()]
+    recipe_files = [(recipe_file(r), flag) for r, flag in ((req.a, "--a"), (req.b, "--b"))]
     check_outputs((req.output, "--output"), (req.plot, "--plot"), inputs=recipe_files)
     if req.plot is not None:
         check_plot(req.plot)

@@ -69,9 +69,17 @@ def workload_max_len(workload) -> int:
 
 
 def check_fits(workload, max_len: int) -> None:
-    """Every request known up front must fit the context (later session turns are checked as they come)."""
+    """Every request must fit the context: the ones known up front, and a session's last turn (its
+    prompt holds every earlier turn), which would otherwise be rejected only after the others ran."""
     from looptrace.drive.workloads import WorkloadError
 
+    if hasattr(workload, "max_prompt_len"):
+        need = workload.max_prompt_len() + workload.max_tokens - 1
+        if need > max_len:
+            raise WorkloadError(
+                f"the last of {workload.turns} turns needs {need} KV positions (every earlier turn's prompt "
+                f"and output); max context is {max_len}: lower --turns, --turn-prompt-len or --max-tokens"
+            )
     for item in workload.initial_items():
         need = len(item.prompt) + item.max_tokens - 1
         if need > max_len:
