@@ -4,8 +4,9 @@ Rules (the same for every command: `run`, `profile --trace`, `trace analyze`, `b
 
 - checked before any work: a directory, a device, a fifo or a socket is refused, and so is a path whose
   directory is missing or does not accept new files (probed by creating and removing a temp file);
-- written whole: into a hidden temp file in the target's directory, then `os.replace` onto the target, so
-  a reader never sees half a file and a failure or Ctrl-C leaves the old file (or none) and no temp file;
+- written whole: into a hidden temp directory in the target's directory, then `os.replace` onto the target,
+  so a reader never sees half a file and a failure, a full disk or Ctrl-C leaves the old file (or none)
+  and no temp file; a directory output (`train-tiny --out`) is filled beside the target and swapped in;
 - a symlink is written *through* to its target, like shell redirection: the link itself stays;
 - a replaced file keeps its permission bits (and owner, when running as root); a new one gets the umask;
 - never inside looptrace's own data (the recipes, the packaged tiny checkpoints and evaluation sets),
@@ -18,7 +19,9 @@ Rules (the same for every command: `run`, `profile --trace`, `trace analyze`, `b
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -177,20 +180,46 @@ def _adopt_metadata(tmp: Path, target: Path) -> None:
             os.chown(tmp, st.st_uid, st.st_gid)
 
 
+# A write that fails for lack of room (or a read-only or broken disk) is the output's fault, not a bug.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+
+def _disk_error(exc: BaseException, where: str) -> OutputError | None:
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return OutputError(f"{where}: cannot write ({exc.strerror}); nothing was written")
+    if isinstance(exc, Exception) and "No space left on device" in str(exc):  # e.g. safetensors' own error
+        return OutputError(f"{where}: cannot write (No space left on device); nothing was written")
+    return None
+
+
 @contextmanager
 def atomic_path(path: Path, option: str = "--output") -> Iterator[Path]:
     """Yield a temp path next to `path`'s (resolved) target; on success it replaces the target, on any
-    exception (Ctrl-C included) it is removed."""
+    exception (Ctrl-C included) it is removed. The temp path lies in a private hidden directory, so that
+    files a writer stages beside it (torch's profiler writes `<path>.tmp` first) go with it; a full disk
+    is an OutputError naming the option."""
     target = _check_target(path, option)  # again: the path may have changed during the work
     where = f"{option} {_shown(path, target)}"
-    tmp = _mkstemp(target, where)
+    staging = _mkdtemp(target.parent, where)
+    tmp = staging / target.name  # the target's name: `.json.gz` still selects gzip for writers that look
     try:
+        tmp.touch()
         yield tmp
         _adopt_metadata(tmp, target)
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        if (error := _disk_error(exc, where)) is not None:
+            raise error from None
         raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _mkdtemp(parent: Path, where: str) -> Path:
+    try:
+        return Path(tempfile.mkdtemp(dir=parent, prefix=".looptrace-"))
+    except OSError as exc:
+        raise OutputError(f"{where}: cannot create files in {parent} ({exc.strerror})") from None
 
 
 def atomic_write_text(path: Path, text: str, option: str = "--output") -> None:
@@ -204,9 +233,10 @@ def atomic_write_text(path: Path, text: str, option: str = "--output") -> None:
 
 @contextmanager
 def output_dir(target: Path, option: str, marker: str, writer: str) -> Iterator[Path]:
-    """A directory the command fills, checked (and created) before the work: new, empty, or holding
-    `marker` (an earlier `writer` wrote it; it is overwritten). On any exception, Ctrl-C included, the
-    directories created here are removed again if still empty."""
+    """A directory the command fills, checked before the work: new, empty, or holding `marker` (an
+    earlier `writer` wrote it; it is replaced). The command fills the yielded staging directory (hidden,
+    beside the target), which replaces the target only on success; on any exception, Ctrl-C and a full
+    disk included, it goes, and so do the parent directories created here: the target is as before."""
     if target.exists() and not target.is_dir():
         raise OutputError(f"{option} {target}: exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not (target / marker).is_file():
@@ -214,22 +244,34 @@ def output_dir(target: Path, option: str, marker: str, writer: str) -> Iterator[
             f"{option} {target}: directory holds other files (no {marker} of an earlier {writer}); "
             "choose a new or empty directory"
         )
-    created = [p for p in (target, *target.parents) if not p.exists()]
+    created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+    staging = None
     try:
         try:
-            target.mkdir(parents=True, exist_ok=True)
-            _mkstemp_in(target).unlink()  # writable, not just present
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".looptrace-{target.name}-"))
         except OSError as exc:
             raise OutputError(f"{option} {target}: cannot write there ({exc.strerror or exc})") from None
-        yield target
-    except BaseException:
+        yield staging
+        _swap_in(staging, target)
+    except BaseException as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         for path in created:  # innermost first
             with contextlib.suppress(OSError):
                 path.rmdir()
+        if (error := _disk_error(exc, f"{option} {target}")) is not None:
+            raise error from None
         raise
 
 
-def _mkstemp_in(directory: Path) -> Path:
-    fd, probe = tempfile.mkstemp(dir=directory, prefix=".looptrace-")
-    os.close(fd)
-    return Path(probe)
+def _swap_in(staging: Path, target: Path) -> None:
+    """Put the filled staging directory where `target` is (a new name, or an earlier run's directory)."""
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it private; a directory gets the umask
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".looptrace-{target.name}-old-"))
+    os.rename(target, old / "dir")
+    os.rename(staging, target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -172,4 +172,5 @@ def _interrupted(report: dict[str, Any], fmt: o.OutputFormat, output: Path | Non
 def _emit(report: dict, fmt: o.OutputFormat, output: Path | None, *, by_depth: bool) -> None:
     from looptrace.analysis.depth_report import render
 
-    write_output(render(report, fmt, by_depth=by_depth), output, Console(highlight=False))
+    with friendly_errors():  # an unwritable -o (a full disk): one line, exit 2
+        write_output(render(report, fmt, by_depth=by_depth), output, Console(highlight=False))

@@ -76,8 +76,8 @@ def train_tiny(
             raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-2")
         shipped = ASSETS_DIR / preset
         target = _target(out, replace_shipped, shipped, family.value)
-        with output_dir(target, "--out", META_FILE, "train-tiny"):  # checked before training
-            meta = _train(family.value, target, steps, seed, threads)
+        with output_dir(target, "--out", META_FILE, "train-tiny") as staging:  # checked before training
+            meta = _train(family.value, staging, steps, seed, threads)  # swapped in whole when done
     Console(stderr=True, highlight=False).print(
         Text(
             f"wrote {target}  ({meta['wall_time_s']} s on {threads} thread(s); teacher-forced exact match by "

@@ -9,8 +9,9 @@ whether a Ctrl-C cut it short.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,7 @@ def profile_sides(
     for i, (name, overrides) in enumerate(runs):
         try:
             if i == 0 and trace is not None:
-                with atomic_path(trace, "--trace") as tmp:
+                with atomic_path(trace, "--trace") as tmp, _trace_written(trace):
                     side = profile_side(name, overrides, cfg, engines, tmp, peak, status)
                 side["header"]["trace"] = str(trace)
             else:
@@ -130,6 +131,21 @@ def profile_sides(
         if side["interrupted"]:
             return sides, True
     return sides, False
+
+
+@contextmanager
+def _trace_written(trace: Path) -> Iterator[None]:
+    """torch's profiler reports no error when it cannot write its trace (a full disk): the trace read
+    back is then cut short. That is an OutputError naming --trace, not a broken trace of ours."""
+    from looptrace.output_files import OutputError
+    from looptrace.probes.events import TraceError
+
+    try:
+        yield
+    except TraceError as exc:
+        free = shutil.disk_usage(trace.resolve().parent).free
+        why = "No space left on device" if free < 1 << 20 else str(exc)
+        raise OutputError(f"--trace {trace}: the profiler could not write the trace whole ({why})") from None
 
 
 def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, Any]:
