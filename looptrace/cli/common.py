@@ -6,7 +6,7 @@ import dataclasses
 import importlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -86,12 +86,14 @@ def friendly_errors() -> Iterator[None]:
 
 
 @contextmanager
-def interrupt_exit(what: str = "interrupted") -> Iterator[None]:
-    """Ctrl-C anywhere in a command: one line on stderr and exit code 130, no traceback."""
+def interrupt_exit(what: str | Callable[[], str] = "interrupted") -> Iterator[None]:
+    """Ctrl-C anywhere in a command: one line on stderr and exit code 130, no traceback. `what` may be a
+    function, asked at the Ctrl-C: the line then says what the command had done by then."""
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print(Text(one_line(what), style="yellow"), soft_wrap=True)
+        line = what() if callable(what) else what
+        err_console.print(Text(one_line(line), style="yellow"), soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 

@@ -56,16 +56,20 @@ def write_output(
     console: Console,
     fmt: OutputFormat = OutputFormat.table,
     table: Callable[[], str] | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> None:
     """Print to stdout and, with --output, write the same text (whole and atomically, after success).
 
     With -o and a machine format (json, csv) the terminal gets the human view instead of the file's text
     (a JSON report can run to thousands of lines): the table from `table()` where the command has one,
-    then one line naming the file written."""
+    then one line naming the file written. `on_written` is called once the file is whole (before any
+    printing, which a Ctrl-C may cut short)."""
     if output is None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
         return
     atomic_write_text(output, text + "\n")
+    if on_written is not None:
+        on_written()
     if fmt == OutputFormat.table:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
         return

@@ -14,7 +14,13 @@ from rich.console import Console
 from looptrace.build import check_seed, resolve_model
 from looptrace.cli import common as c
 from looptrace.cli import options as o
-from looptrace.cli.output import check_outputs, command_inputs, infer_format, recipe_input, write_output
+from looptrace.cli.output import (
+    check_outputs,
+    command_inputs,
+    infer_format,
+    recipe_input,
+    write_output,
+)
 
 EPILOG = (
     """\
@@ -87,8 +93,15 @@ def profile(
 ) -> None:
     """Count kernels, launches, graph replays and fallbacks, copies, syncs and time per generated token,
     attributed to model op x layer x loop x stage (the ExactLoop paper's Table A4, automated)."""
-    with c.interrupt_exit("interrupted before any window finished: no report written"):
-        _profile(SimpleNamespace(**locals()))  # every option, by name
+    a = SimpleNamespace(**locals(), written=[])  # every option, by name; the files written so far
+    with c.interrupt_exit(lambda: _interrupted_line(a.written)):
+        _profile(a)
+
+
+def _interrupted_line(written: list[str]) -> str:
+    if not written:
+        return "interrupted before any window finished: no report written"
+    return f"interrupted after writing {' and '.join(written)} (whole)"
 
 
 def _profile(a: SimpleNamespace) -> None:
@@ -109,16 +122,19 @@ def _profile(a: SimpleNamespace) -> None:
         json_to_stdout = fmt == o.OutputFormat.json and a.output is None
         status = lambda text: c.spinner(c.err_console.is_terminal and not json_to_stdout, text)
         sides, interrupted = profile_sides(runs, cfg, engines, a.trace, a.roofline_device, status)
+    if a.trace is not None:
+        a.written.append(f"--trace {a.trace}")
     data = report_data(sides, a.compare is not None)
     text = render(sides, fmt, a.compare is not None)
     if interrupted:
         data["interrupted"] = True
         done = ", ".join(f"{s['header']['label']}: {'+'.join(s['windows'])}" for s in sides)
         c.note(f"reporting the windows that finished ({done})", "interrupted")
+    body = text if fmt != o.OutputFormat.json else c.dumps(data)
     with c.friendly_errors():
         table = lambda: render(sides, "table", a.compare is not None)  # the terminal's view with -o X.json
-        text = text if fmt != o.OutputFormat.json else c.dumps(data)
-        write_output(text, a.output, Console(width=140), fmt, table)
+        written = lambda: a.written.append(f"--output {a.output}")  # a Ctrl-C while printing knows it
+        write_output(body, a.output, Console(width=140), fmt, table, on_written=written)
     if a.trace is not None and a.trace.exists():
         c.note(
             f"open {a.trace} in Perfetto (ui.perfetto.dev) or run: looptrace trace analyze {a.trace}", "next"
