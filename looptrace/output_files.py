@@ -253,6 +253,10 @@ def output_dir(target: Path, option: str, marker: str, writer: str) -> Iterator[
         except OSError as exc:
             raise OutputError(f"{option} {target}: cannot write there ({exc.strerror or exc})") from None
         yield staging
+        if not (staging / marker).is_file():  # the writer's last file: without it the directory is partial
+            raise OutputError(
+                f"{option} {target}: the {writer} wrote no {marker}; the directory is left as it was"
+            )
         _swap_in(staging, target)
     except BaseException as exc:
         if staging is not None:

@@ -109,10 +109,22 @@ OutputOpt = opt(
     help="Also write the output to this file (whole, atomically; a symlink is written through; directories "
     "and devices are refused).",
 )
+
+
+def thread_count(text: str) -> int:
+    """--threads: 1 to MAX_THREADS."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise typer.BadParameter(f"{value} is not from 1 to {MAX_THREADS} (4 x the CPU count)")
+    return value
+
+
 ThreadsOpt = opt(
     int,
-    min=1,
-    max=MAX_THREADS,
+    parser=thread_count,
     help="CPU threads for torch (1 is fastest for tiny models; at most 4 x the CPU count).",
 )
 RandomWeightsOpt = opt(

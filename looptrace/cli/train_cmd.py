@@ -12,7 +12,7 @@ from rich.text import Text
 
 from looptrace.build import SEED_MAX
 from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
-from looptrace.cli.options import MAX_THREADS, opt
+from looptrace.cli.options import opt, thread_count
 from looptrace.cli.output import output_dir, same_file
 
 META_FILE = "train_meta.json"  # looptrace.train.trainer.META_FILE (not imported: it loads torch)
@@ -51,8 +51,7 @@ StepsOpt = opt(int | None, help="Optimizer steps (default: the shipped run's).")
 TrainSeedOpt = opt(int, help="Seed (data, init, Huginn depth and noise).")
 TrainThreadsOpt = opt(
     int,
-    min=1,
-    max=MAX_THREADS,
+    parser=thread_count,
     help="torch CPU threads (1 is faster on a busy machine; at most 4 x the CPU count).",
 )
 

@@ -4,12 +4,15 @@ options); an output is never one of the command's inputs; light commands never i
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gzip
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -22,8 +25,10 @@ from typer.testing import CliRunner
 
 from looptrace.assets import shipped_weights
 from looptrace.cli.main import app
+from looptrace.cli.options import MAX_THREADS
 from looptrace.cli.output import OutputError, check_output, check_outputs
 from looptrace.engine import budget
+from looptrace.input_files import recipe_dir
 
 runner = CliRunner()
 FAST = ["--max-tokens", "2", "-c", "1", "--prompt-len", "4", "--no-progress"]
@@ -201,14 +206,20 @@ def test_serve_with_a_broken_tokenizer(bad_tokenizer_checkpoint) -> None:
 
 # 6. train-tiny: checked before training; never the shipped checkpoint by default ----------------------
 @pytest.fixture
-def no_training(monkeypatch):
+def no_training(monkeypatch, tmp_path):
+    """Training replaced by writing the marker file into the directory given; the packaged checkpoints
+    replaced by a copy (`--replace-shipped` must not touch the real ones)."""
     calls: list[Path] = []
 
     def fake(family, target, steps, seed, threads):
         calls.append(target)
+        (target / "train_meta.json").write_text("{}")
         return {"wall_time_s": 0.0, "dense_exact_by_depth": {}}
 
     monkeypatch.setattr("looptrace.cli.train_cmd._train", fake)
+    assets = tmp_path / "assets"
+    shutil.copytree(shipped_weights("ouro-tiny"), assets / "ouro-tiny")
+    monkeypatch.setattr("looptrace.assets.ASSETS_DIR", assets)
     return calls
 
 
@@ -218,11 +229,12 @@ def no_training(monkeypatch):
         (["--out", "/proc/x"], "--out /proc/x: cannot write there"),
         (["--seed", "-1"], "--seed -1"),
         (["--seed", str(2**64 - 1)], "2**64-2"),
-        (["--out", str(shipped_weights("ouro-tiny"))], "--replace-shipped"),
+        (["--out", "SHIPPED"], "--replace-shipped"),
         (["--replace-shipped", "--out", "x"], "leave out --out"),
     ],
 )
-def test_train_tiny_bad_input_before_training(no_training, args, needle) -> None:
+def test_train_tiny_bad_input_before_training(no_training, tmp_path, args, needle) -> None:
+    args = [str(tmp_path / "assets" / "ouro-tiny") if a == "SHIPPED" else a for a in args]
     assert needle in one_error_line(invoke("train-tiny", "--family", "ouro", *args))
     assert no_training == []
 
@@ -233,11 +245,29 @@ def test_train_tiny_refuses_a_directory_of_other_files(no_training, tmp_path) ->
 
 
 def test_train_tiny_default_is_a_new_directory(no_training, tmp_path, monkeypatch) -> None:
+    """Each run fills a staging directory beside its target, swapped in whole when the training is done."""
     monkeypatch.chdir(tmp_path)
+    shipped = tmp_path / "assets" / "ouro-tiny"
     assert invoke("train-tiny", "--family", "huginn").exit_code == 0
     assert invoke("train-tiny", "--family", "ouro", "--replace-shipped").exit_code == 0
-    assert no_training == [Path("looptrace-tiny-huginn"), shipped_weights("ouro-tiny")]
-    assert (tmp_path / "looptrace-tiny-huginn").is_dir()
+    staged = [(p.parent.resolve(), p.name.rsplit("-", 1)[0]) for p in no_training]
+    assert staged == [
+        (tmp_path, ".looptrace-looptrace-tiny-huginn"),
+        (shipped.parent, ".looptrace-ouro-tiny"),
+    ]
+    assert [p.name for p in (tmp_path / "looptrace-tiny-huginn").iterdir()] == ["train_meta.json"]
+    assert [p.name for p in shipped.iterdir()] == ["train_meta.json"]  # the old checkpoint replaced whole
+    assert not [p for p in (tmp_path, shipped.parent) for q in p.iterdir() if q.name.startswith(".looptrace")]
+
+
+def test_train_tiny_without_its_marker_replaces_nothing(no_training, tmp_path, monkeypatch) -> None:
+    """A writer that stops short (no train_meta.json) leaves the old directory as it was."""
+    monkeypatch.setattr("looptrace.cli.train_cmd._train", lambda *args: {})
+    shipped = tmp_path / "assets" / "ouro-tiny"
+    before = sorted(p.name for p in shipped.iterdir())
+    line = one_error_line(invoke("train-tiny", "--family", "ouro", "--replace-shipped"))
+    assert "wrote no train_meta.json" in line
+    assert sorted(p.name for p in shipped.iterdir()) == before
 
 
 # 7. An output is never one of the inputs ---------------------------------------------------------------
@@ -455,3 +485,268 @@ def test_random_strings_are_one_line_errors(not_a_dir, data) -> None:
     assert "Traceback" not in result.output, args
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+
+
+# 11. Implicit inputs: the recipes and the packaged checkpoints/eval sets are never an output ------------
+RECIPES = Path(recipe_dir())
+ASSETS = Path(shipped_weights("ouro-tiny")).parent
+
+
+@pytest.mark.parametrize(
+    "args, target",
+    [
+        (["profile", "--prompt-len", "4"], RECIPES / "base.yaml"),
+        (["bench", "--cell", "ouro-tiny:4/2@1", "--runs", "2"], RECIPES / "base.yaml"),
+        (["depth", "--limit", "1", "--no-progress"], RECIPES / "base.yaml"),
+        (["diff", "base", "exactloop", *FAST], RECIPES / "exactloop.yaml"),
+        (["run", *FAST, "-f", "json"], ASSETS / "ouro-tiny" / "model.safetensors"),
+        (["bench", "--cell", "ouro-tiny:4/2@1", "--runs", "2"], ASSETS / "ouro-tiny" / "config.json"),
+        (["depth", "--limit", "1", "--no-progress", "-f", "json"], ASSETS / "huginn-tiny" / "eval.jsonl"),
+        (["run", *FAST], RECIPES / "new.yaml"),  # not read, but read by name the moment it exists
+    ],
+)
+def test_package_data_is_never_an_output(args, target) -> None:
+    before = target.read_bytes() if target.exists() else None
+    line = one_error_line(invoke(*args, "-o", target))
+    assert f"--output {target}: is inside looptrace's own data" in line, line
+    assert (target.read_bytes() if target.exists() else None) == before
+
+
+def test_a_recipe_named_is_an_input(tmp_path, monkeypatch) -> None:
+    """`--recipe mine` reads recipes/mine.yaml: registered as the --recipe input, whatever its directory."""
+    from looptrace.cli.output import command_inputs, recipe_input
+
+    assert recipe_input("base", "--a") == (RECIPES / "base.yaml", "--a")
+    mine = tmp_path / "mine.yaml"
+    assert (mine, "--recipe") in command_inputs(None, str(mine), None)
+
+
+# 12. Numbers: --threads bounded (100000 crashed torch: SIGSEGV), floats finite, lists without holes -----
+@pytest.mark.parametrize("command", ["profile", "run", "serve", "depth", "train-tiny", "bench"])
+@pytest.mark.parametrize("threads", ["100000", "0", "-1"])
+def test_threads_are_bounded(no_training, command, threads) -> None:
+    family = ["--family", "ouro"] if command == "train-tiny" else []
+    line = one_error_line(invoke(command, *family, "--threads", threads))
+    assert f"'--threads': {threads} is not from 1 to {MAX_THREADS} (4 x the CPU count)" in line, line
+    assert no_training == []
+    assert 4 * (os.cpu_count() or 1) == MAX_THREADS
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "--temperature", "nan"], "'--temperature': 'nan' is not a finite number"),
+        (["run", "--temperature", "inf"], "'--temperature': 'inf' is not a finite number"),
+        (["run", "--rate", "inf", "--workload", "poisson"], "'--rate': 'inf' is not a finite number"),
+        (["run", "--top-p", "-inf"], "'--top-p': '-inf' is not a finite number"),
+        (["depth", "--tau", "nan"], "'--tau': 'nan' is not a finite number"),
+        (["profile", "--model", ""], "'--model' / '-m': expected a name, got ''"),
+        (["run", "-o", "out.json/"], "'out.json/' is a directory path; expected a file path"),
+        (["profile", "--trace", "t.json/."], "'t.json/.' is a directory path"),
+        (["depth", "--accuracy-by-depth", "1,,2"], "--accuracy-by-depth '1,,2': expected comma-separated"),
+        (["depth", "--random-weights", "--weights", "."], "--random-weights and --weights: give one"),
+        (["run", "--workload", "sessions", "--turns", "100000"], "the last of 100000 turns needs"),
+        (["run", "--workload", "sessions", "--turns", "6", "--turn-prompt-len", "1000"], "max context is"),
+    ],
+)
+def test_accepted_before_now_refused(tmp_path, monkeypatch, args, needle) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert needle in one_error_line(invoke(*args, "--no-progress" if args[0] != "profile" else "--seed=0"))
+    assert list(tmp_path.iterdir()) == []  # nothing written (out.json/ used to write out.json)
+
+
+# 13. Input files past the parsers' limits: one error line, never a traceback ---------------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+DIGITS = "9" * 5000
+
+
+def _trace(ts: str = "0") -> str:
+    event = {"ph": "X", "cat": "kernel", "name": "k", "ts": "TS", "dur": 1}
+    return json.dumps({"traceEvents": [event]}).replace('"TS"', ts)
+
+
+BAD_FILES = {  # (input kind, what is wrong): file text
+    ("trace", "deep"): '{"traceEvents": ' + DEEP + "}",
+    ("trace", "digits"): _trace(DIGITS),
+    ("trace", "nan ts"): _trace("NaN"),
+    ("jsonl", "deep"): '{"prompt_token_ids": [1], "x": ' + DEEP + "}\n",
+    ("jsonl", "digits"): '{"prompt_token_ids": [1], "max_tokens": ' + DIGITS + "}\n",
+    ("eval", "deep"): '{"prompt": "1+1=", "answer": "2", "x": ' + DEEP + "}\n",
+    ("eval", "surrogate"): '{"prompt": "1+1=", "answer": "\\ud800"}\n',
+    ("report", "deep"): DEEP,
+    ("replay", "deep"): DEEP + "\n",
+    ("replay", "digits"): '{"schema": ' + DIGITS + "}\n",
+    ("recipe", "deep"): "kv: " + "[" * 5000 + "]" * 5000 + "\n",
+    ("recipe", "digits"): "scheduler:\n  max_num_seqs: " + DIGITS + "\n",
+    ("recipe", "duplicate key"): "scheduler:\n  max_num_seqs: 2\n  max_num_seqs: 4\n",
+    ("recipe", "binary"): "\udcff\udcfe\x00",  # written with surrogateescape: bytes ff fe 00
+}
+USES = {  # input kind: command lines reading FILE
+    "trace": [["trace", "analyze", "FILE"], ["trace", "compare", "FILE", "FILE"]],
+    "jsonl": [
+        ["run", *FAST, "--prompts", "FILE"],
+        ["diff", "base", "--b-set", "exit.threshold=0.5", *FAST, "--prompts", "FILE"],
+    ],
+    "eval": [
+        ["depth", "--no-progress", "--accuracy-by-depth", "1", "--prompts", "FILE"],
+        ["diff", "base", "--b-set", "exit.threshold=0.5", *FAST, "--accuracy", "FILE"],
+    ],
+    "report": [["bench", "--from", "FILE"], ["trace", "compare", "FILE", "FILE"], ["top", "--diff", "FILE"]],
+    "replay": [["top", "--once", "--replay", "FILE"]],
+    "recipe": [["run", *FAST, "--recipe", "FILE"], ["bench", "--a", "FILE", "--cell", "ouro-tiny:4/2@1"]],
+}
+CASES = [(kind, what, use) for (kind, what) in BAD_FILES for use in USES[kind]]
+
+
+@pytest.mark.parametrize("kind, what, use", CASES, ids=[f"{k}-{w}-{u[0]}" for k, w, u in CASES])
+def test_bad_input_files_are_one_error_line(tmp_path, kind, what, use) -> None:
+    if use[0] == "top":
+        pytest.importorskip("httpx")
+    path = tmp_path / ("in.yaml" if kind == "recipe" else "in.json")
+    path.write_text(BAD_FILES[kind, what], encoding="utf-8", errors="surrogateescape")
+    line = one_error_line(invoke(*[str(path) if a == "FILE" else a for a in use]))
+    assert str(path) in line, line
+
+
+def test_corrupt_gzip_trace_is_one_line(tmp_path) -> None:
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(_trace().encode())[:-8])
+    assert "cannot read trace" in one_error_line(invoke("trace", "analyze", path))
+    path.write_bytes(gzip.compress(_trace().encode() * 20)[:12] + b"\xff" * 40)
+    assert str(path) in one_error_line(invoke("trace", "analyze", path))
+
+
+def test_huge_set_value_is_one_line() -> None:
+    assert "--set" in one_error_line(invoke("run", *FAST, "--set", f"scheduler.max_num_seqs={DIGITS}"))
+    assert "--set" in one_error_line(invoke("run", *FAST, "--set", "kv=" + "[" * 5000 + "]" * 5000))
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A fifo; should a command read it anyway, a writer opens it after 30 s: the test fails, not hangs."""
+    path = tmp_path / "pipe.yaml"
+    os.mkfifo(path)
+    release = threading.Timer(30, lambda: os.close(os.open(path, os.O_WRONLY)))
+    release.daemon = True
+    release.start()
+    yield path
+    release.cancel()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", *FAST, "--prompts", "PIPE"],
+        ["run", *FAST, "--recipe", "PIPE"],
+        ["trace", "analyze", "PIPE"],
+        ["trace", "compare", "PIPE", "PIPE"],
+        ["depth", "--no-progress", "--prompts", "PIPE"],
+        ["bench", "--from", "PIPE"],
+        ["trace", "analyze", "/dev/zero"],
+    ],
+)
+def test_non_regular_inputs_are_refused_before_reading(fifo, args) -> None:
+    line = one_error_line(invoke(*[str(fifo) if a == "PIPE" else a for a in args]))
+    assert "is a fifo, not a regular file" in line or "/dev/zero: is a character device" in line, line
+
+
+def test_markup_in_labels_and_output_paths(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("t.json").write_text(_trace())
+    result = invoke("trace", "compare", "t.json", "t.json", "--labels", "A,[/]")
+    assert result.exit_code == 0, result.output
+    assert "[/] calls" in result.stdout
+    result = invoke("trace", "analyze", "t.json", "-o", "[b]x.json")
+    assert result.exit_code == 0 and result.stderr.strip() == "wrote [b]x.json", result.stderr
+    assert "--step-marker" in one_error_line(invoke("trace", "analyze", "t.json", "--step-marker", ""))
+
+
+def test_bom_and_crlf_prompts_are_accepted(tmp_path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(
+        b'\xef\xbb\xbf{"prompt_token_ids": [1, 2], "max_tokens": 2}\r\n{"prompt_token_ids": [3]}\r\n'
+    )
+    result = invoke("run", *FAST, "--prompts", prompts, "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["metrics"]["completed"] == 2
+
+
+# 14. A full disk: one error line, the old file (or none) and no temp file left ---------------------------
+@pytest.fixture
+def full_dir(tmp_path):
+    """A real full filesystem: a 64 KiB tmpfs filled up (mounting needs root; elsewhere the test skips and
+    tests/cli/test_output_files.py's injected ENOSPC covers the same code)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs (not root)")
+    try:
+        fd = os.open(mnt / "fill", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+        os.close(fd)
+        yield mnt
+    finally:  # lazily: a profiler thread may still hold a file there for a moment
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _left(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name != "fill")
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["profile", "--prompt-len", "4", "--decode-steps", "2", "--trace", "FULL/t.json"], "--trace"),
+        (["profile", "--prompt-len", "4", "--decode-steps", "2", "--trace", "FULL/t.json.gz"], "--trace"),
+        (["run", *FAST, "-o", "FULL/r.json"], "--output"),
+        (
+            ["depth", "--no-progress", "--limit", "1", "--accuracy-by-depth", "1", "-o", "FULL/d.json"],
+            "--output",
+        ),
+        (["trace", "analyze", "TRACE", "-o", "FULL/a.json"], "--output"),
+    ],
+)
+def test_full_disk_is_one_line_and_leaves_nothing(full_dir, tmp_path, args, option) -> None:
+    trace = tmp_path / "t.json"
+    trace.write_text(_trace())
+    args = [a.replace("FULL", str(full_dir)).replace("TRACE", str(trace)) for a in args]
+    line = one_error_line(invoke(*args))
+    assert option in line and "No space left on device" in line, line
+    assert _left(full_dir) == []
+
+
+def test_full_disk_bench_plot(full_dir, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    report = Path(__file__).resolve().parents[2] / "bench" / "results" / "table2_h200.json"
+    if not report.is_file():
+        pytest.skip("no saved bench report")
+    line = one_error_line(invoke("bench", "--from", report, "--plot", f"{full_dir}/p.svg"))
+    assert "--plot" in line and "No space left on device" in line
+    assert _left(full_dir) == []
+
+
+def test_full_disk_train_tiny_leaves_no_directory(full_dir, monkeypatch) -> None:
+    def fill(family, target, steps, seed, threads):  # the real writers, on the full disk
+        (target / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+
+    monkeypatch.setattr("looptrace.cli.train_cmd._train", fill)
+    line = one_error_line(invoke("train-tiny", "--family", "ouro", "--out", full_dir / "ckpt"))
+    assert "--out" in line and "No space left on device" in line
+    assert _left(full_dir) == []
+
+
+# 15. Ctrl-C in profile's final write: the files written are named, not denied --------------------------
+def test_profile_ctrl_c_after_writing(tmp_path, monkeypatch) -> None:
+    def interrupted_print(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("looptrace.cli.profile_cmd.write_output", interrupted_print)
+    out, trace = tmp_path / "p.json", tmp_path / "t.json"
+    result = invoke("profile", "--prompt-len", "4", "--decode-steps", "2", "-o", out, "--trace", trace)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == f"interrupted after writing --trace {trace} and --output {out} (whole)"
+    assert json.loads(out.read_text())["schema"] and json.loads(trace.read_text())["traceEvents"]
