@@ -56,7 +56,7 @@ def _get(url: str, timeout: float) -> Any:
 
     try:
         resp = httpx.get(url, timeout=timeout, headers=auth_headers())
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (`top '[bold]'`) is no HTTPError
         raise SourceError(f"{url}: cannot connect ({type(exc).__name__}: {exc or 'no answer'})") from None
     if resp.status_code != 200:
         raise SourceError(f"{url}: HTTP {resp.status_code}{_status_hint(resp.status_code)}")

@@ -661,6 +661,14 @@ def test_markup_in_labels_and_output_paths(tmp_path, monkeypatch) -> None:
     assert "--step-marker" in one_error_line(invoke("trace", "analyze", "t.json", "--step-marker", ""))
 
 
+def test_top_with_an_invalid_url() -> None:
+    """Found by the property test: httpx.InvalidURL is not an httpx.HTTPError (a traceback, exit 1)."""
+    pytest.importorskip("httpx")
+    assert "http://[bold]/v1/stats: cannot connect (InvalidURL" in one_error_line(
+        invoke("top", "--once", "[bold]")
+    )
+
+
 def test_bom_and_crlf_prompts_are_accepted(tmp_path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(

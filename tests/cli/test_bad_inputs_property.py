@@ -172,7 +172,12 @@ def test_targets_cover_every_command_and_input() -> None:
     assert kinds["depth", "--prompts"] == kinds["diff", "--accuracy"] == kinds["top", "--replay"] == "path"
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 100 examples take about 30 s on 2 cores; LOOPTRACE_PROPERTY_EXAMPLES=1000 searches longer.
+@settings(
+    max_examples=int(os.environ.get("LOOPTRACE_PROPERTY_EXAMPLES", 100)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_bad_values_exit_0_or_2_cleanly_and_keep_every_input(world, data) -> None:
     root, paths = world
