@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def _peek(path: Path, n: int = 4096) -> str:
         opener = gzip.open if path.name.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
             return fh.read(n)
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):  # zlib.error: a corrupt gzip stream
         return ""
 
 

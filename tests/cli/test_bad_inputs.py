@@ -608,12 +608,17 @@ def test_bad_input_files_are_one_error_line(tmp_path, kind, what, use) -> None:
     assert str(path) in line, line
 
 
-def test_corrupt_gzip_trace_is_one_line(tmp_path) -> None:
+@pytest.mark.parametrize("command", [["trace", "analyze"], ["trace", "compare", "OTHER"]])
+def test_corrupt_gzip_trace_is_one_line(tmp_path, command) -> None:
+    """A truncated gzip (EOFError) and a corrupt deflate stream (zlib.error, which was a boxed traceback)."""
+    other = tmp_path / "ok.json"
+    other.write_text(_trace())
     path = tmp_path / "t.json.gz"
-    path.write_bytes(gzip.compress(_trace().encode())[:-8])
-    assert "cannot read trace" in one_error_line(invoke("trace", "analyze", path))
-    path.write_bytes(gzip.compress(_trace().encode() * 20)[:12] + b"\xff" * 40)
-    assert str(path) in one_error_line(invoke("trace", "analyze", path))
+    for data in (gzip.compress(_trace().encode())[:-8], gzip.compress(b"{}" * 100)[:10] + b"\xff" * 40):
+        path.write_bytes(data)
+        args = [str(other) if a == "OTHER" else a for a in command]
+        line = one_error_line(invoke(*args, path))
+        assert f"{path}: cannot read" in line, line
 
 
 def test_huge_set_value_is_one_line() -> None:
