@@ -197,7 +197,8 @@ def test_bad_values_exit_0_or_2_cleanly_and_keep_every_input(world, data) -> Non
         args += [f"{option}={value}"]
     for name, content in FILES.items():  # as made: an earlier example may have written its output there
         (root / name).write_bytes(content)
-    inputs = [str(root / "trace.json")] + ([value] if kind == "path" and option not in OUTPUTS else [])
+    inputs = [str(root / "trace.json")] if path.startswith("trace") else []  # the trace commands' default
+    inputs += [value] if kind == "path" and option not in OUTPUTS else []
     before = _snapshot(inputs)
     result = runner.invoke(app, args)
     report = (args[:8], result.exit_code, result.output[-2000:], repr(result.exception))
