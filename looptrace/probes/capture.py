@@ -13,11 +13,11 @@ Folder layout (as vLLM writes it): `capture_traces/execution_details.json`, a li
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from looptrace.input_files import InputError, read_json
 from looptrace.probes import runtime as rt
 from looptrace.probes.events import API_CATS, TraceError, TraceEvent, load_chrome_trace
 from looptrace.probes.opstats import KernelOp, ancestry_chains, kernel_op
@@ -62,10 +62,10 @@ def load_captures(folder: Path) -> list[CapturedGraph]:
         raise TraceError(f"{folder}: capture folder not found (or not a folder)")
     if not details.is_file():
         raise TraceError(f"{folder}: capture folder without its {DETAILS_FILE}")
-    try:
-        entries = json.loads(details.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{details}: cannot read ({exc})".replace("\n", " ")) from None
+    try:  # a regular file within the nesting/number limits (looptrace.input_files)
+        entries = read_json(details)
+    except InputError as exc:
+        raise TraceError(str(exc)) from None
     if isinstance(entries, dict):
         entries = [entries]
     if not isinstance(entries, list) or not all(isinstance(x, dict) and "file" in x for x in entries):

@@ -621,6 +621,14 @@ def test_corrupt_gzip_trace_is_one_line(tmp_path, command) -> None:
         assert f"{path}: cannot read" in line, line
 
 
+def test_deep_capture_details_is_one_line(tmp_path) -> None:
+    (tmp_path / "capture_traces").mkdir()
+    (tmp_path / "capture_traces" / "execution_details.json").write_text(DEEP)
+    (tmp_path / "t.json").write_text(_trace())
+    line = one_error_line(invoke("trace", "analyze", tmp_path / "t.json"))
+    assert "execution_details.json: invalid JSON (nested too deeply)" in line, line
+
+
 def test_huge_set_value_is_one_line() -> None:
     assert "--set" in one_error_line(invoke("run", *FAST, "--set", f"scheduler.max_num_seqs={DIGITS}"))
     assert "--set" in one_error_line(invoke("run", *FAST, "--set", "kv=" + "[" * 5000 + "]" * 5000))
