@@ -4,8 +4,10 @@ behaves the same in every command."""
 from __future__ import annotations
 
 import enum
+import ipaddress
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -50,9 +52,30 @@ def output_path(text: str) -> Path:
 
 
 def non_empty(text: str) -> str:
-    """A name that must name something: '' would silently mean the default."""
+    """A name that must name something: '' would silently mean the default, and a lone surrogate (bytes
+    that were not UTF-8 on the command line) names nothing a model list or a resolver knows."""
     if not text.strip():
         raise typer.BadParameter(f"expected a name, got {text!r}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise typer.BadParameter(f"{ascii(text)} is not valid UTF-8 text") from None
+    return text
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+
+
+def host_name(text: str) -> str:
+    """An interface to bind: an IP address or an ASCII host name (`[/]` or a line separator would reach
+    the resolver and fail there with a TypeError)."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(text):
+        raise typer.BadParameter(f"{ascii(text)} is neither an IP address nor a host name")
     return text
 
 

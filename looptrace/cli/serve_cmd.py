@@ -36,7 +36,7 @@ unknown recipe, ...), 3 environment missing.
 """
 
 
-HostOpt = o.opt(str, help="Interface to bind (loopback unless told otherwise).")
+HostOpt = o.opt(str, parser=o.host_name, help="Interface to bind (loopback unless told otherwise).")
 PortOpt = o.opt(int, help="TCP port (0: any free port).")
 TuiOpt = o.opt(bool, "--tui", help="Run the live dashboard in this terminal.")
 MaxModelLenOpt = o.opt(int, help="Longest prompt + completion (tokens) a request may need.")

@@ -173,7 +173,7 @@ def test_builtin_set_needs_the_presets_own_weights(monkeypatch, tmp_path: Path) 
         (["base", "base"], ["differ in no setting"]),
         (
             ["base", "--b-set", "exit.policy=fixed", "--accuracy", "/no/such.jsonl"],
-            ["--accuracy", "not found"],
+            ["--accuracy", "no such file"],
         ),
         (["base", "--b-set", "debug.perturb=prefill:1"], ["4 fields stage, loop, layer, op"]),
         (["base", "--b-set", "debug.perturb=prefill:1:0:norm"], ["matches 4 ops"]),
