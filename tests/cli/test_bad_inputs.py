@@ -764,10 +764,16 @@ def test_full_disk_train_tiny_leaves_no_directory(full_dir, monkeypatch) -> None
 
 # 15. Ctrl-C in profile's final write: the files written are named, not denied --------------------------
 def test_profile_ctrl_c_after_writing(tmp_path, monkeypatch) -> None:
-    def interrupted_print(*_args, **_kwargs):
-        raise KeyboardInterrupt
+    """A Ctrl-C while the report is printed, after the file is written: the line names both files."""
 
-    monkeypatch.setattr("looptrace.cli.profile_cmd.write_output", interrupted_print)
+    class InterruptedConsole:
+        def __init__(self, *_args, **_kwargs) -> None:
+            pass
+
+        def print(self, *_args, **_kwargs) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("looptrace.cli.profile_cmd.Console", InterruptedConsole)
     out, trace = tmp_path / "p.json", tmp_path / "t.json"
     result = invoke("profile", "--prompt-len", "4", "--decode-steps", "2", "-o", out, "--trace", trace)
     assert result.exit_code == 130, result.output
