@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
+
+from rich.markup import escape
 
 from looptrace.build import build_engine, resolve_model
 from looptrace.cli import common as c
@@ -10,6 +13,7 @@ from looptrace.cli import options as o
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # = looptrace.serve.plumbing's (not imported: no serve extra needed)
 DEFAULT_DRAIN_TIMEOUT_S = 10.0  # = looptrace.serve.server's
+DEFAULT_BODY_TIMEOUT_S = 30.0  # = looptrace.serve.plumbing's
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -21,10 +25,15 @@ EPILOG = """\
   curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
        -d '{"model": "ouro", "prompt": "Hello", "max_tokens": 8}'
   looptrace top http://127.0.0.1:8000                        # attach the dashboard from another terminal
-  LOOPTRACE_API_KEY=s3cret looptrace serve --model ouro --host 0.0.0.0   # /v1/* then needs the key
+  LOOPTRACE_API_KEY=s3cret looptrace serve --model ouro --host 0.0.0.0   # all but /health need the key
 
 [bold]ENDPOINTS[/]  POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
-/health, /metrics (Prometheus, `looptrace:` prefix), /v1/stats and /v1/stats/stream (SSE, the dashboard's).
+GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version, GET|HEAD /health, /metrics
+(Prometheus, `looptrace:` prefix), /v1/stats and /v1/stats/stream (SSE, the dashboard's).
+
+[bold]LIMITS[/]  A request queues at most 256 sequences (prompts x n); concurrent requests are admitted in
+turn. Bodies over --max-body-bytes: 413; no body bytes for --body-timeout seconds: 408. Every error is
+the OpenAI JSON error shape with a 4xx status (malformed HTTP included).
 
 [bold]ROBUSTNESS[/]  A request that fails inside the engine fails alone (500, or an error event in its
 stream). SIGTERM/SIGINT drain: no new requests, running ones finish for up to --drain-timeout seconds,
@@ -49,9 +58,10 @@ ProbeIntervalOpt = o.opt(
 ApiKeyOpt = o.opt(
     str | None,
     envvar="LOOPTRACE_API_KEY",
-    help="Require `Authorization: Bearer KEY` on /v1/* (401 otherwise); /health, /metrics open.",
+    help="Require `Authorization: Bearer KEY` on every path but /health (401 otherwise).",
 )
 MaxBodyOpt = o.opt(int, help="Largest request body accepted (bytes); larger: 413.")
+BodyTimeoutOpt = o.opt(float, help="A client that sends no body bytes this long (seconds) gets 408, closed.")
 RequestTimeoutOpt = o.opt(float, help="Abort a request (and free its KV) after this many seconds (0: never).")
 DrainTimeoutOpt = o.opt(
     float, help="On SIGTERM/SIGINT: seconds running requests may finish before they are ended."
@@ -70,6 +80,7 @@ def serve(
     probe_interval: ProbeIntervalOpt = 0.0,
     api_key: ApiKeyOpt = None,
     max_body_bytes: MaxBodyOpt = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: BodyTimeoutOpt = DEFAULT_BODY_TIMEOUT_S,
     request_timeout: RequestTimeoutOpt = 0.0,
     drain_timeout: DrainTimeoutOpt = DEFAULT_DRAIN_TIMEOUT_S,
     device: o.DeviceOpt = "auto",
@@ -83,6 +94,8 @@ def serve(
 
 
 def _serve(a: SimpleNamespace) -> None:
+    if a.tui and not sys.stdout.isatty():  # the dashboard would write escape codes into a pipe or file
+        raise c.fail("--tui needs a terminal, but stdout is not one (serve without --tui; `looptrace top`)")
     c.require_extra("serve", "fastapi", "prometheus_client", "sse_starlette", "uvicorn")
     setup, sock = _engine_and_socket(a)
     server, name = _server(a, setup, sock)
@@ -98,7 +111,10 @@ def _engine_and_socket(a: SimpleNamespace):
     from looptrace.serve.server import BindError, bind_socket, check_options
 
     with c.friendly_errors():
-        names = "port max_model_len probe_interval api_key max_body_bytes request_timeout drain_timeout"
+        names = (
+            "port max_model_len probe_interval api_key max_body_bytes request_timeout drain_timeout "
+            "body_timeout threads served_model_name"
+        )
         check_options(**c.pick(a, names))
         try:
             sock = bind_socket(a.host, a.port)  # before the engine: a busy port fails fast
@@ -106,6 +122,11 @@ def _engine_and_socket(a: SimpleNamespace):
             raise c.UsageError(str(exc)) from None
         try:
             model = resolve_model(a.model, a.device, a.weights)
+            if a.max_model_len > model.spec.max_position:  # build_engine would clamp it silently
+                raise c.UsageError(
+                    f"--max-model-len {a.max_model_len}: {model.spec.name} has {model.spec.max_position} "
+                    "positions at most"
+                )
             setup = build_engine(model, **c.pick(a, "recipe sets device dtype seed threads max_model_len"))
         except BaseException:
             sock.close()
@@ -132,6 +153,7 @@ def _server(a: SimpleNamespace, setup, sock):
         sock=sock,
         api_key=a.api_key,
         max_body_bytes=a.max_body_bytes,
+        body_timeout=a.body_timeout,
         request_timeout=a.request_timeout or None,
         drain_timeout=a.drain_timeout,
     )
@@ -139,10 +161,11 @@ def _server(a: SimpleNamespace, setup, sock):
 
 
 def _serve_headless(a: SimpleNamespace, server, setup, name: str) -> None:
-    auth = "  API key required on /v1/*" if a.api_key else ""
-    c.err_console.print(
-        f"[bold]looptrace serve[/] {setup.engine.spec.name} (recipe {setup.recipe.name}) on {server.url}  "
-        f"model id '{name}'{auth}  [dim](Ctrl-C to stop)[/]",
+    auth = "  API key required (all but /health)" if a.api_key else ""
+    spec, recipe = escape(setup.engine.spec.name), escape(setup.recipe.name)
+    c.err_console.print(  # the names are the user's text: escaped, shown as typed
+        f"[bold]looptrace serve[/] {spec} (recipe {recipe}) on {escape(server.url)}  "
+        f"model id '{escape(name)}'{auth}  [dim](Ctrl-C to stop)[/]",
         highlight=False,
         soft_wrap=True,
     )

@@ -6,6 +6,11 @@ not) gets its request aborted, which frees its KV blocks before the next engine 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
 bad requests (malformed JSON, invalid fields, unknown model, prompt too long); nothing a client sends can
 stop the server.
+
+One request must not hurt the others: a request queues at most `max_sequences` sequences (prompts x n),
+the engine loop admits the sequences of concurrent requests in turn (engine_loop.py), and every piece of
+work that grows with a request's size (parsing, tokenizing, serializing a long token list) runs off the
+event loop.
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ from looptrace.engine.request import SamplingParams, SamplingParamsError, derive
 from looptrace.serve import openai_schema as oa
 from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, Rejected, TokenEvent
 from looptrace.serve.metrics import ServerMetrics
-from looptrace.serve.plumbing import DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyLimit, json_body
+from looptrace.serve.plumbing import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyAuth,
+    BodyLimit,
+    json_body,
+)
 
 log = logging.getLogger("looptrace.serve")
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to check whether the client is still there
@@ -112,6 +123,20 @@ class _Delta:
     finish_reason: str | None = None  # set on the choice's last delta
 
 
+JSON_SLICE = 50_000  # token ids serialized per slice (the GIL is released between slices)
+
+
+def tokenize_json(ids: list[int], max_len: int) -> bytes:
+    """/tokenize's body `{"count", "max_model_len", "tokens"}`, the ids joined slice by slice."""
+    parts = [f'{{"count": {len(ids)}, "max_model_len": {max_len}, "tokens": ['.encode()]
+    for start in range(0, len(ids), JSON_SLICE):
+        if start:
+            parts.append(b", ")
+        parts.append(", ".join(map(str, ids[start : start + JSON_SLICE])).encode())
+    parts.append(b"]}")
+    return b"".join(parts)
+
+
 class _Job:
     """One sequence in flight (one choice): its queue of engine events and its bookkeeping."""
 
@@ -140,9 +165,9 @@ class _Job:
 
         self.sink = sink
 
-    async def start(self, prefix: str) -> None:
+    async def start(self, prefix: str, group: str) -> None:
         rid = self.loop.new_request_id(prefix)
-        self.loop.submit(self.prompt, self.sampling, self.sink, request_id=rid)
+        self.loop.submit(self.prompt, self.sampling, self.sink, request_id=rid, group=group)
         try:
             event = await self.queue.get()
         except asyncio.CancelledError:
@@ -230,8 +255,10 @@ class _Group:
 
 
 async def start_all(jobs: list[_Job], prefix: str) -> None:
-    """Submit every choice; if one is refused, abort the others and raise its error."""
-    results = await asyncio.gather(*(j.start(prefix) for j in jobs), return_exceptions=True)
+    """Submit every choice as one group (the engine loop admits groups in turn); if one is refused, abort
+    the others and raise its error."""
+    group = jobs[0].loop.new_request_id(f"{prefix}-group") if jobs else ""
+    results = await asyncio.gather(*(j.start(prefix, group) for j in jobs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         for j in jobs:
@@ -279,9 +306,13 @@ def create_app(
     stats_interval: float = 0.5,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    max_sequences: int = oa.MAX_SEQUENCES_PER_REQUEST,
 ) -> FastAPI:
     app = FastAPI(title="looptrace serve", version="1", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout, draining=lambda: loop.draining
+    )
     if api_key:  # added last = outermost: a request without the key is refused before its body is read
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     engine = loop.engine
@@ -299,7 +330,7 @@ def create_app(
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":  # no field to name: `loc` is empty
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
         else:
             where = ".".join(loc) or "body"
@@ -325,9 +356,10 @@ def create_app(
                 code="model_not_found",
             )  # fmt: skip
 
-    def check_prompt(ids: list[int], budget: int) -> None:
+    def check_prompt(ids: list[int], budget: int, field: str = "prompt") -> None:
+        """`field`: what the client sent the prompt as (`prompt`, or chat's `messages`)."""
         if not ids:
-            raise APIError(400, "prompt is empty: at least one token is needed", param="prompt")
+            raise APIError(400, f"{field} is empty: at least one token is needed", param=field)
         # The length first: the vocabulary scan below then never walks millions of ids on the event loop.
         need = len(ids) + budget - 1
         if need > max_len:
@@ -335,7 +367,7 @@ def create_app(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you requested {need} "
                 f"tokens ({len(ids)} in the prompt, {budget} for the completion).",
-                param="max_tokens" if len(ids) <= max_len else "prompt",
+                param="max_tokens" if len(ids) <= max_len else field,
                 code="context_length_exceeded",
             )
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -346,6 +378,21 @@ def create_app(
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab), None)
+        if bad_stop is not None:
+            raise APIError(
+                400, f"stop token id {bad_stop} outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
+
+    def check_sequences(prompts: int, n: int) -> None:
+        """Before any tokenizing: a request's prompts x n is bounded (each is a sequence in the engine)."""
+        if prompts * n > max_sequences:
+            raise APIError(
+                400,
+                f"{prompts} prompt(s) x n={n} = {prompts * n} sequences; at most {max_sequences} per request",
+                param="n" if n > 1 else "prompt",
+                code="too_many_sequences",
+            )
 
     def make_jobs(body: oa._Request, prompts: list[list[int]], budgets: list[int]) -> list[_Job]:
         """n choices per prompt, index = prompt * n + choice; parameters checked as the engine will."""
@@ -423,7 +470,7 @@ def create_app(
         return EventSourceResponse(events(), ping=15, sep="\n")
 
     # Routes -------------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if loop.dead or not loop.alive:
             return error_response(503, f"the engine is not running ({loop.status()})", "server_error")
@@ -448,7 +495,7 @@ def create_app(
         return oa.VersionResponse(version=__version__).model_dump()
 
     @app.post("/tokenize")
-    async def tokenize(body: oa.TokenizeRequest):
+    async def tokenize(body: Annotated[oa.TokenizeRequest, Depends(json_body(oa.TokenizeRequest))]):
         if body.model is not None:
             check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -459,10 +506,12 @@ def create_app(
         else:  # as the completions endpoint encodes a prompt
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await run_in_threadpool(tokenizer.encode, body.prompt, special)
-        return oa.TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids).model_dump()
+        # Millions of ids for a multi-megabyte prompt: serialized in a worker thread, in slices (one
+        # json.dumps of them all held the GIL, and so every other client, for seconds).
+        return Response(await asyncio.to_thread(tokenize_json, ids, max_len), media_type="application/json")
 
     @app.post("/detokenize")
-    async def detokenize(body: oa.DetokenizeRequest):
+    async def detokenize(body: Annotated[oa.DetokenizeRequest, Depends(json_body(oa.DetokenizeRequest))]):
         if body.model is not None:
             check_model(body.model)
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -496,6 +545,7 @@ def create_app(
     ):
         check_model(body.model)
         check_supported(body)
+        check_sequences(len(body.prompts()), body.n)
         # Special tokens on, as vLLM encodes a completion prompt: the tokenizer adds BOS where its model
         # expects one (the trained tiny checkpoints do; a chat template writes its own).
         prompts = [
@@ -563,9 +613,10 @@ def create_app(
     ):
         check_model(body.model)
         check_supported(body)
+        check_sequences(1, body.n)
         ids = await run_in_threadpool(lambda: tokenizer.encode(chat_prompt(body.messages)))  # template too
         budget = body.output_budget(default=max(1, max_len - len(ids)))  # vLLM: the rest of the context
-        check_prompt(ids, budget)
+        check_prompt(ids, budget, "messages")
         jobs = make_jobs(body, [ids], [budget])
         await start_all(jobs, "chatcmpl")
         group = _Group(jobs)

@@ -6,6 +6,13 @@ request (accepted, rejected, token, error) to that request's `sink`, a callable 
 server's sink moves the event onto the handler's asyncio queue with `call_soon_threadsafe`). An abort is
 applied before the next step, so a disconnected client's KV blocks are freed within one engine step.
 
+Fair admission. A submission joins its group's backlog (a group: the sequences of one HTTP request, its
+prompts x n choices), not the engine's queue. Before each step the thread moves sequences from the backlogs
+into the engine while it has a free slot (scheduler.max_num_seqs), taking one sequence from each group in
+turn, and never lets one group hold more than GROUP_SHARE of the slots. A request of 256 sequences thus
+shares the engine with a 1-sequence request that arrives after it, instead of queueing it behind all 256
+(the engine's own queue is first come, first served).
+
 Failure isolation. An exception while adding or admitting one request fails that request alone (the
 engine finishes it with reason "error" and frees its KV). A batched forward cannot be blamed on one row:
 a failed step fails the requests of that step (`StepError`), the others go on. An exception the engine
@@ -55,6 +62,9 @@ SCHEMA = "looptrace.stats/1"
 LATENCY_WINDOW_S = 60.0  # latency percentiles in a snapshot cover requests of the last minute
 MAX_LISTED_REQUESTS = 64
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # failed steps in a row, no success between: the engine is broken
+# Of the engine's sequence slots, the most one request (group) may hold: the rest stay free for requests
+# that arrive later, so they start at the next step rather than after a whole wave of the big one.
+GROUP_SHARE = 0.75
 # The snapshot's probe section when no live probe runs (the dashboard shows the note).
 PROBE_OFF = {
     "off": True,
@@ -108,6 +118,60 @@ class _Submit:
     params: SamplingParams
     sink: Sink
     arrival: float
+    group: str  # the HTTP request it belongs to: groups are admitted in turn
+
+
+@dataclass
+class _Backlog:
+    """Submissions not yet in the engine, a queue per group (insertion order = whose turn is next), and how
+    many sequences each group has in the engine now."""
+
+    queues: dict[str, deque[_Submit]] = field(default_factory=dict)
+    live: dict[str, int] = field(default_factory=dict)
+    group_of: dict[str, str] = field(default_factory=dict)  # request id -> group, while in the engine
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def push(self, cmd: _Submit) -> None:
+        self.queues.setdefault(cmd.group, deque()).append(cmd)
+
+    def pop_next(self, cap: int) -> _Submit | None:
+        """The next submission of the first group (in turn) holding fewer than `cap` slots."""
+        group = next((g for g in self.queues if self.live.get(g, 0) < cap), None)
+        if group is None:
+            return None
+        waiting = self.queues.pop(group)
+        cmd = waiting.popleft()
+        if waiting:
+            self.queues[group] = waiting  # re-inserted last: the other groups go first
+        return cmd
+
+    def remove(self, request_id: str) -> _Submit | None:
+        for group, waiting in self.queues.items():
+            for cmd in waiting:
+                if cmd.request_id == request_id:
+                    waiting.remove(cmd)
+                    if not waiting:
+                        del self.queues[group]
+                    return cmd
+        return None
+
+    def take_all(self) -> list[_Submit]:
+        out = [cmd for q in self.queues.values() for cmd in q]
+        self.queues.clear()
+        return out
+
+    def entered(self, request_id: str, group: str) -> None:
+        self.group_of[request_id] = group
+        self.live[group] = self.live.get(group, 0) + 1
+
+    def left(self, request_id: str) -> None:
+        group = self.group_of.pop(request_id, None)
+        if group is not None:
+            self.live[group] -= 1
+            if not self.live[group]:
+                del self.live[group]
 
 
 @dataclass
@@ -196,6 +260,9 @@ class EngineLoop:
         self._idle = threading.Event()
         self._idle.set()
         self._tracks: dict[str, _Track] = {}
+        self._backlog = _Backlog()  # only the engine thread touches it
+        slots = int(engine.cfg.scheduler.max_num_seqs)
+        self._slots, self._group_cap = slots, max(1, int(slots * GROUP_SHARE))
         self._ids = itertools.count()
         self._windows = {k: _Window() for k in ("ttft", "tpot", "itl", "e2el")}
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "aborted": 0}
@@ -241,7 +308,7 @@ class EngineLoop:
         deadline = time.perf_counter() + max(0.0, timeout)
         with self._cond:
             if self._drain_deadline is None:
-                self.drain.in_flight = len(self._tracks) + self._pending
+                self.drain.in_flight = len(self._tracks) + len(self._backlog) + self._pending
                 self._drain_deadline = deadline
             else:
                 self._drain_deadline = min(self._drain_deadline, deadline)
@@ -251,15 +318,22 @@ class EngineLoop:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000:05d}"
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        request_id: str | None = None,
+        group: str | None = None,
     ) -> str:
+        """Queue a sequence; `group` (default: its own id) ties the sequences of one HTTP request."""
         rid = request_id or self.new_request_id()
         with self._cond:  # under the lock: a submission is either queued before death/drain or refused
             refusal = self._refusal()
             if refusal is None:
                 self._pending += 1
                 self._idle.clear()
-                self._commands.put(_Submit(rid, list(prompt), params, sink, time.perf_counter()))
+                cmd = _Submit(rid, list(prompt), params, sink, time.perf_counter(), group or rid)
+                self._commands.put(cmd)
                 self._cond.notify_all()
         if refusal is not None:
             _send(sink, refusal)
@@ -290,8 +364,9 @@ class EngineLoop:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Queue submissions without admitting them; on exit they are all added before the next step, in
-        submission order (one batch, as an offline run that adds them together)."""
+        """Queue submissions without admitting them; on exit they are added before the next step (as many
+        as the engine has slots for), in submission order across groups (one batch, as an offline run
+        that adds them together)."""
         self._gate.clear()
         try:
             yield
@@ -317,6 +392,7 @@ class EngineLoop:
             self._die(exc)
             return
         self._abort_all(unavailable("the server is shutting down"))
+        self._fail_backlog(unavailable("the server is shutting down"))
 
     def _die(self, exc: BaseException) -> None:
         self.error = exc
@@ -324,6 +400,7 @@ class EngineLoop:
             self._dead = True  # from here submit() refuses; what is queued already is failed below
         event = unavailable(f"the engine is not running ({self._why_dead()})")
         self._abort_all(event)
+        self._fail_backlog(event)
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -348,6 +425,7 @@ class EngineLoop:
             self._drain()
             self._report_failures()
             self._check_deadlines()
+            self._admit()
             busy = self.engine.has_unfinished_requests()
             if busy:
                 self._step()
@@ -356,7 +434,7 @@ class EngineLoop:
                 self._publish(now)
             if not busy:
                 with self._cond:
-                    if self._pending == 0 and self._commands.empty():
+                    if self._pending == 0 and self._commands.empty() and not self._backlog.queues:
                         self._idle.set()
                 self._wake.wait(self.snapshot_interval)
                 self._wake.clear()
@@ -368,11 +446,23 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(cmd, _Submit):
-                self._add(cmd)
+                self._backlog.push(cmd)
                 with self._cond:
                     self._pending -= 1
-            else:
+            elif self._backlog.remove(cmd.request_id) is None:  # not yet in the engine: just dropped
                 self._abort(cmd.request_id, cmd.reason)
+
+    def _admit(self) -> None:
+        """Backlogged sequences into the engine's free slots, one group after another (see the module)."""
+        while len(self._tracks) < self._slots:
+            cmd = self._backlog.pop_next(self._group_cap)
+            if cmd is None:
+                return
+            self._add(cmd)
+
+    def _fail_backlog(self, event: Failed) -> None:
+        for cmd in self._backlog.take_all():
+            _send(cmd.sink, event)
 
     def _add(self, cmd: _Submit) -> None:
         from looptrace.engine.llm_engine import EngineInputError
@@ -393,13 +483,18 @@ class EngineLoop:
             return
         deadline = cmd.arrival + self.request_timeout if self.request_timeout else None
         self._tracks[rid] = _Track(cmd.sink, cmd.arrival, len(cmd.prompt), cmd.params.max_tokens, deadline)
+        self._backlog.entered(rid, cmd.group)
         self._totals["prompt_tokens"] += len(cmd.prompt)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(cmd.prompt))
         _send(cmd.sink, Accepted(rid))
 
+    def _untrack(self, rid: str) -> _Track | None:
+        self._backlog.left(rid)
+        return self._tracks.pop(rid, None)
+
     def _abort(self, rid: str, reason: str, event: Failed | None = None) -> None:
-        track = self._tracks.pop(rid, None)
+        track = self._untrack(rid)
         if track is None:
             return
         self.engine.abort_request(rid)
@@ -410,17 +505,17 @@ class EngineLoop:
             _send(track.sink, event)
 
     def _abort_all(self, event: Failed) -> None:
-        for rid, track in list(self._tracks.items()):
+        for rid in list(self._tracks):
+            track = self._untrack(rid)
             with contextlib.suppress(Exception):
                 self.engine.abort_request(rid)
             self._forget(rid)
             _send(track.sink, event)
-        self._tracks.clear()
 
     def _report_failures(self) -> None:
         """Requests the engine finished with reason "error" on its own (admission, failed step)."""
         for rid, why in self.engine.take_failures():
-            track = self._tracks.pop(rid, None)
+            track = self._untrack(rid)
             self._forget(rid)
             if track is not None:
                 log.error("request %s failed in the engine: %s", rid, why)
@@ -430,21 +525,28 @@ class EngineLoop:
     def _check_deadlines(self) -> None:
         """Per-request timeouts and the drain deadline, checked between steps."""
         now = time.perf_counter()
-        if self._drain_deadline is not None and now >= self._drain_deadline and self._tracks:
-            self.drain.ended_at_deadline += len(self._tracks)
-            self._abort_all(unavailable("the server is shutting down (drain timeout reached)"))
+        waiting = self._tracks or self._backlog.queues
+        if self._drain_deadline is not None and now >= self._drain_deadline and waiting:
+            self.drain.ended_at_deadline += len(self._tracks) + len(self._backlog)
+            event = unavailable("the server is shutting down (drain timeout reached)")
+            self._abort_all(event)
+            self._fail_backlog(event)
         if self.request_timeout is None:
             return
+        event = Failed(
+            f"request timed out after {self.request_timeout:g} s (--request-timeout)",
+            408,
+            "timeout_error",
+            "request_timeout",
+        )
         for rid, track in list(self._tracks.items()):
             if track.deadline is not None and now >= track.deadline:
                 log.warning("request %s timed out after %.1f s", rid, self.request_timeout)
-                event = Failed(
-                    f"request timed out after {self.request_timeout:g} s (--request-timeout)",
-                    408,
-                    "timeout_error",
-                    "request_timeout",
-                )
                 self._abort(rid, "timeout", event)
+        for cmd in [c for q in self._backlog.queues.values() for c in q]:  # timed out before admission
+            if now >= cmd.arrival + self.request_timeout:
+                self._backlog.remove(cmd.request_id)
+                _send(cmd.sink, event)
 
     def _forget(self, rid: str) -> None:
         # The engine keeps finished requests in `requests`; a server must not grow without bound.
@@ -516,7 +618,7 @@ class EngineLoop:
         event = TokenEvent(out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs)
         _send(track.sink, event)
         if out.finished:
-            self._tracks.pop(out.request_id, None)
+            self._untrack(out.request_id)
             self._forget(out.request_id)
             self._finished(track, now, out.finish_reason or "length")
 
@@ -552,7 +654,7 @@ class EngineLoop:
             "uptime_s": round(time.time() - self._started, 3),
             "model": self.model_name,
             "info": self.info,
-            "requests": _requests_section(snap, now),
+            "requests": _requests_section(snap, now, len(self._backlog)),
             "tokens": {
                 "prompt_total": self._totals["prompt_tokens"],
                 "generation_total": self._totals["generation_tokens"],
@@ -576,8 +678,9 @@ def _send(sink: Sink, event: Event) -> None:
         log.debug("dropping an event for a closed client", exc_info=True)
 
 
-def _requests_section(snap: EngineSnapshot, now: float) -> dict[str, Any]:
-    """Queue counts and the oldest unfinished requests (at most MAX_LISTED_REQUESTS)."""
+def _requests_section(snap: EngineSnapshot, now: float, backlog: int = 0) -> dict[str, Any]:
+    """Queue counts (waiting: in the engine's queue or the server's backlog) and the oldest unfinished
+    requests in the engine (at most MAX_LISTED_REQUESTS)."""
     oldest = sorted(snap.requests, key=lambda r: r.arrival_time)[:MAX_LISTED_REQUESTS]
     listed = [
         {
@@ -592,7 +695,7 @@ def _requests_section(snap: EngineSnapshot, now: float) -> dict[str, Any]:
         }
         for r in oldest
     ]
-    return {"running": snap.queues.running, "waiting": snap.queues.waiting, "list": listed}
+    return {"running": snap.queues.running, "waiting": snap.queues.waiting + backlog, "list": listed}
 
 
 def _engine_section(stats: StepCounts) -> dict[str, Any]:

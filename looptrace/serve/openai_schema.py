@@ -6,6 +6,9 @@ without effect; a few that cannot change the output (`user`, `metadata`, ...) ar
 (IGNORED_FIELDS); any other unknown field is a 400. Extensions (vLLM's): `top_k`, `repetition_penalty`,
 `stop_token_ids`, `ignore_eos`, `return_token_ids` (each choice then carries its sampled `token_ids`).
 
+Types are strict (pydantic's strict mode): `true` is not a number, `"yes"` is not a boolean and `"1"` is not
+a token id; an integer is accepted where a float is expected (JSON does not tell 1 from 1.0).
+
 Seeds are 64-bit unsigned values (0 <= seed < 2**64, torch.Generator's range); choice i of a request with
 n > 1 uses seed + i (mod 2**64), so it equals a single request with that seed.
 """
@@ -31,6 +34,9 @@ from looptrace.engine.request import (
 FP32_TINY = 1.1754943508222875e-38
 DEFAULT_MAX_TOKENS = 16  # completions (OpenAI, vLLM); chat defaults to the rest of the context
 MAX_N = 128  # choices per request (each is a sequence in the engine)
+# Sequences one request may queue: prompts x n. A 5 KB body of 500 prompts x n=128 queued 64,000 sequences
+# and starved every other client; vLLM bounds its batches the same way.
+MAX_SEQUENCES_PER_REQUEST = 256
 # Accepted and ignored: they cannot change what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
@@ -39,7 +45,7 @@ _Penalty = Field(default=0.0, ge=-PENALTY_MAX, le=PENALTY_MAX)
 
 class _Request(BaseModel):
     # Extra fields are kept (not ignored) so that `unsupported()` can name them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -103,15 +109,15 @@ class _Request(BaseModel):
         return None
 
     def token_bias(self) -> dict[int, float] | None:
-        """logit_bias with integer keys (a key that is not an integer: ValueError naming it)."""
+        """logit_bias with integer keys (a key that is not ASCII digits: ValueError naming it; Python's
+        int() would read "٣" as 3 and " 3" as 3)."""
         if not self.logit_bias:
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            try:
-                out[int(key)] = bias
-            except ValueError:
-                raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            out[int(key)] = bias
         return out
 
 
@@ -146,17 +152,27 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_hold_text(cls, value: Any) -> Any:
+        """A text part's `text` is a string (an object there used to be sent to the model as its repr)."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i} is of type 'text' but its `text` is not a string")
+        return value
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content if part.get("type") == "text")
 
     def non_text_part(self) -> str | None:
         """The type of the first content part that is not text (images, audio: not supported)."""
@@ -201,7 +217,7 @@ class ChatCompletionRequest(_Request):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion prompt, or chat messages (rendered as the chat endpoint does)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -216,7 +232,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]

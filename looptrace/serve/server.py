@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import signal
 import socket
 import sys
@@ -30,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from looptrace.serve.engine_loop import EngineLoop
-from looptrace.serve.plumbing import DEFAULT_MAX_BODY_BYTES
+from looptrace.serve.plumbing import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 DRAIN_GRACE_S = 5.0  # past the drain deadline: time to send the final error events before uvicorn cancels
 DEAD_LINGER_S = 1.0  # after the engine died: keep answering 503 this long, then exit
+MAX_THREADS_PER_CPU = 4  # --threads bound: torch crashed (SIGSEGV) creating 100,000 OpenMP threads
 
 
 class BindError(OSError):
@@ -54,8 +56,11 @@ def check_options(
     max_body_bytes: int,
     request_timeout: float,
     drain_timeout: float,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    threads: int = 1,
+    served_model_name: str | None = None,
 ) -> None:
-    """`looptrace serve`'s numbers, before the port is bound and the engine built (errors name the flag)."""
+    """`looptrace serve`'s options, before the port is bound and the engine built (errors name the flag)."""
     if not 0 <= port <= 65535:
         raise ServeOptionError(f"--port {port}: expected 0..65535")
     if max_model_len < 2:
@@ -64,11 +69,25 @@ def check_options(
         raise ServeOptionError(f"--probe-interval {probe_interval}: expected a number >= 0")
     if api_key is not None and not api_key.strip():
         raise ServeOptionError("--api-key (or LOOPTRACE_API_KEY): empty")
+    if api_key is not None and not all("!" <= ch <= "~" for ch in api_key):
+        # A client sends it in an HTTP header: a line break or non-ASCII character could never match.
+        raise ServeOptionError(
+            "--api-key (or LOOPTRACE_API_KEY): expected printable ASCII without spaces or line breaks"
+        )
+    if served_model_name is not None and not served_model_name.strip():
+        raise ServeOptionError("--served-model-name: empty (clients send it as `model`)")
+    cpus = os.cpu_count() or 1
+    if not 1 <= threads <= MAX_THREADS_PER_CPU * cpus:
+        raise ServeOptionError(
+            f"--threads {threads}: expected 1..{MAX_THREADS_PER_CPU * cpus} ({cpus} CPU(s) here)"
+        )
     if max_body_bytes < 1024:
         raise ServeOptionError(f"--max-body-bytes {max_body_bytes}: expected at least 1024")
     for name, value in (("--request-timeout", request_timeout), ("--drain-timeout", drain_timeout)):
         if not (math.isfinite(value) and value >= 0):
             raise ServeOptionError(f"{name} {value}: expected a number of seconds >= 0")
+    if not (math.isfinite(body_timeout) and body_timeout > 0):
+        raise ServeOptionError(f"--body-timeout {body_timeout}: expected a number of seconds > 0")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -144,8 +163,11 @@ class Server:
     def _config(self):
         import uvicorn
 
+        from looptrace.serve.plumbing import JsonErrorH11Protocol
+
         config = uvicorn.Config(
             self.app,
+            http=JsonErrorH11Protocol,  # malformed HTTP answered with the JSON error shape
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=self.drain_timeout + DRAIN_GRACE_S,
@@ -255,6 +277,7 @@ def build_server(
     sock: socket.socket | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     request_timeout: float | None = None,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     exit_on_dead: bool = True,
@@ -290,6 +313,7 @@ def build_server(
         aliases=aliases,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        body_timeout=body_timeout,
     )
     server = Server(app, loop, sock, drain_timeout=drain_timeout, exit_on_dead=exit_on_dead)
     # The startup heap (engine, weights, compiled kernels) lives as long as the server: out of the cyclic

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve_load.py"
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "serve_load.py"
 
 
 def load_bench():
@@ -38,3 +45,68 @@ def server():
     srv.start()
     yield srv
     srv.stop()
+
+
+class Proc:
+    """`looptrace serve` in a subprocess (optionally after `patch`, Python run first); its URL from stderr."""
+
+    def __init__(self, *args: str, patch: str = "", env: dict | None = None) -> None:
+        argv = ["looptrace", "serve", "--model", "ouro", "--device", "cpu", "--port", "0", *args]
+        code = f"{patch}\nimport sys\nsys.argv = {argv!r}\nfrom looptrace.cli.main import main\nmain()\n"
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self.url_found = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.url_found.wait(120):
+            self.p.kill()
+            raise AssertionError("server did not start: " + "".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.p.stderr:
+            self.lines.append(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            if m and not self.url:
+                self.url = m.group(1)
+                self.url_found.set()
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.p.wait(timeout)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+
+def stalled_upload(url: str, declared: int = 100, sent: int = 10) -> socket.socket:
+    """A raw connection that declares a `declared`-byte body, sends `sent` bytes of it and stalls."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {declared}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + b"{" * sent)
+    return sock
+
+
+def read_response(sock: socket.socket, timeout: float) -> tuple[bytes, bytes]:
+    """(status line + headers, body) read until the server closes the connection; raises on timeout."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body

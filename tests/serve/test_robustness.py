@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import make_engine
+from tests.serve.conftest import Proc, make_engine, read_response, stalled_upload
 
-REPO = Path(__file__).resolve().parents[2]
 MAGIC = [5, 5, 5, 5, 5, 5]  # the prompt of the request a test makes fail
 OTHER = [11, 42, 7, 99, 3, 250, 18, 64]
 
@@ -269,6 +264,34 @@ def test_a_huge_request_does_not_freeze_other_clients(kind):
         srv.stop()
 
 
+def test_tokenizing_a_huge_prompt_does_not_freeze_other_clients():
+    """An 8 MB /tokenize paused every other client for 6.3 s: its body was parsed on the event loop and its
+    millions of ids serialized there in one call."""
+    srv = serve()
+    try:
+        latencies, stop = [], threading.Event()
+
+        def poll():
+            with httpx.Client(base_url=srv.url) as c:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    assert c.get("/health").status_code == 200
+                    latencies.append(time.perf_counter() - t)
+                    time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            r = httpx.post(srv.url + "/tokenize", json={"prompt": "x" * 7_000_000}, timeout=60)
+        finally:
+            stop.set()
+            poller.join()
+        assert r.status_code == 200 and r.json()["count"] == 7_000_001  # BOS + one id per byte
+        assert latencies and max(latencies) < 1.5, max(latencies)
+    finally:
+        srv.stop()
+
+
 def test_request_timeout_aborts_and_frees_kv():
     srv = serve(request_timeout=1.0)
     try:
@@ -283,7 +306,7 @@ def test_request_timeout_aborts_and_frees_kv():
         srv.stop()
 
 
-def test_api_key_on_v1_only():
+def test_api_key_on_every_path_but_health():
     srv = serve(api_key="s3cret")
     try:
         assert client(srv.url, "s3cret").completions.create(model="ouro", prompt="hi", max_tokens=2).usage
@@ -293,8 +316,21 @@ def test_api_key_on_v1_only():
         with pytest.raises(openai.AuthenticationError):
             client(srv.url, "wrong").models.list()
         assert httpx.post(srv.url + "/v1/chat/completions", json={}).status_code == 401
-        for open_path in ("/health", "/metrics"):
-            assert httpx.get(srv.url + open_path).status_code == 200
+        # Model work and server internals outside /v1 are guarded too (an unauthenticated 8 MB /tokenize
+        # used to pause authenticated streams); only the load balancer's /health stays open.
+        for method, path, body in [
+            ("POST", "/tokenize", {"prompt": "hi"}),
+            ("POST", "/detokenize", {"tokens": [65]}),
+            ("GET", "/metrics", None),
+            ("GET", "/version", None),
+        ]:
+            r = httpx.request(method, srv.url + path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+                authorized = {"authorization": f"{scheme} s3cret"}
+                assert httpx.request(method, srv.url + path, json=body, headers=authorized).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.head(srv.url + "/health").status_code == 200
         # the dashboard's stats are under /v1 too: guarded; `top` sends LOOPTRACE_API_KEY
         assert httpx.get(srv.url + "/v1/stats").status_code == 401
         from looptrace.tui.sources import LooptraceSource, SourceError
@@ -311,48 +347,6 @@ def test_api_key_on_v1_only():
 
 
 # A real `looptrace serve` process ---------------------------------------------------------------------------
-class Proc:
-    """`looptrace serve` in a subprocess (optionally after `patch`, Python run first); its URL from stderr."""
-
-    def __init__(self, *args: str, patch: str = "", env: dict | None = None) -> None:
-        argv = ["looptrace", "serve", "--model", "ouro", "--device", "cpu", "--port", "0", *args]
-        code = f"{patch}\nimport sys\nsys.argv = {argv!r}\nfrom looptrace.cli.main import main\nmain()\n"
-        self.p = subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.lines: list[str] = []
-        self.url_found = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.url_found.wait(120):
-            self.p.kill()
-            raise AssertionError("server did not start: " + "".join(self.lines))
-
-    def _read(self) -> None:
-        for line in self.p.stderr:
-            self.lines.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-            if m and not self.url:
-                self.url = m.group(1)
-                self.url_found.set()
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.p.wait(timeout)
-        finally:
-            if self.p.poll() is None:
-                self.p.kill()
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_streams_and_exits_0(sig):
     srv = Proc("--drain-timeout", "4", "--probe-interval", "0")
@@ -375,6 +369,26 @@ def test_signal_drains_streams_and_exits_0(sig):
         assert "Traceback" not in srv.stderr
         assert "2 request(s) in flight, 1 ended at the drain timeout" in srv.stderr
         assert "KV blocks held by requests at exit: 0" in srv.stderr
+    finally:
+        srv.wait(1)
+
+
+def test_signal_with_a_stalled_upload_exits_at_once_and_answers_it_json():
+    """A client stalled mid-body used to hold the drain open until drain + 5 s, then got uvicorn's
+    `text/plain` 500 with a CancelledError traceback in the log. Now it gets a JSON 503 when the drain
+    begins and the process exits 0 at once."""
+    srv = Proc("--drain-timeout", "8", "--probe-interval", "0")
+    try:
+        stalled = stalled_upload(srv.url)
+        assert httpx.get(srv.url + "/health").status_code == 200  # the server took the connection
+        t0 = time.perf_counter()
+        srv.p.send_signal(signal.SIGTERM)
+        head, body = read_response(stalled, timeout=30)
+        assert srv.wait(30) == 0
+        assert time.perf_counter() - t0 < 6  # not the 8 s drain timeout (+ 5 s grace)
+        assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head, head
+        assert json.loads(body)["error"]["code"] == "unavailable"
+        assert "Traceback" not in srv.stderr and "CancelledError" not in srv.stderr, srv.stderr
     finally:
         srv.wait(1)
 
