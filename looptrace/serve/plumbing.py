@@ -210,6 +210,8 @@ def _parse(model: type[M], raw: bytes) -> M:
         raise _invalid_json(f"{getattr(exc, 'msg', None) or exc}{where}") from None
     except RecursionError:  # the C parser recurses per level: ~1,000 deep is its limit, not a server bug
         raise _invalid_json("nested too deeply") from None
+    except ValueError as exc:  # an integer literal over Python's 4,300-digit conversion limit
+        raise _invalid_json(str(exc).split(";")[0]) from None
     if SURROGATE_ESCAPE.search(raw):  # rare: walk the strings only when the body escapes a surrogate
         where = _lone_surrogate(data)
         if where is not None:
