@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looptrace.engine.request import SamplingParams, SamplingParamsError, derive_seed
 from looptrace.serve import openai_schema as oa
-from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, Rejected, TokenEvent
+from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, TokenEvent
 from looptrace.serve.metrics import ServerMetrics
 from looptrace.serve.plumbing import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -173,9 +173,6 @@ class _Job:
         except asyncio.CancelledError:
             self.loop.abort(rid)
             raise
-        if isinstance(event, Rejected):  # the engine's own check: "sampling: <field>: ..." names the field
-            field = event.message.split(": ")[1] if event.message.startswith("sampling: ") else "prompt"
-            raise APIError(400, event.message, param=field)
         if isinstance(event, Failed):  # 500 engine error, 503 dead/shutting down, 408 timeout
             raise APIError(event.status, event.message, event.type, code=event.code)
         assert isinstance(event, Accepted)

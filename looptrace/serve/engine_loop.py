@@ -2,7 +2,7 @@
 
 HTTP handlers call `submit()` / `abort()`, which put a command on a thread-safe queue and return; the thread
 drains the queue between engine steps, steps the engine while it has work, and hands every event of a
-request (accepted, rejected, token, error) to that request's `sink`, a callable the handler gives it (the
+request (accepted, token, error) to that request's `sink`, a callable the handler gives it (the
 server's sink moves the event onto the handler's asyncio queue with `call_soon_threadsafe`). An abort is
 applied before the next step, so a disconnected client's KV blocks are freed within one engine step.
 
@@ -11,7 +11,9 @@ prompts x n choices), not the engine's queue. Before each step the thread moves 
 into the engine while it has a free slot (scheduler.max_num_seqs), taking one sequence from each group in
 turn, and never lets one group hold more than GROUP_SHARE of the slots. A request of 256 sequences thus
 shares the engine with a 1-sequence request that arrives after it, instead of queueing it behind all 256
-(the engine's own queue is first come, first served).
+(the engine's own queue is first come, first served). A sequence is `Accepted` when it joins the backlog
+(a stream starts at once); the server checked it as the engine will, so an engine rejection at admission is
+a bug that fails that sequence alone (a 400 error event).
 
 Failure isolation. An exception while adding or admitting one request fails that request alone (the
 engine finishes it with reason "error" and frees its KV). A batched forward cannot be blamed on one row:
@@ -79,11 +81,6 @@ class Accepted:
 
 
 @dataclass
-class Rejected:
-    message: str
-
-
-@dataclass
 class TokenEvent:
     token_id: int
     finished: bool
@@ -106,7 +103,7 @@ def unavailable(message: str) -> Failed:
     return Failed(message, 503, "server_error", "unavailable")
 
 
-Event = Accepted | Rejected | TokenEvent | Failed
+Event = Accepted | TokenEvent | Failed
 Sink = Callable[[Event], None]
 
 
@@ -449,6 +446,7 @@ class EngineLoop:
                 self._backlog.push(cmd)
                 with self._cond:
                     self._pending -= 1
+                _send(cmd.sink, Accepted(cmd.request_id))
             elif self._backlog.remove(cmd.request_id) is None:  # not yet in the engine: just dropped
                 self._abort(cmd.request_id, cmd.reason)
 
@@ -471,8 +469,8 @@ class EngineLoop:
             rid = self.engine.add_request(
                 cmd.prompt, cmd.params, request_id=cmd.request_id, arrival_time=None
             )
-        except (EngineInputError, ValueError) as exc:
-            _send(cmd.sink, Rejected(str(exc)))
+        except (EngineInputError, ValueError) as exc:  # accepted already: an error event, a 400
+            _send(cmd.sink, Failed(str(exc), 400, "invalid_request_error"))
             return
         except Exception as exc:  # noqa: BLE001 - not the client's input: a 500 for this request alone
             log.exception("adding request %s failed", cmd.request_id)
@@ -487,7 +485,6 @@ class EngineLoop:
         self._totals["prompt_tokens"] += len(cmd.prompt)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(cmd.prompt))
-        _send(cmd.sink, Accepted(rid))
 
     def _untrack(self, rid: str) -> _Track | None:
         self._backlog.left(rid)
