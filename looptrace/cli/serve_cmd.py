@@ -113,7 +113,7 @@ def _engine_and_socket(a: SimpleNamespace):
     with c.friendly_errors():
         names = (
             "port max_model_len probe_interval api_key max_body_bytes request_timeout drain_timeout "
-            "body_timeout threads served_model_name"
+            "body_timeout served_model_name"
         )
         check_options(**c.pick(a, names))
         try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
 import signal
 import socket
 import sys
@@ -36,7 +35,6 @@ from looptrace.serve.plumbing import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BY
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 DRAIN_GRACE_S = 5.0  # past the drain deadline: time to send the final error events before uvicorn cancels
 DEAD_LINGER_S = 1.0  # after the engine died: keep answering 503 this long, then exit
-MAX_THREADS_PER_CPU = 4  # --threads bound: torch crashed (SIGSEGV) creating 100,000 OpenMP threads
 
 
 class BindError(OSError):
@@ -57,7 +55,6 @@ def check_options(
     request_timeout: float,
     drain_timeout: float,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-    threads: int = 1,
     served_model_name: str | None = None,
 ) -> None:
     """`looptrace serve`'s options, before the port is bound and the engine built (errors name the flag)."""
@@ -76,11 +73,6 @@ def check_options(
         )
     if served_model_name is not None and not served_model_name.strip():
         raise ServeOptionError("--served-model-name: empty (clients send it as `model`)")
-    cpus = os.cpu_count() or 1
-    if not 1 <= threads <= MAX_THREADS_PER_CPU * cpus:
-        raise ServeOptionError(
-            f"--threads {threads}: expected 1..{MAX_THREADS_PER_CPU * cpus} ({cpus} CPU(s) here)"
-        )
     if max_body_bytes < 1024:
         raise ServeOptionError(f"--max-body-bytes {max_body_bytes}: expected at least 1024")
     for name, value in (("--request-timeout", request_timeout), ("--drain-timeout", drain_timeout)):
