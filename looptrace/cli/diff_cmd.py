@@ -24,6 +24,8 @@ EPILOG = """\
   looptrace diff base --b-set debug.perturb=prefill:1:core0:mlp --b-set exit.policy=fixed --bisect
   looptrace diff base --b-set debug.perturb=recurrent:2:core1:mlp --localize r0
   looptrace diff base --b-set exit.threshold=0.5 --accuracy eval.jsonl --weights ./tiny-ouro
+  looptrace diff http://host:8000 http://host:8001 --expect noise  # two served deployments
+  looptrace diff exactloop http://host:8000 --model ouro --batch-probe  # our recipe vs a server
 
 [bold]GRADING[/]  R0 must give identical tokens batched and at batch 1; R1 identical at batch 1; R2 is
 reported; R3 is graded by the one-point rule on --accuracy (exact match; the built-in evaluation set of the
@@ -34,6 +36,13 @@ A violated claim prints red and exits 1. --strict also requires bitwise-identica
 
 [bold]WORKLOAD[/]  --num-requests random prompts (or --prompts FILE.jsonl, in file order), submitted in the
 same order to both arms with at most -c outstanding; greedy decoding.
+
+[bold]ENDPOINTS[/]  An arm that is a URL is an OpenAI-compatible server (vLLM, looptrace serve); a recipe arm
+is then served in-process. Each request is a token-id prompt to /v1/completions with logprobs; the report
+gives per request the first divergent position, both tokens, their logprobs and each arm's margin there.
+A divergence is "changed-within-noise" when both margins are within --noise-margin (default: a rule of
+thumb for --served-dtype), else "changed-beyond-noise"; sampled streams (--temperature > 0) that agree in
+their top-k logprobs are "same-distribution". --expect identical|noise states the claim (exit 1 if broken).
 """ + c.EXIT_CODES_HELP.replace("0 ok,", "0 ok (every claim holds), 1 a claim is violated,")
 
 RecipeAArg = o.arg(str, help="Recipe A (name in recipes/ or a YAML path).")
@@ -55,6 +64,17 @@ AccuracyOpt = o.opt(
     Path | None, help='Exact-match set, JSONL {"prompt", "answer"} (default: the built-in set, if any).'
 )
 StrictOpt = o.opt(bool, "--strict", help="R0/R1 also need bitwise-identical logits.")
+ServedModelOpt = o.opt(str | None, help="Endpoints: the model id to request (default: /v1/models' first).")
+ExpectOpt = o.opt(str | None, help="Endpoints: the claim, identical or noise (exit 1 when broken).")
+NoiseMarginOpt = o.opt(float | None, help="Endpoints: near-tie margin in nats (default: per --served-dtype).")
+ServedDtypeOpt = o.opt(
+    str | None, help="Endpoints: dtype the servers run (bfloat16, float16, float32; default: bfloat16)."
+)
+TemperatureOpt = o.opt(float, help="Endpoints: 0 greedy, else sampled with --seed.")
+TopLogprobsOpt = o.opt(int, help="Endpoints: alternatives per position (logprobs=k).")
+TimeoutOpt = o.opt(float, help="Endpoints: seconds per request.")
+RetriesOpt = o.opt(int, help="Endpoints: retries after a timeout, a dropped connection or a 5xx.")
+BatchProbeOpt = o.opt(bool, "--batch-probe", help="Endpoints: also send each prompt alone and in a crowd.")
 
 
 def diff(
@@ -72,6 +92,15 @@ def diff(
     localize: LocalizeOpt = None,
     accuracy: AccuracyOpt = None,
     strict: StrictOpt = False,
+    served_model: ServedModelOpt = None,
+    expect: ExpectOpt = None,
+    noise_margin: NoiseMarginOpt = None,
+    served_dtype: ServedDtypeOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_logprobs: TopLogprobsOpt = 5,
+    timeout: TimeoutOpt = 60.0,
+    retries: RetriesOpt = 1,
+    batch_probe: BatchProbeOpt = False,
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     weights: o.WeightsOpt = None,
@@ -84,6 +113,19 @@ def diff(
     """Run recipes A and B on identical requests; compare token streams and grade each differing setting's
     exactness rung (R0-R3)."""
     with c.interrupt_exit():
+        if any(str(arm).startswith(("http://", "https://")) for arm in (recipe_a, recipe_b) if arm):
+            _endpoint_diff(locals(), infer_format(fmt, output), output, progress)
+            return
+        endpoint_only = {
+            "--served-model": served_model,
+            "--expect": expect,
+            "--noise-margin": noise_margin,
+            "--served-dtype": served_dtype,
+            "--batch-probe": batch_probe or None,
+        }
+        for flag, value in endpoint_only.items():
+            if value is not None:
+                raise c.fail(f"{flag} applies when an arm is an endpoint (http://...)")
         from looptrace.analysis.diff_run import DiffRequest
 
         _diff(DiffRequest(**c.fields_of(DiffRequest, locals())), infer_format(fmt, output), output, progress)
@@ -106,6 +148,38 @@ def _diff(req, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None
         write_output(render(data, fmt), output, Console(width=140), fmt, lambda: render(data, "table"))
     if not ok:
         raise typer.Exit(c.EXIT_CHECK_FAILED)
+
+
+def _endpoint_diff(options: dict, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None:
+    """An arm is a URL: both arms through the OpenAI API (a recipe arm served in-process)."""
+    c.require_extra("diff", "httpx", *(() if _all_urls(options) else ("fastapi", "uvicorn", "sse_starlette")))
+    for flag in ("bisect", "localize", "strict"):
+        if options[flag]:
+            raise c.fail(f"--{flag} needs two recipes (it replays our engine); an arm here is an endpoint")
+    from looptrace.analysis.endpoint_arm import EndpointError
+    from looptrace.analysis.endpoint_diff import EndpointDiffInputError, EndpointDiffRequest, execute
+    from looptrace.analysis.endpoint_diff_render import render
+
+    req = EndpointDiffRequest(
+        arm_a=options["recipe_a"], arm_b=options["recipe_b"], **c.fields_of(EndpointDiffRequest, options)
+    )
+    inputs = [(req.prompts, "--prompts"), (req.accuracy, "--accuracy")]
+    show = progress and c.err_console.is_terminal
+    with c.friendly_errors(), _memory_errors():
+        check_output(output, inputs=inputs)
+        try:
+            with _progress(show, 2) as on_progress:
+                data, ok = execute(req, on_progress)
+        except (EndpointError, EndpointDiffInputError) as exc:
+            raise c.fail(str(exc)) from None
+        write_output(render(data, fmt), output, Console(width=140))
+    if not ok:
+        raise typer.Exit(c.EXIT_CHECK_FAILED)
+
+
+def _all_urls(options: dict) -> bool:
+    arms = [options["recipe_a"], options["recipe_b"] or options["recipe_a"]]
+    return all(str(a).startswith(("http://", "https://")) for a in arms)
 
 
 @contextmanager
