@@ -281,7 +281,7 @@ def served_recipe(
     )
     engine = setup.engine
     name = engine.spec.family
-    tok = load_tokenizer(weights)  # as `looptrace serve` does
+    tok = load_tokenizer(resolved.weights)  # the checkpoint's own tokenizer (bytes when it has none)
     server = build_server(engine, port=0, model_name=name, tokenizer=tok).start()
     overrides = f" + {', '.join(setup.recipe.overrides)}" if setup.recipe.overrides else ""
     facts = {
