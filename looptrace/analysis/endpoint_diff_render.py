@@ -60,9 +60,10 @@ def renderables(data: dict[str, Any]) -> list:
     out.append(_requests_table(data["requests"], "Requests (A vs B)"))
     for arm, probe in (data.get("batch_probe") or {}).items():
         c = probe["counts"]
+        moved = sum(r["logprobs_first_differ"] is not None for r in probe["requests"])
         out.append(
             f"batch probe, arm {arm.upper()}: {c['identical']}/{len(probe['requests'])} identical alone and "
-            f"in a crowd of {probe['crowd']} ({_styled(probe['overall'])})"
+            f"in a crowd of {probe['crowd']} ({_styled(probe['overall'])}); logprobs moved in {moved}"
         )
         if probe["overall"] != "identical":
             out.append(_requests_table(probe["requests"], f"Arm {arm.upper()}: alone vs in the crowd"))
@@ -90,21 +91,27 @@ def _head_panel(h: dict[str, Any]) -> Panel:
     return Panel(head, title="looptrace diff (endpoints)", expand=False)
 
 
-def _tok(token: int | None, text: str | None, lp: float | None) -> str:
-    if token is None:
-        return "-"
-    return f"{token} {escape(repr(text))} {lp:.4g}" if lp is not None else f"{token} {escape(repr(text))}"
+def _tok(token: int | None, text: str | None) -> str:
+    return "-" if token is None else f"{token} {escape(repr(text))}"
 
 
 def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    return "-" if a is None and b is None else f"{_num(a)} / {_num(b)}"
 
 
 def _requests_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title, title_justify="left")
-    cols = ("req", "verdict", "first diff", "A token (logprob)", "B token (logprob)", "margin A", "margin B")
-    for col in (*cols, "later differ", "logprobs differ from", "max |dlogprob|"):
-        t.add_column(col)
+    t.add_column("req", no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
+    t.add_column("first diff", justify="right")
+    for col in ("A token", "B token", "logprob A / B", "margin A / B"):
+        t.add_column(col, no_wrap=True)
+    for col in ("later differ", "logprobs differ from", "max |dlogprob|"):
+        t.add_column(col, justify="right")
     shown = [r for r in rows if r["verdict"] != "identical" or r["logprobs_first_differ"] is not None]
     for r in (shown or rows)[:MAX_REQUEST_ROWS]:
         verdict = _styled(r["verdict"]) + (f" ({escape(r['error'])})" if r["error"] else "")
@@ -112,10 +119,10 @@ def _requests_table(rows: list[dict], title: str) -> Table:
             r["id"],
             verdict,
             "-" if r["first_divergence"] is None else str(r["first_divergence"]),
-            _tok(r["token_a"], r["text_a"], r["logprob_a"]),
-            _tok(r["token_b"], r["text_b"], r["logprob_b"]),
-            _num(r["margin_a"]),
-            _num(r["margin_b"]),
+            _tok(r["token_a"], r["text_a"]),
+            _tok(r["token_b"], r["text_b"]),
+            _pair(r["logprob_a"], r["logprob_b"]),
+            _pair(r["margin_a"], r["margin_b"]),
             str(r["later_differ"]),
             "-" if r["logprobs_first_differ"] is None else str(r["logprobs_first_differ"]),
             f"{r['max_logprob_delta']:.3g}",
