@@ -45,8 +45,8 @@ thumb for --served-dtype), else "changed-beyond-noise"; sampled streams (--tempe
 their top-k logprobs are "same-distribution". --expect identical|noise states the claim (exit 1 if broken).
 """ + c.EXIT_CODES_HELP.replace("0 ok,", "0 ok (every claim holds), 1 a claim is violated,")
 
-RecipeAArg = o.arg(str, help="Recipe A (name in recipes/ or a YAML path).")
-RecipeBArg = o.arg(str | None, help="Recipe B (default: recipe A).")
+RecipeAArg = o.arg(str, help="Recipe A (name in recipes/ or a YAML path) or an endpoint URL.")
+RecipeBArg = o.arg(str | None, help="Recipe B or an endpoint URL (default: arm A).")
 ASetsOpt = o.opt(
     list[str] | None, "--a-set", help="Override a setting of recipe A: section.key=value (repeatable)."
 )
