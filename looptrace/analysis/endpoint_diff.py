@@ -55,6 +55,7 @@ class EndpointDiffRequest:
     dtype: str = "auto"
     weights: Path | None = None
     threads: int = 1
+    api_key: str | None = None  # sent to URL arms as a bearer token (never printed)
 
 
 @dataclass
@@ -80,6 +81,8 @@ def check(req: EndpointDiffRequest) -> None:
         raise EndpointDiffInputError("--timeout must be > 0 and --retries >= 0")
     if req.expect is not None and req.expect not in sd.CLAIMS:
         raise EndpointDiffInputError(f"--expect {req.expect}: expected one of {', '.join(sd.CLAIMS)}")
+    if not 0 <= req.seed < 2**64:
+        raise EndpointDiffInputError(f"--seed must be in [0, 2**64), got {req.seed}")
     if req.noise_margin is not None and not req.noise_margin >= 0:
         raise EndpointDiffInputError(f"--noise-margin must be >= 0 nats, got {req.noise_margin}")
     if req.served_dtype is not None and req.served_dtype not in sd.NOISE_MARGIN:
@@ -100,10 +103,8 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
         arm_a = _open_arm(stack, "A", req.arm_a, req.a_sets, req)
         arm_b = _open_arm(stack, "B", req.arm_b or req.arm_a, req.b_sets, req)
         items = _items(req, arm_a)
-        dtype = (
-            req.served_dtype or arm_a.facts.get("dtype") or arm_b.facts.get("dtype") or DEFAULT_SERVED_DTYPE
-        )
-        noise = sd.noise_margin(dtype, req.noise_margin)
+        noise_info = _noise((arm_a, arm_b), req)
+        noise = noise_info["margin"]
         sampling = ea.Sampling(req.max_tokens, req.temperature, _sampling_seed(req), req.top_logprobs)
         served = {}
         for i, arm in enumerate((arm_a, arm_b)):
@@ -115,11 +116,6 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     viol = sd.violations(diffs, req.expect)
     acc_ok = acc is None or acc["holds"]
     ok = not viol and acc_ok
-    noise_info = {
-        "dtype": dtype,
-        "margin": noise,
-        "source": "--noise-margin" if req.noise_margin else "dtype",
-    }
     data = _report(req, (arm_a, arm_b), items, diffs, probe, acc, noise_info, time.perf_counter() - t0)
     data["verdict"] = {
         "ok": ok,
@@ -132,13 +128,26 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     return data, ok
 
 
+def _noise(arms, req: EndpointDiffRequest) -> dict[str, Any]:
+    """The near-tie margin: `--noise-margin`, else the widest of the arms' dtypes (a recipe arm knows its
+    own; a URL arm runs --served-dtype, default bfloat16: servers do not report it)."""
+    dtypes = {
+        arm.name.lower(): arm.facts.get("dtype") or req.served_dtype or DEFAULT_SERVED_DTYPE for arm in arms
+    }
+    widest = max(dtypes.values(), key=lambda dt: sd.NOISE_MARGIN.get(dt, 0.0))
+    if req.noise_margin is not None:
+        return {"dtypes": dtypes, "dtype": widest, "margin": req.noise_margin, "source": "--noise-margin"}
+    return {"dtypes": dtypes, "dtype": widest, "margin": sd.noise_margin(widest), "source": "dtype"}
+
+
 def _sampling_seed(req: EndpointDiffRequest) -> int | None:
     return None if req.temperature == 0 else req.seed
 
 
 def _open_arm(stack: ExitStack, name: str, arm: str, sets, req: EndpointDiffRequest) -> Arm:
     if ea.is_endpoint(arm):
-        return Arm(name, ea.discover(arm, req.served_model, timeout=min(req.timeout, 10.0)), {})
+        endpoint = ea.discover(arm, req.served_model, timeout=min(req.timeout, 10.0), api_key=req.api_key)
+        return Arm(name, endpoint, {})
     served = ea.served_recipe(
         arm,
         sets,
@@ -156,8 +165,19 @@ def _open_arm(stack: ExitStack, name: str, arm: str, sets, req: EndpointDiffRequ
 
 def _run(arm: Arm, items, sampling, req: EndpointDiffRequest, concurrency: int) -> list[ea.Served]:
     return ea.run_arm(
-        arm.endpoint, items, sampling, concurrency=concurrency, timeout=req.timeout, retries=req.retries
+        arm.endpoint,
+        items,
+        sampling,
+        concurrency=concurrency,
+        timeout=req.timeout,
+        retries=req.retries,
+        api_key=_key(arm, req),
     )
+
+
+def _key(arm: Arm, req: EndpointDiffRequest) -> str | None:
+    """The API key for a URL arm; a recipe arm is our own in-process server, which needs none."""
+    return None if arm.facts else req.api_key
 
 
 def _items(req: EndpointDiffRequest, arm_a: Arm) -> list[ea.PromptItem]:
@@ -168,7 +188,8 @@ def _items(req: EndpointDiffRequest, arm_a: Arm) -> list[ea.PromptItem]:
 
         class ArmTokenizer:  # the JSONL reader's tokenizer: arm A's /tokenize
             def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-                return ea.tokenize(arm_a.endpoint, text, add_special_tokens=add_special_tokens)
+                special = add_special_tokens
+                return ea.tokenize(arm_a.endpoint, text, add_special_tokens=special, api_key=_key(arm_a, req))
 
         try:
             raw = w.JsonlWorkload(
@@ -214,9 +235,10 @@ def _accuracy(arms, req: EndpointDiffRequest) -> dict[str, Any]:
         evals = read_items(Path(req.accuracy), need_answer=True)
     except EvalSetError as exc:
         raise EndpointDiffInputError(f"--accuracy {exc}") from None
-    ep_a = arms[0].endpoint
-    budget = max(len(ea.tokenize(ep_a, it.answer or "")) for it in evals) + 1
-    items = [ea.PromptItem(f"q{i}", ea.tokenize(ep_a, it.prompt), budget) for i, it in enumerate(evals)]
+    ep_a, key = arms[0].endpoint, _key(arms[0], req)
+    budget = max(len(ea.tokenize(ep_a, it.answer or "", api_key=key)) for it in evals) + 1
+    prompts = [ea.tokenize(ep_a, it.prompt, api_key=key) for it in evals]
+    items = [ea.PromptItem(f"q{i}", ids, budget) for i, ids in enumerate(prompts)]
     sampling = ea.Sampling(budget, 0.0, None, 0, ignore_eos=False)
     result: dict[str, Any] = {"file": str(req.accuracy), "n": len(evals), "failed": {}}
     correct = {}

@@ -74,6 +74,12 @@ TemperatureOpt = o.opt(float, help="Endpoints: 0 greedy, else sampled with --see
 TopLogprobsOpt = o.opt(int, help="Endpoints: alternatives per position (logprobs=k).")
 TimeoutOpt = o.opt(float, help="Endpoints: seconds per request.")
 RetriesOpt = o.opt(int, help="Endpoints: retries after a timeout, a dropped connection or a 5xx.")
+ApiKeyOpt = o.opt(
+    str | None,
+    envvar="OPENAI_API_KEY",
+    show_envvar=False,
+    help="Endpoints: bearer token (or $OPENAI_API_KEY).",
+)
 BatchProbeOpt = o.opt(bool, "--batch-probe", help="Endpoints: also send each prompt alone and in a crowd.")
 
 
@@ -101,6 +107,7 @@ def diff(
     timeout: TimeoutOpt = 60.0,
     retries: RetriesOpt = 1,
     batch_probe: BatchProbeOpt = False,
+    api_key: ApiKeyOpt = None,
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     weights: o.WeightsOpt = None,

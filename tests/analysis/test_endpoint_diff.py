@@ -62,11 +62,19 @@ def test_base_endpoint_vs_exactloop_recipe_is_identical_at_batch_1(urls) -> None
     assert [r["verdict"] for r in data["requests"]] == [sd.IDENTICAL] * 4
     b = data["header"]["arms"]["b"]
     assert b["recipe"] == "exactloop" and b["dtype"] == "float32" and b["preset"] == "ouro-tiny"
-    assert data["header"]["noise"] == {
-        "dtype": "float32",
-        "margin": sd.NOISE_MARGIN["float32"],
-        "source": "dtype",
-    }
+    # The URL arm's dtype is not reported by the server: bfloat16 unless --served-dtype says otherwise;
+    # the noisier arm's margin is the one used.
+    noise = data["header"]["noise"]
+    assert noise["dtypes"] == {"a": "bfloat16", "b": "float32"} and noise["dtype"] == "bfloat16"
+    assert noise["margin"] == sd.NOISE_MARGIN["bfloat16"] and noise["source"] == "dtype"
+
+
+def test_served_dtype_names_the_url_arms_dtype(urls) -> None:
+    data, _ = run(urls["base"], urls["base"], served_dtype="float32", num_requests=1)
+    noise = data["header"]["noise"]
+    assert (
+        noise["dtypes"] == {"a": "float32", "b": "float32"} and noise["margin"] == sd.NOISE_MARGIN["float32"]
+    )
 
 
 @pytest.mark.parametrize("arm, planted_position", [("recurrent", 1), ("prefill", 0)])
@@ -135,6 +143,22 @@ def test_batch_probe_sends_each_prompt_alone_and_in_a_crowd(urls) -> None:
         probe = data["batch_probe"][arm]
         assert probe["crowd"] == 4 and len(probe["requests"]) == 4
         assert sum(probe["counts"].values()) == 4 and probe["counts"]["error"] == 0
+
+
+def test_api_key_is_sent_as_a_bearer_token() -> None:
+    from looptrace.engine.config import EngineConfig
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.serve.server import build_server
+
+    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu", seed=0)
+    srv = build_server(engine, port=0, model_name="ouro", api_key="sesame").start()
+    try:
+        with pytest.raises(EndpointError, match="HTTP 401"):
+            discover(srv.url, None)
+        data, ok = run(srv.url, srv.url, api_key="sesame", num_requests=1, expect="identical")
+        assert ok and data["requests"][0]["verdict"] == sd.IDENTICAL
+    finally:
+        srv.stop()
 
 
 def test_unreachable_endpoint_and_unknown_model_are_endpoint_errors(urls) -> None:
