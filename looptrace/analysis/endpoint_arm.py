@@ -198,6 +198,8 @@ async def _complete(client, ep: Endpoint, item: PromptItem, sampling: Sampling, 
         out.error = f"HTTP {resp.status_code}: {_error_text(resp)}"
         if resp.status_code not in RETRY_STATUS:
             break
+    if out.attempts > 1:
+        out.error = f"{out.error} (after {out.attempts} attempts)"
     return out
 
 

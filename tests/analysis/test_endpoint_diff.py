@@ -145,6 +145,25 @@ def test_batch_probe_sends_each_prompt_alone_and_in_a_crowd(urls) -> None:
         assert sum(probe["counts"].values()) == 4 and probe["counts"]["error"] == 0
 
 
+def test_a_server_that_refuses_is_retried_then_reported(urls) -> None:
+    """A draining server answers 503: retried, then reported on each request; exit 1 under a claim."""
+    from looptrace.engine.config import EngineConfig
+    from looptrace.engine.llm_engine import LLMEngine
+    from looptrace.serve.server import build_server
+
+    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu", seed=0)
+    srv = build_server(engine, port=0, model_name="ouro").start()
+    try:
+        srv.loop.begin_drain(60.0)  # refuses new requests with 503 from now on
+        data, ok = run(urls["base"], srv.url, retries=2, num_requests=2, expect="noise")
+    finally:
+        srv.stop()
+    assert not ok and data["verdict"]["failed"] == ["r0", "r1"]
+    for r in data["requests"]:
+        assert r["verdict"] == sd.FAILED and r["tokens_a"] == 6 and r["tokens_b"] == 0
+        assert r["error"].startswith("B: HTTP 503") and r["error"].endswith("(after 3 attempts)")
+
+
 def test_api_key_is_sent_as_a_bearer_token() -> None:
     from looptrace.engine.config import EngineConfig
     from looptrace.engine.llm_engine import LLMEngine
