@@ -138,11 +138,16 @@ def test_timeouts_are_retried_then_reported_per_request(urls) -> None:
 
 
 def test_batch_probe_sends_each_prompt_alone_and_in_a_crowd(urls) -> None:
-    data, _ = run(urls["base"], "exactloop", model="ouro", device="cpu", batch_probe=True)
+    again, _ = run(urls["base"], urls["base"])  # one at a time, twice: bit for bit the same
+    assert all(r["logprobs_first_differ"] is None for r in again["requests"])
+    data, _ = run(urls["base"], urls["recurrent"], batch_probe=True)
     for arm in ("A", "B"):
         probe = data["batch_probe"][arm]
         assert probe["crowd"] == 4 and len(probe["requests"]) == 4
         assert sum(probe["counts"].values()) == 4 and probe["counts"]["error"] == 0
+        # Alone, a request's logprobs repeat exactly; batched with others they move (the base engine's
+        # batch dependence on this CPU): a crowd that was really served as one shows it.
+        assert any(r["logprobs_first_differ"] is not None for r in probe["requests"])
 
 
 def test_a_server_that_refuses_is_retried_then_reported(urls) -> None:
