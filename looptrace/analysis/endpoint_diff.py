@@ -77,7 +77,7 @@ def check(req: EndpointDiffRequest) -> None:
         raise EndpointDiffInputError(f"--top-logprobs must be in 0..20, got {req.top_logprobs}")
     if not 0.0 <= req.temperature <= 2.0:
         raise EndpointDiffInputError(f"--temperature must be in [0, 2], got {req.temperature}")
-    if req.timeout <= 0 or req.retries < 0:
+    if not req.timeout > 0 or req.retries < 0:  # `not >`: a NaN timeout is refused too
         raise EndpointDiffInputError("--timeout must be > 0 and --retries >= 0")
     if req.expect is not None and req.expect not in sd.CLAIMS:
         raise EndpointDiffInputError(f"--expect {req.expect}: expected one of {', '.join(sd.CLAIMS)}")
