@@ -123,16 +123,7 @@ def diff(
         if any(str(arm).startswith(("http://", "https://")) for arm in (recipe_a, recipe_b) if arm):
             _endpoint_diff(locals(), infer_format(fmt, output), output, progress)
             return
-        endpoint_only = {
-            "--served-model": served_model,
-            "--expect": expect,
-            "--noise-margin": noise_margin,
-            "--served-dtype": served_dtype,
-            "--batch-probe": batch_probe or None,
-        }
-        for flag, value in endpoint_only.items():
-            if value is not None:
-                raise c.fail(f"{flag} applies when an arm is an endpoint (http://...)")
+        _no_endpoint_options(locals())
         from looptrace.analysis.diff_run import DiffRequest
 
         _diff(DiffRequest(**c.fields_of(DiffRequest, locals())), infer_format(fmt, output), output, progress)
@@ -182,6 +173,29 @@ def _endpoint_diff(options: dict, fmt: o.OutputFormat, output: Path | None, prog
         write_output(render(data, fmt), output, Console(width=140))
     if not ok:
         raise typer.Exit(c.EXIT_CHECK_FAILED)
+
+
+# The endpoint options and their defaults: given with two recipes, they would do nothing.
+ENDPOINT_DEFAULTS = {
+    "served_model": None,
+    "expect": None,
+    "noise_margin": None,
+    "served_dtype": None,
+    "temperature": 0.0,
+    "top_logprobs": 5,
+    "timeout": 60.0,
+    "retries": 1,
+    "batch_probe": False,
+}
+
+
+def _no_endpoint_options(options: dict) -> None:
+    for name, default in ENDPOINT_DEFAULTS.items():
+        if options[name] != default:
+            flag = "--" + name.replace("_", "-")
+            raise c.fail(
+                f"{flag} applies when an arm is an endpoint (http://...); both arms here are recipes"
+            )
 
 
 def _all_urls(options: dict) -> bool:
