@@ -89,5 +89,5 @@ def test_bad_inputs_are_one_line_exit_2(urls) -> None:
     one_line_error(invoke(urls["base"], urls["base"], "--expect", "same"), "--expect same")
     one_line_error(invoke("base", "exactloop", "--expect", "noise"), "--expect applies when an arm")
     one_line_error(invoke("base", "exactloop", "--temperature", "0.7"), "--temperature applies when an arm")
-    one_line_error(invoke(urls["base"], "--prompts", "/nonexistent/p.jsonl"), "--prompts", "cannot read")
+    one_line_error(invoke(urls["base"], "--prompts", "/nonexistent/p.jsonl"), "--prompts", "no such file")
     one_line_error(invoke(urls["base"], "nosuchrecipe"), "nosuchrecipe")
