@@ -47,10 +47,10 @@ def interpreted_checks(module: str) -> dict:
 
 
 def tickets_left_zero() -> list:
-    """[ok, detail] of the check that every split-combine ticket counter is back at zero (`_scratch`)."""
-    from looptrace.engine.kernels import _scratch
+    """[ok, detail] of the check that every split-combine ticket counter is back at zero (`scratch`)."""
+    from looptrace.engine.kernels import scratch
 
-    counters = [int(t.abs().sum()) for bufs in _scratch._TICKETS.values() for t in bufs]
+    counters = [int(t.abs().sum()) for bufs in scratch._TICKETS.values() for t in bufs]
     return [all(c == 0 for c in counters), counters]
 
 

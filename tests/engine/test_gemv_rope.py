@@ -142,7 +142,7 @@ def test_ouro_qkv_takes_the_form_with_the_real_tile_table():
     per 128-wide head. (CUDA gates closed on CPU: the pure shape logic is checked through its parts.)"""
     from looptrace.engine.kernels import gemv as G
 
-    cfg = G._one_row_config(6144, 2048)
+    cfg = G.one_row_config(6144, 2048)
     assert cfg is not None and G.split_for(6144, 2048, cfg)[0] == 1
     assert 64 % (cfg.block_n // 2) == 0
 
@@ -153,10 +153,10 @@ def test_sm90_qkv_rope_waits_before_any_global_access():
     preload may come before the wait, and no store or atomic does."""
     from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import gemv_rope
-    from looptrace.engine.kernels._fences import EXACT_OPTIONS
+    from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
     from tests.engine.test_pdl import _compile_sm90, _first
 
-    cfg = G._one_row_config(6144, 2048)
+    cfg = G.one_row_config(6144, 2048)
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")}
     sig |= {"went_ptr": "*i64", "woff_ptr": "*i64", "layer_id": "i32"}
     sig |= {name: "i32" for name in ("stride_wn", "stride_e", "stride_s", "stride_ch", "HQ", "HK")}

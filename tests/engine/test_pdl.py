@@ -81,7 +81,7 @@ def test_every_kernel_opens_with_the_pdl_preamble():
         else:  # only index math, the launch hint and the weight prefetch may come before the wait
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
             allowed |= {"_weight_rows", "_pair_rows"}  # the GEMVs' row indices (index math only)
-            allowed |= {"tl.zeros", "_weight_tile"}  # the GEMV's weight preload (weights: never written)
+            allowed |= {"tl.zeros", "weight_tile"}  # the GEMV's weight preload (weights: never written)
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
@@ -124,7 +124,7 @@ def fused_gemv_ptx(n: int, k: int, norm_width: int, one_split: bool = False, **c
     what they change), compiled on the CPU with the forms' launch options under PDL; the norm constants are
     those of a row `norm_width` wide; `one_split`: K not split (the SiLU output form's launch)."""
     from looptrace.engine.kernels import gemv as G
-    from looptrace.engine.kernels._fences import EXACT_OPTIONS
+    from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
     from looptrace.engine.kernels.reduce_order import reduce_shape
 
     sig = GEMV_SIGNATURE | {

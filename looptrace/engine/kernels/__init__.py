@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from looptrace.engine.kernels._constants import EAGER_ROWS_THRESHOLD, PACKED_BLOCK_ROWS
+from looptrace.engine.kernels.constants import EAGER_ROWS_THRESHOLD, PACKED_BLOCK_ROWS
 
 _graph_warmup = False  # set while a CUDA graph's eager warm-up runs (see graph_warmup)
 

@@ -22,12 +22,12 @@ Design (`_gemv_kernel`):
   barrier so all its stores are released with it). The program that draws the last ticket reads the
   SPLIT_K partials back from L2 (`.cg`) and adds them in split order 0, 1, ..., SPLIT_K - 1 (the same
   order whoever is last), rounds once to bf16, stores y and resets the counter to zero for the next launch.
-  The counters are one persistent zeroed buffer per device (`_scratch.tickets`, shared with the paged
+  The counters are one persistent zeroed buffer per device (`scratch.tickets`, shared with the paged
   attention kernel: launches on one stream never overlap and each leaves them zero).
 - CUDA graphs: no host syncs, the grid depends only on (M, N, K), the partial scratch is a plain
   `torch.empty` per call (graph-pool memory under capture) and the ticket buffer is allocated outside
   capture on first use (`warmup` or the graph's eager warm-up).
-- One row, CUDA cores only (see `_split_product`):
+- One row, CUDA cores only (see `split_product`):
   - `PRELOAD` (`kernels.gemv_preload`, under PDL): tile 0 of W is loaded before the wait. Weights are never
     written, so this overlaps the kernel before.
   - `X_FORM` (`kernels.gemv_silu` / `kernels.gemv_norm`): the input row is computed in the kernel from the
@@ -60,25 +60,25 @@ import torch
 import torch.nn.functional as F
 
 from looptrace.engine.kernels import launch_mode
-from looptrace.engine.kernels._fences import (
+from looptrace.engine.kernels.device_helpers import (
     EXACT_OPTIONS,
     add_rn,
     div_rn,
+    exp_like_aten,
+    let_dependents_launch,
     mul_rn,
     neg,
     round_bf16,
     rsqrt_approx,
     to_bf16,
     triton,
+    wait_for_inputs,
 )
-from looptrace.engine.kernels._pdl import let_dependents_launch, wait_for_inputs
-from looptrace.engine.kernels._scratch import tickets
 from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.reduce_order import mean_factor, reduce_shape
-from looptrace.engine.kernels.rmsnorm import _row_mean as row_mean
-from looptrace.engine.kernels.rmsnorm import residual_norm_row, residual_row_mean, residual_value
-from looptrace.engine.kernels.silu_mul import _exp as exp_like_aten
+from looptrace.engine.kernels.rmsnorm import residual_norm_row, residual_row_mean, residual_value, row_mean
+from looptrace.engine.kernels.scratch import tickets
 
 tl = triton.language
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -262,7 +262,7 @@ def _input_slice(x_ptr, u_ptr, res_ptr, wy_ptr, wn_ptr, r_y, r_h, k, kmask, X_FO
 
 
 @triton.jit
-def _weight_tile(w_ptr, stride_wn, n, nmask, k, K: tl.constexpr, EVEN_K: tl.constexpr):
+def weight_tile(w_ptr, stride_wn, n, nmask, k, K: tl.constexpr, EVEN_K: tl.constexpr):
     """W rows n at columns k, `[BLOCK_N, BLOCK_K]` (0 outside)."""
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     if EVEN_K:
@@ -271,7 +271,7 @@ def _weight_tile(w_ptr, stride_wn, n, nmask, k, K: tl.constexpr, EVEN_K: tl.cons
 
 
 @triton.jit
-def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr,
+def split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, res_ptr, wy_ptr, wn_ptr,
                    r_y, r_h, w_first, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT: tl.constexpr, PRECISION: tl.constexpr, X_FORM: tl.constexpr,
@@ -288,7 +288,7 @@ def _split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr,
     for t in range(PRELOAD, K_TILES):  # PRELOAD: 1 (tile 0 done above) or 0
         k = k_first + t * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < K
-        w = _weight_tile(w_ptr, stride_wn, n, nmask, k, K, EVEN_K)
+        w = weight_tile(w_ptr, stride_wn, n, nmask, k, K, EVEN_K)
         if DOT:
             x = _load_x(x_ptr, stride_xm, k, kmask, M, M_PAD)
             if INTERPRETED:  # the interpreter's dot reads bf16 as raw integers: the same sums in fp32
@@ -343,7 +343,7 @@ def _prefetch_slice(w_ptr, stride_wn, n, nmask, k_first, K: tl.constexpr, SPAN: 
 def _residual_scales(y_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K: tl.constexpr, LANES: tl.constexpr,
                      VECS: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
     """RESIDUAL_NORM: the two rsqrt factors of the whole row (post-norm of y, next norm of h), each
-    program computing them itself in PyTorch's mean order (rmsnorm's `_row_mean`); fp32 [1] each."""
+    program computing them itself in PyTorch's mean order (rmsnorm's `row_mean`); fp32 [1] each."""
     r_y = rsqrt_approx(add_rn(row_mean(y_ptr, factor, K, LANES, VECS, DESC), tl.full([1], eps_y, tl.float32)))
     mean_h = residual_row_mean(y_ptr, res_ptr, wy_ptr, r_y, factor, K, LANES, VECS, DESC)
     return r_y, rsqrt_approx(add_rn(mean_h, tl.full([1], eps_n, tl.float32)))
@@ -380,13 +380,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
     w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
     if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
         k0 = pid_k * (K_TILES * BLOCK_K) + tl.arange(0, BLOCK_K)
-        w_first = _weight_tile(w_ptr, stride_wn, n, nmask, k0, K, EVEN_K)
+        w_first = weight_tile(w_ptr, stride_wn, n, nmask, k0, K, EVEN_K)
     wait_for_inputs(PDL)  # x, y, the partials and the tickets only after the kernel before completed
     r_y = tl.full([1], 1.0, tl.float32)
     r_h = tl.full([1], 1.0, tl.float32)
     if X_FORM == 2:
         r_y, r_h = _residual_scales(x_ptr, res_ptr, wy_ptr, factor, eps_y, eps_n, K, LANES, VECS, DESC)
-    acc = _split_product(
+    acc = split_product(
         x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), u_ptr, res_ptr, wy_ptr,
         wn_ptr, r_y, r_h, w_first, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
         PRELOAD,
@@ -503,7 +503,7 @@ def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() <= ROUTE_ROWS * x.shape[-1] and supported(x, weight, None)
 
 
-def _one_row_config(n: int, k: int) -> TileConfig | None:
+def one_row_config(n: int, k: int) -> TileConfig | None:
     """The tile config of a one-row GEMV if the fused input forms can run it (the CUDA-core path)."""
     cfg = pick_config(1, n, k)
     return None if cfg.dot else cfg
@@ -518,7 +518,7 @@ def silu_mul_fusable(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor)
         and up.dtype == gate.dtype
         and gate.stride(-1) == up.stride(-1) == 1
         and weight.shape[1] == gate.shape[-1]
-        and _one_row_config(weight.shape[0], gate.shape[-1]) is not None
+        and one_row_config(weight.shape[0], gate.shape[-1]) is not None
     )
 
 
@@ -530,7 +530,7 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) 
     _check_weight(weight, k)
     x2 = gate.reshape(1, k)
     form = {**_unused_inputs(x2), "u_ptr": up.reshape(1, k)}
-    y = _launch(x2, weight, _one_row_config(weight.shape[0], k), form, dict(X_FORM=SILU_MUL))
+    y = _launch(x2, weight, one_row_config(weight.shape[0], k), form, dict(X_FORM=SILU_MUL))
     return y.reshape(*gate.shape[:-1], weight.shape[0])
 
 
@@ -544,7 +544,7 @@ def residual_norm_fusable(y: torch.Tensor, residual: torch.Tensor, w_post, w_nex
         and y.stride(-1) == residual.stride(-1) == 1
         and weight.shape[1] == y.shape[-1]
         and rmsnorm.residual_supported(y, residual, w_post, w_next)
-        and _one_row_config(weight.shape[0], y.shape[-1]) is not None
+        and one_row_config(weight.shape[0], y.shape[-1]) is not None
     )
 
 
@@ -565,7 +565,7 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     )  # fmt: skip
     order = rmsnorm.shuffle_order()
     consts = dict(LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=order == "desc", CHUNK=min(k, 2048))
-    out = _launch(y.reshape(1, k), weight, _one_row_config(weight.shape[0], k), form,
+    out = _launch(y.reshape(1, k), weight, one_row_config(weight.shape[0], k), form,
                   dict(X_FORM=RESIDUAL_NORM, **consts))  # fmt: skip
     return out.reshape(*y.shape[:-1], weight.shape[0]), h
 
@@ -578,7 +578,7 @@ def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row), where
     the plain GEMV would not split K (the form runs one split: with a split, its sums would differ)."""
     n, k = weight.shape
-    cfg = _one_row_config(n, k)
+    cfg = one_row_config(n, k)
     return (
         routes(x, weight)
         and k == x.shape[-1]
@@ -598,7 +598,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     _check_weight(weight, k)
     x2 = x.reshape(1, k)
-    cfg = _one_row_config(weight.shape[0], k)
+    cfg = one_row_config(weight.shape[0], k)
     y = _launch(x2, weight, cfg, consts=dict(X_FORM=PLAIN), y_form=SILU_OUT)
     return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
 
@@ -617,7 +617,7 @@ def linear_norm_fusable(
         and residual.numel() == weight.shape[0]
         and residual.stride(-1) == 1
         and rmsnorm.residual_supported(residual, residual, w_post, w_next)
-        and _one_row_config(weight.shape[0], a.shape[-1]) is not None
+        and one_row_config(weight.shape[0], a.shape[-1]) is not None
     )
 
 
@@ -639,7 +639,7 @@ def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, e
     )  # fmt: skip
     consts = dict(X_FORM=PLAIN, LANES=shape.lanes, VECS=shape.vectors_per_lane,
                   DESC=rmsnorm.shuffle_order() == "desc", CHUNK=rmsnorm._chunk(n), NORM_N=n)  # fmt: skip
-    _launch(a.reshape(1, k), weight, _one_row_config(n, k), form, consts, y_form=NORM_OUT)
+    _launch(a.reshape(1, k), weight, one_row_config(n, k), form, consts, y_form=NORM_OUT)
     return h, x
 
 

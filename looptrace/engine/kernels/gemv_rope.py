@@ -8,7 +8,7 @@ them where that kernel would (q to its buffer, k and v into the paged cache): on
 How (`_qkv_rope_kernel`): W is the fused `[Wq; Wk; Wv]` (`(Hq + 2 Hk) * D` rows). Program j holds
 `BLOCK_N / 2` rotate-half pairs of one head (dims i and i + D/2), i.e. BLOCK_N / 2 consecutive W rows and
 the BLOCK_N / 2 rows D/2 further, so both members of each pair are in its registers. Each row's products
-are the plain GEMV's (`gemv._split_product` with the plain GEMV's tile, one split), rounded to bf16 as the
+are the plain GEMV's (`gemv.split_product` with the plain GEMV's tile, one split), rounded to bf16 as the
 plain GEMV stores them; then q and k heads get `_rope_half_write_kernel`'s fenced rotation
 `rn_bf16(rn_bf16(x1 c1) + rn_bf16(-x2 s1))`, `rn_bf16(rn_bf16(x2 c2) + rn_bf16(x1 s2))`, and v heads are
 stored as they are. The bits are the two launches' (q, the cache rows); the un-rotated q/k/v never reach
@@ -21,9 +21,18 @@ from __future__ import annotations
 import torch
 
 from looptrace.engine.kernels import launch_mode
-from looptrace.engine.kernels._fences import EXACT_OPTIONS, add_rn, mul_rn, neg, round_bf16, to_bf16, triton
-from looptrace.engine.kernels._pdl import let_dependents_launch, wait_for_inputs
-from looptrace.engine.kernels.gemv import _one_row_config, _split_product, _weight_tile, routes, split_for
+from looptrace.engine.kernels.device_helpers import (
+    EXACT_OPTIONS,
+    add_rn,
+    let_dependents_launch,
+    mul_rn,
+    neg,
+    round_bf16,
+    to_bf16,
+    triton,
+    wait_for_inputs,
+)
+from looptrace.engine.kernels.gemv import one_row_config, routes, split_for, split_product, weight_tile
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
@@ -84,11 +93,11 @@ def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went
     let_dependents_launch(PDL)
     w_first = tl.zeros([BLOCK_N, BLOCK_K], tl.bfloat16)
     if PRELOAD:  # kernels.gemv_preload: weights are never written, so tile 0 may load before the wait
-        w_first = _weight_tile(w_ptr, stride_wn, n, nmask, tl.arange(0, BLOCK_K), K, EVEN_K)
+        w_first = weight_tile(w_ptr, stride_wn, n, nmask, tl.arange(0, BLOCK_K), K, EVEN_K)
     wait_for_inputs(PDL)  # x, cos/sin, the write slot, and the cache rows only after the kernel before
     one = tl.full([1], 1.0, tl.float32)
     # the plain GEMV's one-row products (X_FORM 0: x as stored; the fused-input pointers go unread)
-    acc = _split_product(
+    acc = split_product(
         x_ptr, w_ptr, 0, stride_wn, n, nmask, 0, x_ptr, x_ptr, x_ptr, x_ptr, one, one, w_first, K, 1, 1,
         BLOCK_N, BLOCK_K, K_TILES, EVEN_K, False, "ieee", 0, PRELOAD,
     )  # fmt: skip
@@ -102,7 +111,7 @@ def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, in
     sin one bf16 row of D; k and v caches `[E, block, Hk, D]` of one layout with D contiguous."""
     hq, hk, d = heads
     n, k = weight.shape
-    cfg = _one_row_config(n, k)
+    cfg = one_row_config(n, k)
     return (
         routes(x, weight)
         and k == x.shape[-1]
@@ -134,7 +143,7 @@ def qkv_rope_write(x, weight, cos, sin, k_cache, v_cache, write_entry, write_off
     x2 = x.reshape(1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    cfg = _one_row_config(n, k)
+    cfg = one_row_config(n, k)
     per_split = triton.cdiv(k, cfg.block_k)
     q = torch.empty((1, hq, d), dtype=x.dtype, device=x.device)
     launch = pdl_args()

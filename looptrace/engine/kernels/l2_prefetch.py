@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from looptrace.engine.kernels._fences import triton
+from looptrace.engine.kernels.device_helpers import triton
 
 tl = triton.language
 

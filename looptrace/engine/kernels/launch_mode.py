@@ -13,7 +13,7 @@ hints that move no values (the attention's L2 prefetch of its K/V rows under `ke
 `kv_prefetch`).
 
 Values never change (R0): every program of every kernel waits before it reads or writes anything another
-kernel touches (`_pdl.await_inputs` is the first statement of each kernel body). The wait covers the
+kernel touches (`device_helpers.await_inputs` is the first statement of each kernel body). The wait covers the
 kernel directly before; the chain is transitive because a kernel cannot complete before its own wait
 returned. Kernels launched without the attribute (cuBLAS, ATen) wait for full completion as always.
 

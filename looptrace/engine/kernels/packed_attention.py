@@ -27,9 +27,8 @@ import math
 
 import torch
 
-from looptrace.engine.kernels._constants import PACKED_BLOCK_ROWS
-from looptrace.engine.kernels._fences import triton
-from looptrace.engine.kernels._pdl import await_inputs
+from looptrace.engine.kernels.constants import PACKED_BLOCK_ROWS
+from looptrace.engine.kernels.device_helpers import await_inputs, triton
 from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.paged_attention import prepare
 

@@ -32,7 +32,7 @@ per-(row, head) counter, after a barrier so the whole program's stores are relea
 that draws the last ticket reads all partials back (`.cg` loads, from L2), combines them over the 16
 partial slots in one fixed order (max; weights `exp2(m_s - max)`; weighted sums; empty slots add exact
 zeros), writes the output and resets the counter to zero for the next launch. The counters are a
-persistent zeroed buffer per device (`_scratch.tickets`, shared with the GEMV), so the launch needs no
+persistent zeroed buffer per device (`scratch.tickets`, shared with the GEMV), so the launch needs no
 memset; launches on one stream never overlap, which is what makes sharing it safe (concurrent launches on
 two streams would not be).
 head_dim is covered by two power-of-two tiles where it splits so (`head_split`: Huginn's 96 = 64 + 32, no
@@ -70,11 +70,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from looptrace.engine.kernels import launch_mode
-from looptrace.engine.kernels._fences import triton
-from looptrace.engine.kernels._pdl import await_inputs, let_dependents_launch, wait_for_inputs
-from looptrace.engine.kernels._scratch import tickets as _tickets
+from looptrace.engine.kernels.device_helpers import (
+    await_inputs,
+    let_dependents_launch,
+    triton,
+    wait_for_inputs,
+)
 from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
+from looptrace.engine.kernels.scratch import tickets as _tickets
 
 tl = triton.language
 

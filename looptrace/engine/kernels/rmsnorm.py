@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from looptrace.engine.kernels import _fences as fx
-from looptrace.engine.kernels._fences import (
+from looptrace.engine.kernels.device_helpers import (
     EXACT_OPTIONS,
     add_rn,
+    await_inputs,
     mul_rn,
     round_bf16,
     rsqrt_approx,
     to_bf16,
     triton,
 )
-from looptrace.engine.kernels._pdl import await_inputs
 from looptrace.engine.kernels.launch_mode import pdl_args
 from looptrace.engine.kernels.reduce_order import VEC, default_shuffle_order, mean_factor, reduce_shape
 
@@ -101,7 +100,7 @@ def _halve(s, HALF: tl.constexpr, ADJACENT: tl.constexpr):
 
 
 @triton.jit
-def _row_mean(base, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr):
+def row_mean(base, factor, N: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr, DESC: tl.constexpr):
     """mean(x^2) of the bf16 row at `base`, summed in PyTorch's order for the row bucket; fp32 [1]."""
     return _lane_mean(base, base, base, 1.0, factor, N, LANES, K, DESC, False)
 
@@ -117,8 +116,8 @@ def residual_value(y, h, wy, r):
 @triton.jit
 def residual_row_mean(y_base, h_base, wy_ptr, r, factor, N: tl.constexpr, LANES: tl.constexpr,
                       K: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
-    """`_row_mean` of the bf16 row `h + post(y)` computed on the fly (the lanes read y, h and wy where
-    `_row_mean` would read the stored row): the same values in the same order, so the same bits."""
+    """`row_mean` of the bf16 row `h + post(y)` computed on the fly (the lanes read y, h and wy where
+    `row_mean` would read the stored row): the same values in the same order, so the same bits."""
     return _lane_mean(y_base, h_base, wy_ptr, r, factor, N, LANES, K, DESC, True)
 
 
@@ -158,7 +157,7 @@ def _lane_value(base, h_base, wy_ptr, r, cols, m, RESIDUAL: tl.constexpr):
 
 @triton.jit
 def _stored_residual(y_base, h_base, wy_ptr, r, cols, m):
-    """fp32 value of the stored bf16 residual row at `cols` (0 where masked, as `_row_mean` loads it)."""
+    """fp32 value of the stored bf16 residual row at `cols` (0 where masked, as `row_mean` loads it)."""
     y = tl.load(y_base + cols, mask=m, other=0.0).to(tl.float32)
     h = tl.load(h_base + cols, mask=m, other=0.0).to(tl.float32)
     wy = tl.load(wy_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -209,7 +208,7 @@ def _fused_kernel(
 ):
     await_inputs(PDL)
     row = tl.program_id(0)
-    mean = _row_mean(x_ptr + row.to(tl.int64) * stride_xm, factor, N, LANES, K, DESC)
+    mean = row_mean(x_ptr + row.to(tl.int64) * stride_xm, factor, N, LANES, K, DESC)
     if STORE_MEAN:
         tl.store(mean_ptr + row + tl.zeros([1], tl.int32), mean)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps, tl.float32)))
@@ -285,7 +284,7 @@ def _residual_norm_passes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, fact
                           CHUNK: tl.constexpr):  # fmt: skip
     """`residual_norm_row` in steps that each read their inputs from memory: the mean of y, h_out stored,
     the mean of h_out read back, out from h_out read back."""
-    mean = _row_mean(y_row, factor, N, LANES, K, DESC)
+    mean = row_mean(y_row, factor, N, LANES, K, DESC)
     r = rsqrt_approx(add_rn(mean, tl.full([1], eps_y, tl.float32)))
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
@@ -297,7 +296,7 @@ def _residual_norm_passes(y_row, wy_ptr, h_row, h_out_row, wn_ptr, out_row, fact
     # The next norm reads the new residual row back in its own lane order: every thread's stores above
     # must be visible to the whole program first.
     tl.debug_barrier()
-    mean_n = _row_mean(h_out_row, factor, N, LANES, K, DESC)
+    mean_n = row_mean(h_out_row, factor, N, LANES, K, DESC)
     r_n = rsqrt_approx(add_rn(mean_n, tl.full([1], eps_n, tl.float32)))
     _norm_tail(h_out_row, wn_ptr, out_row, r_n, N, CHUNK, True)
 
@@ -562,7 +561,6 @@ def set_order(order: str | None, one_kernel: bool = True) -> None:
 
 __all__ = [
     "VEC",
-    "fx",
     "one_kernel_ok",
     "one_kernel_warps",
     "residual_rms_norm",

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from looptrace.engine.kernels._fences import (
+from looptrace.engine.kernels.device_helpers import (
     EXACT_OPTIONS,
     add_rn,
+    await_inputs,
     mul_rn,
     neg,
     round_bf16,
@@ -26,7 +27,6 @@ from looptrace.engine.kernels._fences import (
     to_bf16,
     triton,
 )
-from looptrace.engine.kernels._pdl import await_inputs
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language

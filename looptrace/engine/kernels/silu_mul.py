@@ -11,35 +11,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from looptrace.engine.kernels._fences import (
+from looptrace.engine.kernels.device_helpers import (
     EXACT_OPTIONS,
-    FENCE,
     add_rn,
+    await_inputs,
     div_rn,
+    exp_like_aten,
     mul_rn,
     neg,
     round_bf16,
     to_bf16,
     triton,
 )
-from looptrace.engine.kernels._pdl import await_inputs
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
-
-if FENCE:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)
-
-else:
-
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)
-
 
 # Launch options of the SiLU kernel; the bench can try the variants (libdevice's expf is compiled by
 # Triton's LLVM, so whether its internals contract like nvcc's build is checked on the GPU).
@@ -56,7 +42,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o, BLO
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
     one = tl.full([BLOCK], 1.0, tl.float32)
-    silu = round_bf16(div_rn(g, add_rn(one, _exp(neg(g)))))
+    silu = round_bf16(div_rn(g, add_rn(one, exp_like_aten(neg(g)))))
     tl.store(out_ptr + row * stride_o + cols, to_bf16(mul_rn(silu, u)), mask=m)
 
 

@@ -1,4 +1,7 @@
-"""Rounding fences: single IEEE operations pinned with inline PTX (imports Triton; load lazily).
+"""The device helpers every engine Triton kernel shares (imports Triton; load lazily): rounding fences,
+the PDL preamble and ATen's `expf`.
+
+Rounding fences: single IEEE operations pinned with inline PTX.
 
 Every fp32 operation the eager code rounds separately is written as one PTX instruction with an explicit
 rounding mode (`mul.rn`, `add.rn`, `sub.rn`, `div.rn`, `cvt.rn.bf16`). LLVM cannot contract through inline
@@ -16,6 +19,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FENCE = tl.constexpr(not INTERPRET)
@@ -104,12 +108,63 @@ def round_bf16(a):
     return to_bf16(a).to(tl.float32)
 
 
+# ------------------------------------------------------------------------------------ PDL preamble
+# The device side of `kernels.pdl` (see `launch_mode`): the preamble of every engine Triton kernel.
+#
+# `await_inputs(PDL)` is the first statement of each kernel body. With `PDL` false (the default, and always
+# under the interpreter, which runs no inline PTX) it compiles to nothing. With `PDL` true it first lets
+# the next kernel launch (`griddepcontrol.launch_dependents`: a hint, effective once every program of this
+# kernel has executed it) and then waits for the kernel before to complete with its writes visible
+# (`griddepcontrol.wait`). It sits before every loop: Triton's software pipeliner may hoist loads of a loop
+# above a wait inside it (triton-lang/triton#11905). Imports Triton.
+
+
+@triton.jit
+def let_dependents_launch(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Nothing another kernel writes may be read, and nothing another kernel reads may be written, before
+    this returns."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    wait_for_inputs(PDL)
+
+
+# ---------------------------------------------------------------------------------------- ATen's expf
+# ATen's `expf` is libdevice `__nv_expf` (launched with `enable_reflect_ftz=False`, as ATen is not built
+# with -ftz); the interpreter runs no libdevice, so it takes `tl.exp`.
+if FENCE:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def exp_like_aten(x):
+        return libdevice.exp(x)
+
+else:
+
+    @triton.jit
+    def exp_like_aten(x):
+        return tl.exp(x)
+
+
 __all__ = [
     "EXACT_OPTIONS",
     "FENCE",
     "INTERPRET",
     "add_rn",
+    "await_inputs",
     "div_rn",
+    "exp_like_aten",
+    "let_dependents_launch",
     "mul_rn",
     "neg",
     "round_bf16",
@@ -117,4 +172,5 @@ __all__ = [
     "sub_rn",
     "to_bf16",
     "triton",
+    "wait_for_inputs",
 ]
