@@ -39,6 +39,10 @@ Static part (pure `ast`, nothing of the package is imported):
   than `__init__` assigns), apart from a variant's fallback (a test calling `exact_kernels_on` or a
   `*_fusable` check); module globals rebound through `global` in `engine/`; methods and lines of
   `LLMEngine` and `ModelRunner`, lines of `LLMEngine.step`; function-level imports (lazy edges).
+- The kernel wing (`engine/kernels/`): lines per file; private cross-imports (a kernel file importing a
+  sibling's private name, `from .x import _y`, a private sibling module `_x`, or reading `x._y` of a sibling
+  module it imported); the functions of `kernels/__init__.py` and, of them, the forwarders (a body of
+  imports and one call returned or made, after at most `if ...: return <constant>` guards).
 - Lines per package, functions over 40 lines in cli/, the five longest functions per package.
 - Duplicated regions: lines normalised (stripped, inner whitespace collapsed; blank, comment and import
   lines dropped), windows of 6 normalised lines hashed, matching windows extended to maximal regions; each
@@ -698,6 +702,96 @@ def class_sizes(modules: dict[str, Module]) -> dict[str, dict]:
     return out
 
 
+# ------------------------------------------------------------------------------------ the kernel wing
+
+KERNELS = "looptrace.engine.kernels"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _kernel_module_of_import(module: Module, node: ast.ImportFrom) -> str:
+    """The dotted module an `ImportFrom` in a kernel file names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    base = base if module.is_package else base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_kernel_imports(modules: dict[str, Module]) -> list[dict]:
+    """Each place a file under engine/kernels/ takes a private name of another kernel file: `from x import
+    _y`, an import of a private module `_x`, or an attribute read `x._y` of a kernel module it imported."""
+    hits = []
+    for module in sorted(modules.values(), key=lambda m: m.rel):
+        if not module.name.startswith(KERNELS):
+            continue
+        kernel_aliases: set[str] = set()  # local names bound to another kernel module
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _kernel_module_of_import(module, node)
+                if not source.startswith(KERNELS) or source == module.name:
+                    continue
+                if any(_is_private(part) for part in source.split(".")):
+                    hits.append(_hit(module, node, f"imports from private module {source}"))
+                for alias in node.names:
+                    if _is_private(alias.name):
+                        hits.append(_hit(module, node, f"imports {source}.{alias.name}"))
+                    if f"{source}.{alias.name}" in modules:
+                        kernel_aliases.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(KERNELS) and alias.name != module.name:
+                        if any(_is_private(part) for part in alias.name.split(".")):
+                            hits.append(_hit(module, node, f"imports private module {alias.name}"))
+                        if alias.asname:
+                            kernel_aliases.add(alias.asname)
+        for node in ast.walk(module.tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in kernel_aliases
+                and _is_private(node.attr)
+            ):
+                hits.append(_hit(module, node, f"reads {node.value.id}.{node.attr}"))
+    return hits
+
+
+def _is_forwarder(function: ast.FunctionDef) -> bool:
+    """A body of imports and one call (returned or made), after at most `if ...: return <constant>`
+    guards; the docstring aside."""
+    body = [n for n in function.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    while body and isinstance(body[0], ast.If) and not body[0].orelse:
+        guard = body[0].body
+        returns_constant = isinstance(guard[0], ast.Return) and isinstance(guard[0].value, ast.Constant)
+        if len(guard) != 1 or not returns_constant:
+            break
+        body = body[1:]
+    imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = [n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+    if not imports or not rest or isinstance(rest[-1], (ast.Import, ast.ImportFrom)):
+        return False
+    calls = [n for n in rest if isinstance(n, (ast.Return, ast.Expr)) and isinstance(n.value, ast.Call)]
+    return len(rest) == len(calls) == 1
+
+
+def kernel_wing(modules: dict[str, Module]) -> dict:
+    """Lines per file of engine/kernels/, private cross-imports between its files, and the functions of
+    its `__init__.py` with the forwarders among them."""
+    wing = sorted((m for m in modules.values() if m.name.startswith(KERNELS)), key=lambda m: m.rel)
+    files = {m.rel: len(m.lines) for m in wing}
+    init = modules.get(KERNELS)
+    functions = [n for n in init.tree.body if isinstance(n, ast.FunctionDef)] if init else []
+    return {
+        "lines": files,
+        "private_imports": private_kernel_imports(modules),
+        "facade_functions": [f.name for f in functions],
+        "forwarders": [f.name for f in functions if _is_forwarder(f)],
+    }
+
+
 # ------------------------------------------------------------------------------------ size and repeats
 
 
@@ -812,6 +906,7 @@ def analyse(root: Path) -> dict:
         "kernel_setting_reads": kernel_reads,
         "toggle_branch_sites": toggle_branch_sites(modules),
         "launch_globals": launch_globals(modules),
+        "kernel_wing": kernel_wing(modules),
         "class_sizes": class_sizes(modules),
         "cli_functions_over_40": [
             f for f in all_functions if f["package"] == "cli" and f["lines"] > LONG_FUNCTION_LINES
@@ -1059,6 +1154,13 @@ def summary(result: dict) -> dict[str, int]:
         if "step_lines" in size:
             figures[f"{name}.step lines"] = size["step_lines"]
     figures["function-level imports (lazy edges)"] = result["import_edges"]["lazy"]
+    wing = result["kernel_wing"]
+    figures["lines engine/kernels (all files)"] = sum(wing["lines"].values())
+    figures["files in engine/kernels"] = len(wing["lines"])
+    figures["lines of the largest file in engine/kernels"] = max(wing["lines"].values(), default=0)
+    figures["private cross-imports between kernel files"] = len(wing["private_imports"])
+    figures["functions in kernels/__init__.py"] = len(wing["facade_functions"])
+    figures["  of them forwarders"] = len(wing["forwarders"])
     if "fast_step" in result:
         figures["files crossed: one fast decode step (CUDA)"] = len(result["fast_step"]["calls"])
     for kind, trace in result.get("trace", {}).items():
@@ -1101,6 +1203,11 @@ def render_text(result: dict) -> str:
     )
     lines += _section("variant fallback sites", [_hit_row(h) for h in toggles["fallbacks"]])
     lines += _section("module globals rebound in engine/", [_hit_row(h) for h in result["launch_globals"]])
+    wing = result["kernel_wing"]
+    lines += _section("lines per file in engine/kernels", [f"{n:>6}  {r}" for r, n in wing["lines"].items()])
+    private = [_hit_row(h) for h in wing["private_imports"]]
+    lines += _section("private cross-imports between kernel files", private)
+    lines += _section("forwarders in kernels/__init__.py", wing["forwarders"])
     lines += _section(
         "cli functions over 40 lines", [_function_row(f) for f in result["cli_functions_over_40"]]
     )

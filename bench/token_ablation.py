@@ -152,12 +152,11 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
     """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state.
     silu_out / norm_out / rope="fold": the GEMV's fused output forms (the same bits as the launches they
     replace); rope: see `Variant.rope`."""
-    from looptrace.engine import kernels as K
     from looptrace.engine.kernels import gemv as G
-    from looptrace.engine.kernels import gemv_rope
+    from looptrace.engine.kernels import gemv_rope, paged_attention, rmsnorm, rope, silu_mul
 
     h = m["h0"]
-    x = K.rms_norm(h, m["layers"][0]["n1"], EPS)
+    x = rmsnorm.rms_norm(h, m["layers"][0]["n1"], EPS)
     scale = DIM**-0.5
     rows = h.shape[0]
     for it in range(PASSES):
@@ -175,12 +174,12 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
         else:
             q, k, v = (t.view(rows, HEADS, DIM) for t in linear(x, lay["qkv"]).split(HIDDEN, dim=-1))
             if rope == "launch":
-                q = K.rope_half_write_kv(q, k, v, m["cos"], m["sin"], *cache)
+                q = rope.rope_half_write_kv(q, k, v, m["cos"], m["sin"], *cache)
             elif "write_kv" not in skip:
-                K.write_kv(k, v, *cache)
+                paged_attention.write_kv(k, v, *cache)
         a = q.reshape(rows, HIDDEN)
         if "attn" not in skip:
-            a = K.paged_attn(
+            a = paged_attention.paged_attention(
                 q.view(rows, HEADS, DIM), m["kc"], m["vc"], m["tables"], m["ctx"], it % LAYERS, scale
             )
         nxt = m["layers"][(it + 1) % LAYERS]["n1"]
@@ -189,18 +188,18 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
         elif "norm" in skip:
             x = linear(a, lay["o"])
         else:
-            h, x = K.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
+            h, x = rmsnorm.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
         if silu_out:
             act = G.gate_up_silu(x, lay["gate_up"])
         else:
             gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
-            act = gate if "silu" in skip else K.silu_and_mul(gate, up)
+            act = gate if "silu" in skip else silu_mul.silu_mul(gate, up)
         if norm_out:
             h, x = G.linear_residual_norm(act, lay["down"], lay["n2"], EPS, h, nxt, EPS)
         elif "norm" in skip:
             x = linear(act, lay["down"])
         else:
-            h, x = K.residual_rms_norm(linear(act, lay["down"]), lay["n2"], EPS, h, nxt, EPS)
+            h, x = rmsnorm.residual_rms_norm(linear(act, lay["down"]), lay["n2"], EPS, h, nxt, EPS)
     return x if "norm" in skip or "all" in skip else h
 
 

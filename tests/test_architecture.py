@@ -1,7 +1,8 @@
 """The house's rules, checked on the source with `ast` (bench/house_metrics.py): no import circles, no
 upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
 client package; and in the engine: the plan is the only reader of the `kernels` settings, model forwards
-test no kernel switches (only their variants' fallbacks), and no launch flag is a module global.
+test no kernel switches (only their variants' fallbacks), and no launch flag is a module global; in the
+kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing.
 LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ def test_no_launch_flag_is_a_module_global(house):
     assert flags == [], "module globals rebound in launch_mode.py:\n" + _listing(flags)
 
 
+def test_kernel_files_take_no_private_names_of_each_other(house):
+    modules, _, _ = house
+    hits = hm.private_kernel_imports(modules)
+    assert hits == [], "private names taken across engine/kernels/ files:\n" + _listing(hits)
+
+
+def test_the_kernels_package_forwards_nothing(house):
+    """Callers import the kernel module they use; the package's own module holds no forwarder to one."""
+    modules, _, _ = house
+    forwarders = hm.kernel_wing(modules)["forwarders"]
+    assert forwarders == [], f"forwarders in kernels/__init__.py: {forwarders}"
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / "looptrace" / rel
@@ -160,3 +174,37 @@ def test_the_engine_rules_catch_what_they_name(tmp_path):
     assert [h["where"] for h in sites["toggles"]] == ["looptrace/engine/layers.py:5"]
     assert [h["where"] for h in sites["fallbacks"]] == ["looptrace/engine/layers.py:7"]
     assert [h["reason"] for h in hm.launch_globals(modules)] == ["global _on"]
+
+
+def test_the_kernel_rules_catch_what_they_name(tmp_path):
+    """On a made-up kernel wing: three private names taken (an imported `_h`, a private module `_c`, a
+    read of `a._h`) and two forwarders (one behind a guard) beside a function that does its own work."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/kernels/__init__.py": (
+                "def f(x):\n    from looptrace.engine.kernels import a\n\n    return a.f(x)\n\n\n"
+                "def g(x):\n    if x is None:\n        return False\n"
+                "    from . import a\n\n    return a.f(x)\n\n\n"
+                "def own(x):\n    return x > 1\n"
+            ),
+            "engine/kernels/a.py": "def _h():\n    pass\n\n\ndef f(x):\n    return x\n",
+            "engine/kernels/_c.py": "",
+            "engine/kernels/b.py": (
+                "from .a import _h\nfrom looptrace.engine.kernels import _c, a\n"
+                "from looptrace.engine.kernels.a import f\n"
+                "\n\ndef g():\n    return a._h(), _h, _c, f\n"
+            ),
+        },
+    )
+    modules = hm.load_modules(tmp_path)
+    hits = [(h["where"], h["reason"]) for h in hm.private_kernel_imports(modules)]
+    assert hits == [
+        ("looptrace/engine/kernels/b.py:1", "imports looptrace.engine.kernels.a._h"),
+        ("looptrace/engine/kernels/b.py:2", "imports looptrace.engine.kernels._c"),
+        ("looptrace/engine/kernels/b.py:7", "reads a._h"),
+    ]
+    wing = hm.kernel_wing(modules)
+    assert wing["facade_functions"] == ["f", "g", "own"] and wing["forwarders"] == ["f", "g"]

@@ -151,7 +151,9 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
             exact = fused_gemm_is_exact(model.spec, device, dtype)
             checked_rungs[setting] = "R0" if exact else "R3"
         if setting == "kernels.l2_prefetch":
-            kernels.apply_l2_prefetch(model, device)
+            from looptrace.engine.kernels import l2_prefetch  # imports Triton: the plan checked it runs
+
+            l2_prefetch.apply_l2_prefetch(model, device)
         install_variants(model, setting)
         if setting == "kernels.exact":
             kernels.warmup(device, specs=[kernel_shapes(model.spec)])

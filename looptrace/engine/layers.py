@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looptrace.engine import kernels as K  # imports no Triton until a kernel runs
+from looptrace.engine import kernels as K  # imports no Triton; a kernel's caller imports its module
 
 
 def exact_kernels_on(rows: int) -> bool:
@@ -47,7 +47,9 @@ class ExactRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(x.numel() // x.shape[-1]):
-            return K.rms_norm(x, self.weight, self.eps)
+            from looptrace.engine.kernels import rmsnorm  # imports Triton: only where a kernel runs
+
+            return rmsnorm.rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
 
@@ -60,7 +62,9 @@ class ResidualRMSNorm(nn.Module):
     op_kind = "residual_norm"
 
     def forward(self, y, residual, post: RMSNorm, nxt: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return K.residual_rms_norm(y, post.weight, post.eps, residual, nxt.weight, nxt.eps)
+        from looptrace.engine.kernels import rmsnorm  # imports Triton: only where a kernel runs
+
+        return rmsnorm.residual_rms_norm(y, post.weight, post.eps, residual, nxt.weight, nxt.eps)
 
 
 @dataclass
@@ -114,10 +118,13 @@ class ResidualTail:
     def finish(self, proj: nn.Linear, a: torch.Tensor):
         """(h', x') of y = proj(a)."""
         residual, w_post, w_next = self.residual, self.post.weight, self.nxt.weight
-        if self.in_gemv and K.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
-            return K.linear_residual_norm(
-                a, proj.weight, w_post, self.post.eps, residual, w_next, self.nxt.eps
-            )
+        if self.in_gemv:
+            from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
+            if gemv.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
+                return gemv.linear_residual_norm(
+                    a, proj.weight, w_post, self.post.eps, residual, w_next, self.nxt.eps
+                )
         return self.after(proj(a))
 
     def after(self, y: torch.Tensor):
@@ -137,8 +144,10 @@ def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torc
     form applies (one routed row: `gemv.residual_norm_fusable`), else the norm's own launch first."""
     if not isinstance(x, PendingNorm):
         return linear(x, weight)
-    if K.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
-        out, x.h = K.residual_norm_linear(
+    from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
+    if gemv.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
+        out, x.h = gemv.residual_norm_linear(
             x.y, x.post.weight, x.post.eps, x.residual, x.nxt.weight, x.nxt.eps, weight
         )
         return out
@@ -152,7 +161,9 @@ class GemvLinear(nn.Linear):
     included, which keep their op_kind)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return K.gemv_linear(x, self.weight, self.bias)
+        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
+        return gemv.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -208,7 +219,9 @@ class ExactRotaryHalf(RotaryHalf):
 
     def forward(self, q, k, cos, sin):
         if exact_kernels_on(q.shape[0]):
-            return K.rope_half(q, k, cos, sin)
+            from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
+
+            return rope.rope_half(q, k, cos, sin)
         return super().forward(q, k, cos, sin)
 
 
@@ -447,18 +460,34 @@ class TritonPagedAttention(PagedAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # write every row's K/V first: a prompt row attends to the rows before it
-        K.write_kv(k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id)
+        from looptrace.engine.kernels import paged_attention  # imports Triton: only where a kernel runs
+
+        paged_attention.write_kv(
+            k, v, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset, self.layer_id
+        )
         return self.attend_written(q, ctx)
 
     def attend_written(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """After this layer's K/V of every row are in the cache (by `write_kv`, or by a kernel that fused
         the write, `kernels.rope_kv_write`)."""
+        from looptrace.engine.kernels import (  # imports Triton: only where a kernel runs
+            packed_attention,
+            paged_attention,
+        )
+
         if ctx.blocks is not None:  # packed prefill (per traversal, not a setting)
-            return K.packed_attn(
+            return packed_attention.packed_attention(
                 q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, ctx.blocks, self.layer_id, self.scale
             )
-        return K.paged_attn(
-            q, ctx.k_cache, ctx.v_cache, ctx.tables, ctx.ctx_lens, self.layer_id, self.scale, self.key_slots
+        return paged_attention.paged_attention(
+            q,
+            ctx.k_cache,
+            ctx.v_cache,
+            ctx.tables,
+            ctx.ctx_lens,
+            self.layer_id,
+            self.scale,
+            key_slots=self.key_slots,
         )
 
 

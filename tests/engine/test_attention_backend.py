@@ -87,13 +87,13 @@ from looptrace.assets import shipped_weights
 from looptrace.engine import EngineConfig, LLMEngine, SamplingParams
 from looptrace.engine.checkpoint import load_checkpoint
 from looptrace.engine.config import PrefillConfig, SchedulerConfig
-from looptrace.engine import kernels
+from looptrace.engine.kernels import packed_attention
 from looptrace.engine.assemble import install, install_variants
 from looptrace.engine.layers import TritonAttentionMetadata
 torch.set_num_threads(1)
 out, blocks_seen, packed_calls, calls = [], [], [], []
-kernel = kernels.packed_attn
-kernels.packed_attn = lambda *a: packed_calls.append(1) or kernel(*a)
+kernel = packed_attention.packed_attention
+packed_attention.packed_attention = lambda *a: packed_calls.append(1) or kernel(*a)
 from tests.helpers import stand_in_graphs
 runs = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
 for packed, triton, graphs in runs:

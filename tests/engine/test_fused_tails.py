@@ -56,9 +56,11 @@ def test_chained_layers_with_the_gemv_output_forms_switched_on_keep_the_bits(mon
     each sandwich block hands its output projection to the `ResidualTail` (`finish`); on CPU both fused
     launches decline, so the same eager ops run and every hidden state keeps the plain model's bits."""
     asked = {"silu": 0, "norm": 0}
-    real_silu, real_norm = K.gate_up_silu_fusable, K.linear_norm_fusable
-    monkeypatch.setattr(K, "gate_up_silu_fusable", lambda *a: asked.__setitem__("silu", 1) or real_silu(*a))
-    monkeypatch.setattr(K, "linear_norm_fusable", lambda *a: asked.__setitem__("norm", 1) or real_norm(*a))
+    from looptrace.engine.kernels import gemv
+
+    real_silu, real_norm = gemv.gate_up_silu_fusable, gemv.linear_norm_fusable
+    monkeypatch.setattr(gemv, "gate_up_silu_fusable", lambda *a: asked.update(silu=1) or real_silu(*a))
+    monkeypatch.setattr(gemv, "linear_norm_fusable", lambda *a: asked.update(norm=1) or real_norm(*a))
     fused_qkv = {"kernels__fused_projections": True}  # the silu form takes the fused gate/up weight
     plain_out, plain_states = _hidden_states(False, PROMPTS, 4, **fused_qkv)
     forms_out, forms_states = _hidden_states(True, PROMPTS, 4, gemv_forms=True, **fused_qkv)
@@ -70,8 +72,10 @@ def test_chained_layers_with_the_gemv_output_forms_switched_on_keep_the_bits(mon
 
 def test_chained_core_is_used_only_where_exact_kernels_run(monkeypatch):
     calls = []
-    real = K.residual_rms_norm
-    monkeypatch.setattr(K, "residual_rms_norm", lambda *a: calls.append(1) or real(*a))
+    from looptrace.engine.kernels import rmsnorm
+
+    real = rmsnorm.residual_rms_norm
+    monkeypatch.setattr(rmsnorm, "residual_rms_norm", lambda *a: calls.append(1) or real(*a))
     engine = build_engine("ouro-tiny")
     install_variants(engine.model, "kernels.residual_norm")
     engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2))  # eager rows <= 256: plain layers

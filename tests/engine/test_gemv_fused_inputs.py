@@ -258,21 +258,21 @@ def _mid_ouro():
 
 def fast_with_and_without(monkeypatch, spec, toggles: tuple[str, ...], spied: tuple[str, ...], off=()):
     """fast on `spec` (CUDA) with the `toggles` off, then on (and the settings `off` off in both): the
-    tokens of 4 requests batched and of the first alone, and how often each `kernels` function in `spied`
+    tokens of 4 requests batched and of the first alone, and how often each `kernels.gemv` function in `spied`
     ran with them off and with them on. Returns (tokens off, tokens on, calls off, calls on)."""
     from looptrace.engine import LLMEngine, SamplingParams
-    from looptrace.engine import kernels as K
+    from looptrace.engine.kernels import gemv
     from looptrace.recipes import load_recipe
 
     calls = dict.fromkeys(spied, 0)
     for name in spied:
-        real = getattr(K, name)
+        real = getattr(gemv, name)
 
         def spy(*args, _real=real, _name=name):
             calls[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(K, name, spy)
+        monkeypatch.setattr(gemv, name, spy)
     prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
     tokens, counts = [], []
     for on in (False, True):

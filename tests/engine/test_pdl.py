@@ -329,8 +329,7 @@ HIDDEN, HEADS, DIM, INTER, PAGE, CTX, EPS = 2048, 16, 128, 5632, 16, 100, 1e-6
 def _chain(rows: int, linear, passes: int = 6, fold_rope: bool = False):
     """A decode chain of the engine's kernels at Ouro-1.4B's shapes (2 layers, `passes` layer passes);
     `fold_rope` (one row): the q/k/v GEMV does RoPE and the K/V write itself (`kernels.gemv_rope_out`)."""
-    from looptrace.engine import kernels as K
-    from looptrace.engine.kernels import gemv_rope
+    from looptrace.engine.kernels import gemv_rope, paged_attention, rmsnorm, rope, silu_mul
 
     gen = torch.Generator(device="cuda").manual_seed(5)
 
@@ -356,7 +355,7 @@ def _chain(rows: int, linear, passes: int = 6, fold_rope: bool = False):
 
     def token():
         h = h0
-        x = K.rms_norm(h, layers[0]["n1"], EPS)
+        x = rmsnorm.rms_norm(h, layers[0]["n1"], EPS)
         for i in range(passes):
             lay = layers[i % 2]
             if fold_rope:
@@ -366,12 +365,12 @@ def _chain(rows: int, linear, passes: int = 6, fold_rope: bool = False):
             else:
                 q, k, v = linear(x, lay["qkv"]).split(HIDDEN, dim=-1)
                 q, k, v = (t.view(rows, HEADS, DIM) for t in (q, k, v))
-                q = K.rope_half_write_kv(q, k, v, cos, sin, kc, vc, went, woff, i % 2)
-            a = K.paged_attn(q, kc, vc, tables, ctx, i % 2, DIM**-0.5)
-            h, x = K.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
+                q = rope.rope_half_write_kv(q, k, v, cos, sin, kc, vc, went, woff, i % 2)
+            a = paged_attention.paged_attention(q, kc, vc, tables, ctx, i % 2, DIM**-0.5)
+            h, x = rmsnorm.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
             gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
-            d = linear(K.silu_and_mul(gate, up), lay["down"])
-            h, x = K.residual_rms_norm(d, lay["n2"], EPS, h, layers[(i + 1) % 2]["n1"], EPS)
+            d = linear(silu_mul.silu_mul(gate, up), lay["down"])
+            h, x = rmsnorm.residual_rms_norm(d, lay["n2"], EPS, h, layers[(i + 1) % 2]["n1"], EPS)
         return h, x
 
     return token

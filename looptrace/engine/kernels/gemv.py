@@ -637,8 +637,9 @@ def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, e
         u_ptr=a, res_ptr=residual.reshape(1, n), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
         h_ptr=h, x_out_ptr=x, factor=mean_factor(1, n), eps_y=eps_post, eps_n=eps_next,
     )  # fmt: skip
-    consts = dict(X_FORM=PLAIN, LANES=shape.lanes, VECS=shape.vectors_per_lane,
-                  DESC=rmsnorm.shuffle_order() == "desc", CHUNK=rmsnorm._chunk(n), NORM_N=n)  # fmt: skip
+    desc = rmsnorm.shuffle_order() == "desc"
+    consts = dict(X_FORM=PLAIN, LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=desc,
+                  CHUNK=rmsnorm.chunk_columns(n), NORM_N=n)  # fmt: skip
     _launch(a.reshape(1, k), weight, one_row_config(n, k), form, consts, y_form=NORM_OUT)
     return h, x
 

@@ -380,7 +380,8 @@ def _prep(x: torch.Tensor, weight: torch.Tensor):
     return x2, weight.contiguous(), out, out_dtype == torch.bfloat16
 
 
-def _chunk(n: int) -> int:
+def chunk_columns(n: int) -> int:
+    """Columns of a row the chunked kernels (three-kernel tail, residual norms) take per step."""
     return min(triton.next_power_of_2(n), 2048)
 
 
@@ -414,7 +415,7 @@ def rms_norm_three(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         out.stride(0),
         eps,
         n,
-        CHUNK=_chunk(n),
+        CHUNK=chunk_columns(n),
         OUT_BF16=out_bf16,
         num_warps=4,
         **pdl_args(),
@@ -466,7 +467,7 @@ def rms_norm_fused(
         LANES=lanes,
         K=shape.vectors_per_lane,
         DESC=order == "desc",
-        CHUNK=_chunk(n),
+        CHUNK=chunk_columns(n),
         OUT_BF16=out_bf16,
         STORE_MEAN=mean_out is not None,
         num_warps=num_warps or one_kernel_warps(lanes),
@@ -529,7 +530,7 @@ def residual_rms_norm(
         LANES=shape.lanes,
         K=shape.vectors_per_lane,
         DESC=shuffle_order() == "desc",
-        CHUNK=_chunk(n),
+        CHUNK=chunk_columns(n),
         ONE_PASS=ONE_PASS_ROWS,
         num_warps=num_warps or one_kernel_warps(shape.lanes),
         **pdl_args(),
@@ -561,6 +562,7 @@ def set_order(order: str | None, one_kernel: bool = True) -> None:
 
 __all__ = [
     "VEC",
+    "chunk_columns",
     "one_kernel_ok",
     "one_kernel_warps",
     "residual_rms_norm",

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looptrace.engine import kernels as K
 from looptrace.engine.layers import (
     AttnContext,
     Embedding,
@@ -84,7 +83,11 @@ class GemvFusedLinear:
     """`kernels.gemv` on a fused projection (mixed into FusedQKVOuroAttention / FusedGateUpOuroMLP): the
     concatenated weight's GEMM through the Triton GEMV where it applies (`GemvLinear` for plain ones)."""
 
-    fused_linear = staticmethod(K.gemv_linear)
+    @staticmethod
+    def fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
+        return gemv.linear(x, weight)
 
 
 class RopeWriteOuroAttention(OuroAttention):
@@ -94,7 +97,9 @@ class RopeWriteOuroAttention(OuroAttention):
     def attend(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         if not exact_kernels_on(q.shape[0]):
             return super().attend(q, k, v, ctx)
-        q = K.rope_half_write_kv(
+        from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
+
+        q = rope.rope_half_write_kv(
             q, k, v, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
             self.paged.layer_id,
         )  # fmt: skip
@@ -107,9 +112,13 @@ class GemvRopeOuroAttention(RopeWriteOuroAttention):
 
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
         if exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
+            from looptrace.engine.kernels import gemv_rope  # imports Triton: only where a kernel runs
+
             x = materialized(x)
-            if K.qkv_rope_fusable(x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape):
-                q = K.qkv_rope_write(
+            if gemv_rope.qkv_rope_fusable(
+                x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape
+            ):
+                q = gemv_rope.qkv_rope_write(
                     x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry,
                     ctx.write_offset, self.paged.layer_id, self.shape,
                 )  # fmt: skip
@@ -162,7 +171,9 @@ class ExactOuroMLP(OuroMLP):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(gate.shape[0]):
-            return K.silu_and_mul(gate, up)
+            from looptrace.engine.kernels import silu_mul  # imports Triton: only where a kernel runs
+
+            return silu_mul.silu_mul(gate, up)
         return super().activation(gate, up)
 
 
@@ -171,8 +182,10 @@ class GemvSiluOuroMLP(OuroMLP):
     the residual norm's own forms need the projection's output)."""
 
     def down(self, gate: torch.Tensor, up: torch.Tensor, tail: ResidualTail | None):
-        if tail is None and K.silu_mul_fusable(gate, up, self.down_proj.weight):
-            return K.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two launches
+        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
+        if tail is None and gemv.silu_mul_fusable(gate, up, self.down_proj.weight):
+            return gemv.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two launches
         return super().down(gate, up, tail)
 
 
@@ -180,9 +193,11 @@ class GemvSiluOutOuroMLP(OuroMLP):
     """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself."""
 
     def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
+        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+
         x = materialized(x)
-        if K.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
-            return finish(self.down_proj, K.gate_up_silu(x, self.gate_up), tail)
+        if gemv.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
+            return finish(self.down_proj, gemv.gate_up_silu(x, self.gate_up), tail)
         return super().forward(x, tail)
 
 

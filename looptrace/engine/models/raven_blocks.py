@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looptrace.engine import kernels as K
 from looptrace.engine.layers import (
     Adapter,
     AttnContext,
@@ -44,7 +43,9 @@ class ExactRavenMLP(RavenMLP):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(gate.shape[0]):
-            return K.silu_and_mul(gate, up)
+            from looptrace.engine.kernels import silu_mul  # imports Triton: only where a kernel runs
+
+            return silu_mul.silu_mul(gate, up)
         return super().activation(gate, up)
 
 
@@ -94,7 +95,9 @@ class ExactRavenAttention(RavenAttention):
         if not exact_kernels_on(q.shape[0]):
             return super().rotate(q, k, ctx)
         bias = self.qk_bias if self.has_qk_bias else None  # the kernel adds it with the same rounding
-        return K.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)
+        from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
+
+        return rope.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)
 
 
 class SandwichBlock(nn.Module):
