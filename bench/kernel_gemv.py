@@ -1,11 +1,11 @@
-"""The decode GEMV against cuBLAS and its byte floor: `kernels/gemv.py` beside `F.linear`.
+"""The decode GEMV against cuBLAS and its byte floor: `kernels/gemv/` beside `F.linear`.
 
     python bench/kernel_gemv.py [--out DIR] [--copy-tbps 4.28] [--budget-s 150] [--rows 1,2,4,8]
 
 For every projection shape of Ouro-1.4B and Huginn-0125 (`tests/engine/test_gemv_kernel.py::GPU_SHAPES`)
 and M in {1, 2, 4, 8}: median µs per call of cuBLAS (`F.linear`), of the GEMV with the tile table's config
 (`gemv.pick_config`), and, at M = 1 and 8, of every other tile candidate (`gemv.CANDIDATES`), so one device
-call shows which config wins where (the table in gemv.py is then set from `best`). Times come from
+call shows which config wins where (the table in gemv/tiles.py is then set from `best`). Times come from
 `kernel_checks.graph_time_us` (a CUDA graph of 20 calls: no host launch cost). The 20 calls cycle through
 enough copies of the weight to exceed the 50 MB L2 (>= 128 MB, at most 20 copies), so every call reads its
 weight from HBM as in a real decode step. Byte floor = N * K * 2 bytes at the copy bandwidth (4.28 TB/s,
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from looptrace.engine.kernel_checks import graph_time_us  # noqa: E402
-from looptrace.engine.kernels import gemv as G  # noqa: E402
+from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 from tests.engine.test_gemv_kernel import GPU_SHAPES  # noqa: E402
 
 ROWS = (1, 2, 4, 8)
@@ -70,22 +71,22 @@ def bench_shape(name, n, k, rows, copy_tbps, deadline, gen):
     out = []
     for m in rows:
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-        table = G.pick_config(m, n, k)
+        table = gemv_tiles.pick_config(m, n, k)
         configs = [table]
         if m in (1, 8) and time.monotonic() < deadline:
-            configs += [c for c in G.CANDIDATES if c != table]
+            configs += [c for c in gemv_tiles.CANDIDATES if c != table]
         cublas = graph_time_us(cycling(F.linear, x, weights), REPS)
         timed = []
         for cfg in configs:
             if cfg is not table and time.monotonic() > deadline:
                 break
             try:
-                us = graph_time_us(cycling(lambda a, b, c=cfg: G.gemv(a, b, c), x, weights), REPS)
-                err = rel_err(G.gemv(x, weights[0], cfg), x, weights[0])
+                us = graph_time_us(cycling(lambda a, b, c=cfg: gemv_kernel.gemv(a, b, c), x, weights), REPS)
+                err = rel_err(gemv_kernel.gemv(x, weights[0], cfg), x, weights[0])
             except Exception as exc:  # a config that does not compile here is reported, not fatal
                 print(f"{name} M={m} {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            split, _ = G.split_for(n, k, cfg)
+            split, _ = gemv_tiles.split_for(n, k, cfg)
             timed.append({"config": asdict(cfg), "split_k": split, "us": us, "err": err})
         best = min(timed, key=lambda t: t["us"])
         row = {

@@ -130,7 +130,7 @@ def variants() -> dict[str, Variant]:
     for depth in PREFETCH_DEPTHS:  # R0: hints only, the same bits as fast full
         out[f"fast full pf{depth}"] = replace(full, tiles=prefetched(depth))
         out[f"fast full pf{depth} no-down"] = replace(full, tiles=prefetched(depth, ("qkv", "o", "gate_up")))
-    from looptrace.engine.kernels.gemv import TileConfig
+    from looptrace.engine.kernels.gemv.tiles import TileConfig
 
     for label in ("4x512 w2 k1", "8x256 w2 k1", "8x256 w4 k2"):  # R3: other sums than fast full
         cfg = TileConfig(**UNSPLIT[label])
@@ -152,8 +152,8 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
     """One decode token (96 layer passes) with the ops in `skip` left out; returns the last hidden state.
     silu_out / norm_out / rope="fold": the GEMV's fused output forms (the same bits as the launches they
     replace); rope: see `Variant.rope`."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import gemv_rope, paged_attention, rmsnorm, rope, silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
 
     h = m["h0"]
     x = rmsnorm.rms_norm(h, m["layers"][0]["n1"], EPS)
@@ -184,18 +184,18 @@ def token_step(m: dict, linear, skip: frozenset, silu_out: bool = False, norm_ou
             )
         nxt = m["layers"][(it + 1) % LAYERS]["n1"]
         if norm_out:
-            h, x = G.linear_residual_norm(a, lay["o"], lay["n1"], EPS, h, lay["n2"], EPS)
+            h, x = gemv_forms.linear_residual_norm(a, lay["o"], lay["n1"], EPS, h, lay["n2"], EPS)
         elif "norm" in skip:
             x = linear(a, lay["o"])
         else:
             h, x = rmsnorm.residual_rms_norm(linear(a, lay["o"]), lay["n1"], EPS, h, lay["n2"], EPS)
         if silu_out:
-            act = G.gate_up_silu(x, lay["gate_up"])
+            act = gemv_forms.gate_up_silu(x, lay["gate_up"])
         else:
             gate, up = linear(x, lay["gate_up"]).chunk(2, dim=-1)
             act = gate if "silu" in skip else silu_mul.silu_mul(gate, up)
         if norm_out:
-            h, x = G.linear_residual_norm(act, lay["down"], lay["n2"], EPS, h, nxt, EPS)
+            h, x = gemv_forms.linear_residual_norm(act, lay["down"], lay["n2"], EPS, h, nxt, EPS)
         elif "norm" in skip:
             x = linear(act, lay["down"])
         else:
@@ -215,27 +215,29 @@ def gate_width(lay: dict) -> int:
 
 
 def capture_variant(m: dict, v: Variant):
-    from looptrace.engine.kernels import gemv, launch_mode, rmsnorm
+    from looptrace.engine.kernels import launch_mode, rmsnorm
     from looptrace.engine.kernels import paged_attention as pa
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
-    linear = gemv.linear if v.gemv else F.linear
-    saved, saved_pick, saved_pass = pa.DEFAULT_SPLIT, gemv.pick_config, rmsnorm.ONE_PASS_ROWS
+    linear = gemv_forms.linear if v.gemv else F.linear
+    saved, saved_pick, saved_pass = pa.DEFAULT_SPLIT, gemv_tiles.pick_config, rmsnorm.ONE_PASS_ROWS
     pa.DEFAULT_SPLIT = replace(pa.DEFAULT_SPLIT, key_slots=v.key_slots)
     rmsnorm.ONE_PASS_ROWS = v.one_pass
     if v.tiles:  # this variant's tile for each overridden weight shape, the table's for the others
         shapes = {tuple(m["layers"][0][name].shape): cfg for name, cfg in v.tiles}
-        gemv.pick_config = lambda rows, n, k: shapes.get((n, k)) or saved_pick(rows, n, k)
+        gemv_tiles.pick_config = lambda rows, n, k: shapes.get((n, k)) or saved_pick(rows, n, k)
     try:  # the warm-ups and the capture under the variant's launch mode
         with launch_mode.dependent_launches(v.pdl, v.gemv and v.pdl, v.attn_prefetch):
             return capture(lambda: token_step(m, linear, v.skip, v.silu_out, v.norm_out, v.rope))
     finally:
-        pa.DEFAULT_SPLIT, gemv.pick_config, rmsnorm.ONE_PASS_ROWS = saved, saved_pick, saved_pass
+        pa.DEFAULT_SPLIT, gemv_tiles.pick_config, rmsnorm.ONE_PASS_ROWS = saved, saved_pick, saved_pass
 
 
 def gemv_sweep() -> dict[str, Variant]:
     """The four projections alone (the GEMV-only chain) with one weight's tile config replaced at a time:
     a tile that streams better in the dependent chain than alone shows here (`--gemv-sweep`)."""
-    from looptrace.engine.kernels.gemv import TileConfig
+    from looptrace.engine.kernels.gemv.tiles import TileConfig
 
     only = replace(Variant(), skip=frozenset({"all"}), family="")
     out = {"gemv-only": only}
@@ -274,11 +276,11 @@ PREFETCH_DEPTHS = (1, 2, 4)  # tiles after the preloaded one asked of L2 before 
 
 def table_tile(weight: str):
     """The tile the GEMV's table gives one of Ouro's projections at one row."""
-    from looptrace.engine.kernels import gemv
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     n, k = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
             "down": (HIDDEN, INTER)}[weight]  # fmt: skip
-    return gemv.pick_config(1, n, k)
+    return gemv_tiles.pick_config(1, n, k)
 
 
 def prefetched(depth: int, weights=("qkv", "o", "gate_up", "down")) -> tuple:
@@ -289,7 +291,7 @@ def prefetched(depth: int, weights=("qkv", "o", "gate_up", "down")) -> tuple:
 def gemv_unsplit_prefetch() -> dict[str, Variant]:
     """`--gemv-unsplit-prefetch`: the GEMV-only chain with o / down unsplit (`UNSPLIT`), and each weight's
     table tile prefetching 1, 2 or 4 tiles into L2 before its wait (`TileConfig.prefetch_tiles`)."""
-    from looptrace.engine.kernels.gemv import TileConfig
+    from looptrace.engine.kernels.gemv.tiles import TileConfig
 
     only = replace(Variant(), skip=frozenset({"all"}), family="")
     out = {"gemv-only": only}

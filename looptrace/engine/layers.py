@@ -96,7 +96,7 @@ class ResidualTail:
     `finish(proj, a)` (`kernels.gemv_norm_out`: the block hands its output projection to the tail) runs
     the projection too. Both return (h', x'):
     - `in_gemv` (one routed row): the norm runs inside the projection's GEMV launch
-      (`gemv.linear_residual_norm`), bit for bit;
+      (`gemv.forms.linear_residual_norm`), bit for bit;
     - `defer` (`kernels.gemv_norm`, one row): the norm is left to the next projection (h' None, x' a
       PendingNorm);
     - else the `ResidualRMSNorm` launch.
@@ -119,10 +119,10 @@ class ResidualTail:
         """(h', x') of y = proj(a)."""
         residual, w_post, w_next = self.residual, self.post.weight, self.nxt.weight
         if self.in_gemv:
-            from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+            from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-            if gemv.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
-                return gemv.linear_residual_norm(
+            if gemv_forms.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
+                return gemv_forms.linear_residual_norm(
                     a, proj.weight, w_post, self.post.eps, residual, w_next, self.nxt.eps
                 )
         return self.after(proj(a))
@@ -141,13 +141,13 @@ def finish(proj: nn.Linear, a: torch.Tensor, tail: ResidualTail | None):
 
 def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torch.Tensor:
     """`linear(x, weight)`; for a PendingNorm, one GEMV launch that also computes the norm where the fused
-    form applies (one routed row: `gemv.residual_norm_fusable`), else the norm's own launch first."""
+    form applies (one routed row: `gemv.forms.residual_norm_fusable`), else the norm's own launch first."""
     if not isinstance(x, PendingNorm):
         return linear(x, weight)
-    from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+    from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-    if gemv.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
-        out, x.h = gemv.residual_norm_linear(
+    if gemv_forms.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
+        out, x.h = gemv_forms.residual_norm_linear(
             x.y, x.post.weight, x.post.eps, x.residual, x.nxt.weight, x.nxt.eps, weight
         )
         return out
@@ -156,14 +156,14 @@ def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torc
 
 class GemvLinear(nn.Linear):
     """`kernels.gemv`: a bias-free projection through the Triton GEMV for inputs of at most a few rows
-    (`gemv.linear` routes; above that, or off CUDA, it is `F.linear`). The weight is read at call time, so
-    fused or tied weights stay what they are. Swapped onto every bias-free nn.Linear (LMHead and Adapter
-    included, which keep their op_kind)."""
+    (`gemv.forms.linear` routes; above that, or off CUDA, it is `F.linear`). The weight is read at call
+    time, so fused or tied weights stay what they are. Swapped onto every bias-free nn.Linear (LMHead and
+    Adapter included, which keep their op_kind)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-        return gemv.linear(x, self.weight, self.bias)
+        return gemv_forms.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):

@@ -56,11 +56,11 @@ def test_chained_layers_with_the_gemv_output_forms_switched_on_keep_the_bits(mon
     each sandwich block hands its output projection to the `ResidualTail` (`finish`); on CPU both fused
     launches decline, so the same eager ops run and every hidden state keeps the plain model's bits."""
     asked = {"silu": 0, "norm": 0}
-    from looptrace.engine.kernels import gemv
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
 
-    real_silu, real_norm = gemv.gate_up_silu_fusable, gemv.linear_norm_fusable
-    monkeypatch.setattr(gemv, "gate_up_silu_fusable", lambda *a: asked.update(silu=1) or real_silu(*a))
-    monkeypatch.setattr(gemv, "linear_norm_fusable", lambda *a: asked.update(norm=1) or real_norm(*a))
+    real_silu, real_norm = gemv_forms.gate_up_silu_fusable, gemv_forms.linear_norm_fusable
+    monkeypatch.setattr(gemv_forms, "gate_up_silu_fusable", lambda *a: asked.update(silu=1) or real_silu(*a))
+    monkeypatch.setattr(gemv_forms, "linear_norm_fusable", lambda *a: asked.update(norm=1) or real_norm(*a))
     fused_qkv = {"kernels__fused_projections": True}  # the silu form takes the fused gate/up weight
     plain_out, plain_states = _hidden_states(False, PROMPTS, 4, **fused_qkv)
     forms_out, forms_states = _hidden_states(True, PROMPTS, 4, gemv_forms=True, **fused_qkv)

@@ -1,6 +1,7 @@
-"""The GEMV's fused input forms (`gemv.silu_mul_linear`: `kernels.gemv_silu`; `gemv.residual_norm_linear`:
-`kernels.gemv_norm`) and their R0 claim: bitwise the exact kernel that would run before them + the GEMV;
-and the weight preload under PDL (`kernels.gemv_preload`, R0: the same bits with the first tile preloaded).
+"""The GEMV's fused input forms (`gemv.forms.silu_mul_linear`: `kernels.gemv_silu`;
+`gemv.forms.residual_norm_linear`: `kernels.gemv_norm`) and their R0 claim: bitwise the exact kernel that
+would run before them + the GEMV; and the weight preload under PDL (`kernels.gemv_preload`, R0: the same
+bits with the first tile preloaded).
 
 CPU: the kernels run in the Triton interpreter in a child process. The CUDA-only gates (`supported` of the
 GEMV, of `silu_mul` and of `rmsnorm`) are opened for CPU tensors in the child only, so the very functions
@@ -47,38 +48,42 @@ def _rel_err(a, ref) -> float:
 
 def _open_cuda_gates():
     """In the interpreter child only: the CUDA-only gates accept CPU tensors (the kernels run on CPU)."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import rmsnorm, silu_mul
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     def cpu_ok(x, *rest):
         return x.dtype == torch.bfloat16 and x.numel() > 0
 
-    G.supported = lambda x, w, b: b is None and x.dtype == w.dtype == torch.bfloat16 and x.numel() > 0
+    gemv_tiles.supported = lambda x, w, b: (
+        b is None and x.dtype == w.dtype == torch.bfloat16 and x.numel() > 0
+    )
     rmsnorm.supported = lambda x, w: cpu_ok(x) and w.dim() == 1 and w.shape[0] == x.shape[-1]
     silu_mul.supported = lambda g, u: cpu_ok(g) and g.shape == u.shape
 
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import rmsnorm, silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     _open_cuda_gates()
     gen = torch.Generator().manual_seed(7)
     res = {}
-    cfg = G.TileConfig(block_n=16, block_k=32, split_k=2)
-    G.pick_config = lambda m, n, k: cfg  # small shapes, a split-K launch: the ticket path runs too
+    cfg = gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=2)
+    gemv_tiles.pick_config = lambda m, n, k: cfg  # small shapes, a split-K launch: the ticket path runs too
 
     k_inter, n_out = 96, 40
     gu = torch.randn(1, 2 * k_inter, generator=gen).bfloat16()
     gate, up = gu.chunk(2, dim=-1)
     w = (torch.randn(n_out, k_inter, generator=gen) / 8).bfloat16()
-    fused = G.silu_mul_linear(gate, up, w)
-    two = G.gemv(silu_mul.silu_mul(gate, up), w)
-    res["silu_fusable"] = [G.silu_mul_fusable(gate, up, w), None]
+    fused = gemv_forms.silu_mul_linear(gate, up, w)
+    two = gemv_kernel.gemv(silu_mul.silu_mul(gate, up), w)
+    res["silu_fusable"] = [gemv_forms.silu_mul_fusable(gate, up, w), None]
     res["silu_bitwise_two_launches"] = [torch.equal(fused, two), _rel_err(fused, two.double())]
     res["silu_vs_float64"] = [_rel_err(fused, _reference_silu(gate, up, w)) < 0.03, None]
-    res["silu_deterministic"] = [torch.equal(fused, G.silu_mul_linear(gate, up, w)), None]
+    res["silu_deterministic"] = [torch.equal(fused, gemv_forms.silu_mul_linear(gate, up, w)), None]
 
     hidden, eps = 256, 1e-6
     y = torch.randn(1, hidden, generator=gen).bfloat16()
@@ -86,16 +91,19 @@ def _cpu_checks() -> dict:
     w_post = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
     w_next = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16()
     w2 = (torch.randn(n_out, hidden, generator=gen) / 8).bfloat16()
-    out, h = G.residual_norm_linear(y, w_post, eps, resid, w_next, eps, w2)
+    out, h = gemv_forms.residual_norm_linear(y, w_post, eps, resid, w_next, eps, w2)
     h_two, x_two = rmsnorm.residual_rms_norm(y, w_post, eps, resid, w_next, eps)
-    two = G.gemv(x_two, w2)
+    two = gemv_kernel.gemv(x_two, w2)
     ref, h_ref = _reference_norm(y, resid, w_post, w_next, eps, w2)
-    res["norm_fusable"] = [G.residual_norm_fusable(y, resid, w_post, w_next, w2), None]
+    res["norm_fusable"] = [gemv_forms.residual_norm_fusable(y, resid, w_post, w_next, w2), None]
     res["norm_bitwise_two_launches"] = [torch.equal(out, two), _rel_err(out, two.double())]
     res["norm_h_bitwise"] = [torch.equal(h, h_two), None]
     res["norm_vs_float64"] = [_rel_err(out, ref) < 0.05 and _rel_err(h, h_ref) < 0.02, _rel_err(out, ref)]
     two_rows = torch.randn(2, hidden, generator=gen).bfloat16()
-    res["norm_refuses_two_rows"] = [not G.residual_norm_fusable(two_rows, two_rows, w_post, w_next, w2), None]
+    res["norm_refuses_two_rows"] = [
+        not gemv_forms.residual_norm_fusable(two_rows, two_rows, w_post, w_next, w2),
+        None,
+    ]
     res.update(_preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps))
     res["counters_left_zero"] = tickets_left_zero()
     return res
@@ -104,15 +112,16 @@ def _cpu_checks() -> dict:
 def _preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps) -> dict:
     """`kernels.gemv_preload` (the first weight tile loaded before the PDL wait, here a no-op): the plain
     GEMV and both forms give the same bits with the preloaded tile as without it."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import launch_mode
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     x = torch.randn(1, gate.shape[-1], generator=torch.Generator().manual_seed(8)).bfloat16()
     runs = []
     for preload in (False, True):
         launch_mode.weight_preload = lambda preload=preload: preload
-        runs.append((G.gemv(x, w), G.silu_mul_linear(gate, up, w), *G.residual_norm_linear(
-            y, w_post, eps, resid, w_next, eps, w2)))  # fmt: skip
+        runs.append((gemv_kernel.gemv(x, w), gemv_forms.silu_mul_linear(gate, up, w),
+                     *gemv_forms.residual_norm_linear(y, w_post, eps, resid, w_next, eps, w2)))  # fmt: skip
     return {"preload_bitwise": [all(torch.equal(a, b) for a, b in zip(*runs)), None]}
 
 
@@ -167,21 +176,22 @@ def _cuda():
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_silu_down_is_bitwise_silu_mul_then_gemv(graph):
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(3)
     gu = (torch.randn(1, 11264, generator=gen, device=dev) * 2).bfloat16()
     gate, up = gu.chunk(2, dim=-1)
     w = (torch.randn(2048, 5632, generator=gen, device=dev) / 64).bfloat16()
-    assert G.silu_mul_fusable(gate, up, w)
+    assert gemv_forms.silu_mul_fusable(gate, up, w)
 
     def fused():
-        return G.silu_mul_linear(gate, up, w)
+        return gemv_forms.silu_mul_linear(gate, up, w)
 
     out = _replayed(fused) if graph else fused()
-    two = G.gemv(silu_mul.silu_mul(gate, up), w)
+    two = gemv_kernel.gemv(silu_mul.silu_mul(gate, up), w)
     assert torch.equal(out, two), _rel_err(out, two.double())
     assert _rel_err(out, _reference_silu(gate, up, w)) < 0.02
 
@@ -190,8 +200,9 @@ def test_gpu_silu_down_is_bitwise_silu_mul_then_gemv(graph):
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("n", [11264, 6144])
 def test_gpu_residual_norm_gemv_is_bitwise_residual_norm_then_gemv(n, graph):
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import rmsnorm
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(n)
@@ -200,20 +211,20 @@ def test_gpu_residual_norm_gemv_is_bitwise_residual_norm_then_gemv(n, graph):
     w_post = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
     w_next = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
     w = (torch.randn(n, 2048, generator=gen, device=dev) / 32).bfloat16()
-    assert G.residual_norm_fusable(y, resid, w_post, w_next, w)
+    assert gemv_forms.residual_norm_fusable(y, resid, w_post, w_next, w)
 
     def fused():
-        return G.residual_norm_linear(y, w_post, 1e-6, resid, w_next, 1e-6, w)
+        return gemv_forms.residual_norm_linear(y, w_post, 1e-6, resid, w_next, 1e-6, w)
 
     out, h = _replayed(fused) if graph else fused()
     h_two, x_two = rmsnorm.residual_rms_norm(y, w_post, 1e-6, resid, w_next, 1e-6)
-    two = G.gemv(x_two, w)
+    two = gemv_kernel.gemv(x_two, w)
     assert torch.equal(h, h_two)
     assert torch.equal(out, two), _rel_err(out, two.double())
     ref, _ = _reference_norm(y, resid, w_post, w_next, 1e-6, w)
     assert _rel_err(out, ref) < 0.02
     two_rows = torch.cat([y, y])
-    assert not G.residual_norm_fusable(two_rows, torch.cat([resid, resid]), w_post, w_next, w)
+    assert not gemv_forms.residual_norm_fusable(two_rows, torch.cat([resid, resid]), w_post, w_next, w)
 
 
 def _replayed(fn):
@@ -258,21 +269,21 @@ def _mid_ouro():
 
 def fast_with_and_without(monkeypatch, spec, toggles: tuple[str, ...], spied: tuple[str, ...], off=()):
     """fast on `spec` (CUDA) with the `toggles` off, then on (and the settings `off` off in both): the
-    tokens of 4 requests batched and of the first alone, and how often each `kernels.gemv` function in `spied`
+    tokens of 4 requests batched and of the first alone, and how often each `gemv.forms` function in `spied`
     ran with them off and with them on. Returns (tokens off, tokens on, calls off, calls on)."""
     from looptrace.engine import LLMEngine, SamplingParams
-    from looptrace.engine.kernels import gemv
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
     from looptrace.recipes import load_recipe
 
     calls = dict.fromkeys(spied, 0)
     for name in spied:
-        real = getattr(gemv, name)
+        real = getattr(gemv_forms, name)
 
         def spy(*args, _real=real, _name=name):
             calls[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(gemv, name, spy)
+        monkeypatch.setattr(gemv_forms, name, spy)
     prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
     tokens, counts = [], []
     for on in (False, True):

@@ -55,8 +55,10 @@ def _norm_inputs(gen, hidden: int, k: int):
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import launch_mode, rmsnorm, silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     _open_cuda_gates()
     gen = torch.Generator().manual_seed(11)
@@ -66,47 +68,55 @@ def _cpu_checks() -> dict:
     # once and changed a token: its one-split sums are not the split GEMV's).
     one_row = [torch.zeros(1, k).bfloat16() for k in (2048, 512)]
     res["silu_follows_the_table_split"] = [
-        G.gate_up_silu_fusable(one_row[0], torch.zeros(11264, 2048).bfloat16())
-        and not G.gate_up_silu_fusable(one_row[1], torch.zeros(2816, 512).bfloat16()),
+        gemv_forms.gate_up_silu_fusable(one_row[0], torch.zeros(11264, 2048).bfloat16())
+        and not gemv_forms.gate_up_silu_fusable(one_row[1], torch.zeros(2816, 512).bfloat16()),
         None,
     ]
     for split in (1, 2):  # the norm form after one split and after a split-K combine
-        cfg = G.TileConfig(block_n=16, block_k=32, split_k=split)
-        G.pick_config = lambda m, n, k, cfg=cfg: cfg
+        cfg = gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=split)
+        gemv_tiles.pick_config = lambda m, n, k, cfg=cfg: cfg
 
         x = torch.randn(1, 96, generator=gen).bfloat16()
         w = (torch.randn(2 * 40, 96, generator=gen) / 8).bfloat16()  # [gate; up], I = 40: a partial block
         # the form runs one split: it refuses a weight whose plain GEMV splits K (other sums)
-        res[f"silu_fusable_{split}"] = [G.gate_up_silu_fusable(x, w) == (split == 1), None]
+        res[f"silu_fusable_{split}"] = [gemv_forms.gate_up_silu_fusable(x, w) == (split == 1), None]
         if split == 1:
-            fused = G.gate_up_silu(x, w)
-            two = silu_mul.silu_mul(*G.gemv(x, w).chunk(2, dim=-1))
+            fused = gemv_forms.gate_up_silu(x, w)
+            two = silu_mul.silu_mul(*gemv_kernel.gemv(x, w).chunk(2, dim=-1))
             res["silu_bitwise"] = [torch.equal(fused, two), _rel_err(fused, two.double())]
             res["silu_vs_float64"] = [_rel_err(fused, _reference_silu_out(x, w)) < 0.03, None]
 
         a, wo, resid, w_post, w_next = _norm_inputs(gen, 256, 96)
-        h, xn = G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
-        h_two, x_two = rmsnorm.residual_rms_norm(G.gemv(a, wo), w_post, EPS, resid, w_next, EPS)
+        h, xn = gemv_forms.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
+        h_two, x_two = rmsnorm.residual_rms_norm(gemv_kernel.gemv(a, wo), w_post, EPS, resid, w_next, EPS)
         h_ref, x_ref = _reference_norm_out(a, wo, resid, w_post, w_next)
-        res[f"norm_fusable_{split}"] = [G.linear_norm_fusable(a, wo, resid, w_post, w_next), None]
+        res[f"norm_fusable_{split}"] = [gemv_forms.linear_norm_fusable(a, wo, resid, w_post, w_next), None]
         res[f"norm_bitwise_{split}"] = [torch.equal(h, h_two) and torch.equal(xn, x_two), _rel_err(xn, x_ref)]
         res[f"norm_vs_float64_{split}"] = [_rel_err(h, h_ref) < 0.02 and _rel_err(xn, x_ref) < 0.03, None]
-        again = G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
+        again = gemv_forms.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)
         res[f"norm_deterministic_{split}"] = [torch.equal(again[0], h) and torch.equal(again[1], xn), None]
-    G.pick_config = lambda m, n, k: G.TileConfig(block_n=16, block_k=32, split_k=1)
+    gemv_tiles.pick_config = lambda m, n, k: gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=1)
     runs = []
     for preload in (False, True):  # the preload path of both forms (no PDL here: the same loads, earlier)
         launch_mode.weight_preload = lambda preload=preload: preload
-        runs.append((G.gate_up_silu(x, w), *G.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS)))
+        runs.append(
+            (
+                gemv_forms.gate_up_silu(x, w),
+                *gemv_forms.linear_residual_norm(a, wo, w_post, EPS, resid, w_next, EPS),
+            )
+        )
     res["preload_bitwise"] = [all(torch.equal(p, q) for p, q in zip(*runs)), None]
     two_rows = torch.cat([a, a])
     res["refuses_two_rows"] = [
-        not G.gate_up_silu_fusable(torch.cat([x, x]), w)
-        and not G.linear_norm_fusable(two_rows, wo, resid, w_post, w_next),
+        not gemv_forms.gate_up_silu_fusable(torch.cat([x, x]), w)
+        and not gemv_forms.linear_norm_fusable(two_rows, wo, resid, w_post, w_next),
         None,
     ]
-    res["norm_refuses_width_mismatch"] = [not G.linear_norm_fusable(a, wo[:128], resid, w_post, w_next), None]
-    res["silu_refuses_odd_rows"] = [not G.gate_up_silu_fusable(x, w[:79]), None]
+    res["norm_refuses_width_mismatch"] = [
+        not gemv_forms.linear_norm_fusable(a, wo[:128], resid, w_post, w_next),
+        None,
+    ]
+    res["silu_refuses_odd_rows"] = [not gemv_forms.gate_up_silu_fusable(x, w[:79]), None]
     res["counters_left_zero"] = tickets_left_zero()
     return res
 
@@ -170,17 +180,18 @@ def _maybe_pdl(pdl: bool):
 @gpu
 @pytest.mark.parametrize(("graph", "pdl"), [(False, False), (True, False), (True, True)])
 def test_gpu_gate_up_silu_is_bitwise_gemv_then_silu_mul(graph, pdl):
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(5)
     x = torch.randn(1, 2048, generator=gen, device=dev).bfloat16()
     w = (torch.randn(11264, 2048, generator=gen, device=dev) / 16).bfloat16()
-    assert G.gate_up_silu_fusable(x, w)
+    assert gemv_forms.gate_up_silu_fusable(x, w)
 
     def both():
-        return G.gate_up_silu(x, w), silu_mul.silu_mul(*G.gemv(x, w).chunk(2, dim=-1))
+        return gemv_forms.gate_up_silu(x, w), silu_mul.silu_mul(*gemv_kernel.gemv(x, w).chunk(2, dim=-1))
 
     with _maybe_pdl(pdl):
         fused, two = _replayed(both) if graph else both()
@@ -192,8 +203,9 @@ def test_gpu_gate_up_silu_is_bitwise_gemv_then_silu_mul(graph, pdl):
 @pytest.mark.parametrize(("graph", "pdl"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("k", [2048, 5632])
 def test_gpu_linear_residual_norm_is_bitwise_gemv_then_residual_norm(k, graph, pdl):
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import rmsnorm
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(k)
@@ -202,11 +214,11 @@ def test_gpu_linear_residual_norm_is_bitwise_gemv_then_residual_norm(k, graph, p
     res = torch.randn(1, 2048, generator=gen, device=dev).bfloat16()
     w_post = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
     w_next = (1 + torch.randn(2048, generator=gen, device=dev) / 4).bfloat16()
-    assert G.linear_norm_fusable(a, w, res, w_post, w_next)
+    assert gemv_forms.linear_norm_fusable(a, w, res, w_post, w_next)
 
     def both():
-        fused = G.linear_residual_norm(a, w, w_post, EPS, res, w_next, EPS)
-        return (*fused, *rmsnorm.residual_rms_norm(G.gemv(a, w), w_post, EPS, res, w_next, EPS))
+        fused = gemv_forms.linear_residual_norm(a, w, w_post, EPS, res, w_next, EPS)
+        return (*fused, *rmsnorm.residual_rms_norm(gemv_kernel.gemv(a, w), w_post, EPS, res, w_next, EPS))
 
     with _maybe_pdl(pdl):
         h, x, h_two, x_two = _replayed(both) if graph else both()

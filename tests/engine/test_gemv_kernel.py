@@ -66,23 +66,24 @@ CPU_CASES = {
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     gen = torch.Generator().manual_seed(22)
     res = {}
     for name, (m, n, k, kw) in CPU_CASES.items():
-        cfg = G.TileConfig(**kw) if kw else None
+        cfg = gemv_tiles.TileConfig(**kw) if kw else None
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=gen).to(dtype)
             w = torch.randn(n, k, generator=gen).to(dtype)
-            y = G.gemv(x, w, cfg)
+            y = gemv_kernel.gemv(x, w, cfg)
             ok, ratio = within_bound(y, x, w, interpreted=True)
             tag = f"{name}_{str(dtype).split('.')[-1]}"
             res[f"{tag}_vs_float64"] = [ok and y.shape == (m, n) and y.dtype == dtype, ratio]
-            res[f"{tag}_deterministic"] = [torch.equal(y, G.gemv(x, w, cfg)), None]
+            res[f"{tag}_deterministic"] = [torch.equal(y, gemv_kernel.gemv(x, w, cfg)), None]
     x3 = torch.randn(2, 3, 64, generator=gen)
     w = torch.randn(24, 64, generator=gen)
-    y3 = G.gemv(x3, w, G.TileConfig(block_n=16, block_k=16, split_k=2))
+    y3 = gemv_kernel.gemv(x3, w, gemv_tiles.TileConfig(block_n=16, block_k=16, split_k=2))
     res["three_d_input"] = [y3.shape == (2, 3, 24) and within_bound(y3, x3, w, True)[0], None]
     res["counters_left_zero"] = tickets_left_zero()
     return res
@@ -116,16 +117,18 @@ def test_interpreted_gemv_takes_leading_dims_and_leaves_counters_zero(cpu_result
 def test_split_for_fills_the_gpu_without_empty_splits():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     for n, k in [(2048, 2048), (2048, 5632), (6144, 2048), (11264, 2048), (49152, 2048), (5280, 17920)]:
         for m in (1, 8):
-            cfg = G.pick_config(m, n, k)
-            split, per_split = G.split_for(n, k, cfg)
+            cfg = gemv_tiles.pick_config(m, n, k)
+            split, per_split = gemv_tiles.split_for(n, k, cfg)
             tiles = -(-k // cfg.block_k)
             assert (split - 1) * per_split < tiles <= split * per_split  # every split holds a tile
-            most = max(1, tiles // G.MIN_TILES_PER_SPLIT)
-            assert -(-n // cfg.block_n) * split >= G.SMS or split >= most  # all SMs busy, or K is split out
+            most = max(1, tiles // gemv_tiles.MIN_TILES_PER_SPLIT)
+            assert (
+                -(-n // cfg.block_n) * split >= gemv_tiles.SMS or split >= most
+            )  # all SMs busy, or K is split out
 
 
 # ------------------------------------------------------------------------------------ toggle and recipe
@@ -180,7 +183,7 @@ def test_the_gemv_variants_on_cpu_change_no_output_bit(preset):
     if not HAS_TRITON:
         pytest.skip("triton not importable")
     from looptrace.engine.assemble import install_variants
-    from looptrace.engine.kernels.gemv import linear
+    from looptrace.engine.kernels.gemv.forms import linear
     from looptrace.engine.layers import GemvLinear
     from looptrace.engine.model_config import PRESETS
     from looptrace.engine.models import build_model
@@ -229,7 +232,8 @@ def _gpu_inputs(n, k, m=8, seed=0):
 @gpu
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 def test_gpu_gemv_within_float64_bound_for_1_to_8_rows(shape):
-    from looptrace.engine.kernels.gemv import MAX_ROWS, gemv
+    from looptrace.engine.kernels.gemv.kernel import gemv
+    from looptrace.engine.kernels.gemv.tiles import MAX_ROWS
 
     n, k = GPU_SHAPES[shape]
     x, w = _gpu_inputs(n, k)
@@ -245,7 +249,8 @@ def test_gpu_gemv_within_float64_bound_for_1_to_8_rows(shape):
 @gpu
 @pytest.mark.parametrize("shape", ["ouro_o", "ouro_down", "huginn_qkv"])
 def test_gpu_every_tile_candidate_is_correct(shape):
-    from looptrace.engine.kernels.gemv import CANDIDATES, gemv
+    from looptrace.engine.kernels.gemv.kernel import gemv
+    from looptrace.engine.kernels.gemv.tiles import CANDIDATES
 
     n, k = GPU_SHAPES[shape]
     x, w = _gpu_inputs(n, k, seed=1)
@@ -260,7 +265,7 @@ def test_gpu_every_tile_candidate_is_correct(shape):
 @pytest.mark.parametrize("shape", ["ouro_qkv", "ouro_down", "ouro_lm_head", "huginn_o"])
 def test_gpu_graph_replay_equals_eager_and_runs_repeat_bitwise(shape, rows):
     from looptrace.engine.kernel_checks import in_graph
-    from looptrace.engine.kernels.gemv import gemv
+    from looptrace.engine.kernels.gemv.kernel import gemv
 
     n, k = GPU_SHAPES[shape]
     x, w = _gpu_inputs(n, k, seed=rows)
@@ -279,7 +284,8 @@ def test_gpu_graph_replay_equals_eager_and_runs_repeat_bitwise(shape, rows):
 
 @gpu
 def test_gpu_linear_dispatch():
-    from looptrace.engine.kernels.gemv import gemv, linear
+    from looptrace.engine.kernels.gemv.forms import linear
+    from looptrace.engine.kernels.gemv.kernel import gemv
 
     x, w = _gpu_inputs(2048, 2048, m=9)
     assert torch.equal(linear(x[:1], w), gemv(x[:1], w))  # one row: the GEMV (ROUTE_ROWS)

@@ -50,13 +50,13 @@ def _reference(x, w, cos, sin, heads):
 
 def _both(x, w, cos, sin, kc, vc, went, woff, layer, heads):
     """(fused q, its caches, two-launch q, its caches): each path writes its own copy of the caches."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import gemv_rope, rope
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     hq, hk, d = heads
     kc2, vc2 = kc.clone(), vc.clone()
     q = gemv_rope.qkv_rope_write(x, w, cos, sin, kc, vc, went, woff, layer, heads)
-    q2, k2, v2 = G.gemv(x, w).split([hq * d, hk * d, hk * d], dim=-1)
+    q2, k2, v2 = gemv_kernel.gemv(x, w).split([hq * d, hk * d, hk * d], dim=-1)
     q2 = rope.rope_half_write_kv(
         q2.view(1, hq, d), k2.view(1, hk, d), v2.view(1, hk, d), cos, sin, kc2, vc2, went, woff, layer
     )
@@ -65,15 +65,15 @@ def _both(x, w, cos, sin, kc, vc, went, woff, layer, heads):
 
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import gemv_rope, launch_mode, rope
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     _open_cuda_gates()
     rope.supported_half = lambda q, k, cos, sin: q.dtype == k.dtype == cos.dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(3)
     res: dict = {}
-    cfg = G.TileConfig(block_n=8, block_k=32, split_k=1)  # 4 pairs per program, two K tiles
-    G.pick_config = lambda m, n, k: cfg
+    cfg = gemv_tiles.TileConfig(block_n=8, block_k=32, split_k=1)  # 4 pairs per program, two K tiles
+    gemv_tiles.pick_config = lambda m, n, k: cfg
     went, woff = torch.tensor([2]), torch.tensor([3])
     for name, heads in (("mha", (2, 2, 16)), ("gqa", (4, 1, 16))):
         x, w, cos, sin, kc, vc = _inputs(gen, heads, 64)
@@ -107,10 +107,10 @@ def _cpu_checks() -> dict:
     fusable = gemv_rope.qkv_rope_fusable
     res["refuses_two_rows"] = [not fusable(torch.cat([x, x]), w, cos, sin, kc, vc, heads), None]
     res["refuses_other_heads"] = [not fusable(x, w, cos, sin, kc, vc, (3, 2, 16)), None]
-    wide = G.TileConfig(block_n=32, block_k=32, split_k=1)  # 16 pairs per program, 8 per head
-    G.pick_config = lambda m, n, k: wide
+    wide = gemv_tiles.TileConfig(block_n=32, block_k=32, split_k=1)  # 16 pairs per program, 8 per head
+    gemv_tiles.pick_config = lambda m, n, k: wide
     res["refuses_blocks_across_heads"] = [not fusable(x, w, cos, sin, kc, vc, heads), None]
-    G.pick_config = lambda m, n, k: G.TileConfig(block_n=8, block_k=16, split_k=2)
+    gemv_tiles.pick_config = lambda m, n, k: gemv_tiles.TileConfig(block_n=8, block_k=16, split_k=2)
     res["refuses_split_k"] = [not fusable(x, w, cos, sin, kc, vc, heads), None]
     return res
 
@@ -140,10 +140,10 @@ def test_interpreted_qkv_rope_write(cpu_results, check):
 def test_ouro_qkv_takes_the_form_with_the_real_tile_table():
     """Ouro-1.4B's qkv (6144 x 2048) runs one split with 8-column tiles: 4 pairs per program, 16 programs
     per 128-wide head. (CUDA gates closed on CPU: the pure shape logic is checked through its parts.)"""
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
-    cfg = G.one_row_config(6144, 2048)
-    assert cfg is not None and G.split_for(6144, 2048, cfg)[0] == 1
+    cfg = gemv_tiles.one_row_config(6144, 2048)
+    assert cfg is not None and gemv_tiles.split_for(6144, 2048, cfg)[0] == 1
     assert 64 % (cfg.block_n // 2) == 0
 
 
@@ -151,12 +151,12 @@ def test_ouro_qkv_takes_the_form_with_the_real_tile_table():
 def test_sm90_qkv_rope_waits_before_any_global_access():
     """Ouro-1.4B's launch compiles for sm_90 on the CPU with its options; under PDL only the weight
     preload may come before the wait, and no store or atomic does."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels import gemv_rope
     from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
     from tests.engine.test_pdl import _compile_sm90, _first
 
-    cfg = G.one_row_config(6144, 2048)
+    cfg = gemv_tiles.one_row_config(6144, 2048)
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")}
     sig |= {"went_ptr": "*i64", "woff_ptr": "*i64", "layer_id": "i32"}
     sig |= {name: "i32" for name in ("stride_wn", "stride_e", "stride_s", "stride_ch", "HQ", "HK")}

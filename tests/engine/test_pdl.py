@@ -46,7 +46,7 @@ def test_the_launch_mode_is_scoped_and_off_by_default():
 def _jit_kernels() -> list[tuple[Path, ast.FunctionDef]]:
     """Every `@triton.jit` function of the kernels package that is launched (its name ends in `_kernel`)."""
     out = []
-    for path in sorted(KERNELS_DIR.glob("*.py")):
+    for path in sorted(KERNELS_DIR.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             launched = isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
             if launched and any("jit" in ast.unparse(d) for d in node.decorator_list):
@@ -110,10 +110,10 @@ GEMV_SIGNATURE |= {"N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_y
 
 def one_row_gemv(n: int, k: int, **more):
     """(tile config, constexprs) of the one-row GEMV launch `gemv` makes for W [n, k] (EVEN_K shapes)."""
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
-    cfg = G.pick_config(1, n, k)
-    split, per_split = G.split_for(n, k, cfg)
+    cfg = gemv_tiles.pick_config(1, n, k)
+    split, per_split = gemv_tiles.split_for(n, k, cfg)
     consts = dict(K=k, M=1, M_PAD=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split,
                   SPLIT_K=split, EVEN_K=True, DOT=False, PRECISION="tf32")  # fmt: skip
     return cfg, consts | more
@@ -123,8 +123,8 @@ def fused_gemv_ptx(n: int, k: int, norm_width: int, one_split: bool = False, **c
     """The sm_90 PTX lines of the one-row GEMV for W [n, k] in a fused form (`consts`: X_FORM or Y_FORM and
     what they change), compiled on the CPU with the forms' launch options under PDL; the norm constants are
     those of a row `norm_width` wide; `one_split`: K not split (the SiLU output form's launch)."""
-    from looptrace.engine.kernels import gemv as G
     from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
     from looptrace.engine.kernels.reduce_order import reduce_shape
 
     sig = GEMV_SIGNATURE | {
@@ -138,8 +138,8 @@ def fused_gemv_ptx(n: int, k: int, norm_width: int, one_split: bool = False, **c
         constexprs |= dict(K_TILES=k // cfg.block_k, SPLIT_K=1)
     constexprs |= consts
     compiled = _compile_sm90(
-        G._gemv_kernel, sig, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
-        **EXACT_OPTIONS,
+        gemv_kernel._gemv_kernel, sig, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=True, **EXACT_OPTIONS,
     )  # fmt: skip
     return compiled.asm["ptx"].splitlines()
 
@@ -151,13 +151,13 @@ def _first(ptx: list[str], pattern: str) -> int:
 
 @needs_triton
 def test_sm90_gemv_ptx_waits_before_its_first_load_and_prefetches_before_waiting():
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     cfg, consts = one_row_gemv(2048, 5632)  # Ouro's down projection: split K, tickets
     for pdl in (False, True):
         constexprs = consts | {"PDL": pdl, "PREFETCH": pdl, "PRELOAD": 0}
         compiled = _compile_sm90(
-            G._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
+            gemv_kernel._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps, launch_pdl=pdl
         )
         ptx = compiled.asm["ptx"].splitlines()
         hint, prefetch = (
@@ -178,32 +178,33 @@ def test_prefetch_tiles_are_clamped_to_the_split_and_need_pdl_and_the_preload_to
     PREFETCH_UNDER_PDL: the whole slice after the preload."""
     from functools import partial
 
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     w = torch.zeros(64, 256, dtype=torch.bfloat16)  # 16-byte aligned rows
-    cfg = G.TileConfig(prefetch_tiles=3)
-    tiles = partial(G._prefetch_tiles, weight=w, pdl=True, early=True)
+    cfg = gemv_tiles.TileConfig(prefetch_tiles=3)
+    tiles = partial(gemv_kernel._prefetch_tiles, weight=w, pdl=True, early=True)
     assert tiles(cfg, per_split=8, preload=1) == 3
     assert tiles(cfg, per_split=3, preload=1) == 2
     assert tiles(cfg, per_split=1, preload=1) == 0
     assert tiles(cfg, per_split=8, preload=1, pdl=False) == 0
     assert tiles(cfg, per_split=8, preload=1, early=False) == 0
-    assert tiles(G.TileConfig(), per_split=8, preload=1) == 0
+    assert tiles(gemv_tiles.TileConfig(), per_split=8, preload=1) == 0
     assert tiles(cfg, per_split=8, preload=0, weight=w[:, 1:]) == 0  # a 2-byte offset
-    monkeypatch.setattr(G, "PREFETCH_UNDER_PDL", True)
-    assert tiles(G.TileConfig(), per_split=8, preload=1, early=False) == 7
+    monkeypatch.setattr(gemv_kernel, "PREFETCH_UNDER_PDL", True)
+    assert tiles(gemv_tiles.TileConfig(), per_split=8, preload=1, early=False) == 7
 
 
 @needs_triton
 def test_sm90_gemv_prefetches_its_next_tiles_and_preloads_before_the_wait():
     """Preload + prefetch (one row, PDL): the first tile's loads and the bulk L2 prefetches of the tiles
     after it come before `griddepcontrol.wait`; no store or atomic does."""
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     cfg, constexprs = one_row_gemv(6144, 2048, PDL=True, PREFETCH=2, PRELOAD=1)
     compiled = _compile_sm90(
-        G._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=True,
+        gemv_kernel._gemv_kernel, GEMV_SIGNATURE, constexprs, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=True,
     )  # fmt: skip
     ptx = compiled.asm["ptx"].splitlines()
     wait = _first(ptx, "griddepcontrol.wait")
@@ -218,14 +219,14 @@ def test_sm90_gemv_prefetches_its_next_tiles_and_preloads_before_the_wait():
 def test_sm90_gemv_preload_loads_weights_before_the_wait():
     """`kernels.gemv_preload`: the first weight tile's loads come before `griddepcontrol.wait`; the
     activation, partial and ticket accesses (everything a kernel before may write) after it."""
-    from looptrace.engine.kernels import gemv as G
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 
     cfg, constexprs = one_row_gemv(6144, 2048, PDL=True, PREFETCH=False)  # Ouro's q/k/v projection
     orders = {}
     for preload in (0, 1):
         compiled = _compile_sm90(
-            G._gemv_kernel, GEMV_SIGNATURE, {**constexprs, "PRELOAD": preload}, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, launch_pdl=True,
+            gemv_kernel._gemv_kernel, GEMV_SIGNATURE, {**constexprs, "PRELOAD": preload},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True,
         )  # fmt: skip
         ptx = compiled.asm["ptx"].splitlines()
         wait = _first(ptx, "griddepcontrol.wait")
@@ -393,14 +394,19 @@ def test_a_chain_captured_under_pdl_equals_the_eager_chain_bitwise(rows, project
     import torch.nn.functional as F
 
     from looptrace.engine import kernels as K
-    from looptrace.engine.kernels import gemv
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
 
     if projection.endswith("+l2"):  # every tile of the table asks L2 for its next two tiles
-        table_pick = gemv.pick_config
-        monkeypatch.setattr(
-            gemv, "pick_config", lambda m, n, k: dataclasses.replace(table_pick(m, n, k), prefetch_tiles=2)
-        )
-    linear = F.linear if projection.startswith("cublas") else gemv.gemv
+        table_pick = gemv_tiles.pick_config
+
+        def pick(m, n, k):
+            return dataclasses.replace(table_pick(m, n, k), prefetch_tiles=2)
+
+        # both users of the table: the plain GEMV's launch and the one-row forms' config
+        monkeypatch.setattr(gemv_kernel, "pick_config", pick)
+        monkeypatch.setattr(gemv_tiles, "pick_config", pick)
+    linear = F.linear if projection.startswith("cublas") else gemv_kernel.gemv
     preload, kv = "+preload" in projection, projection.endswith("+kv")
     fold = projection.endswith("+rope")
     if fold and rows > 1:

@@ -32,7 +32,8 @@ from looptrace.engine.kernels.device_helpers import (
     triton,
     wait_for_inputs,
 )
-from looptrace.engine.kernels.gemv import one_row_config, routes, split_for, split_product, weight_tile
+from looptrace.engine.kernels.gemv.kernel import split_product, weight_tile
+from looptrace.engine.kernels.gemv.tiles import one_row_config, routes, split_for
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language

@@ -85,9 +85,9 @@ class GemvFusedLinear:
 
     @staticmethod
     def fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-        return gemv.linear(x, weight)
+        return gemv_forms.linear(x, weight)
 
 
 class RopeWriteOuroAttention(OuroAttention):
@@ -182,10 +182,11 @@ class GemvSiluOuroMLP(OuroMLP):
     the residual norm's own forms need the projection's output)."""
 
     def down(self, gate: torch.Tensor, up: torch.Tensor, tail: ResidualTail | None):
-        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-        if tail is None and gemv.silu_mul_fusable(gate, up, self.down_proj.weight):
-            return gemv.silu_mul_linear(gate, up, self.down_proj.weight)  # the same bits as the two launches
+        if tail is None and gemv_forms.silu_mul_fusable(gate, up, self.down_proj.weight):
+            # the same bits as the two launches
+            return gemv_forms.silu_mul_linear(gate, up, self.down_proj.weight)
         return super().down(gate, up, tail)
 
 
@@ -193,11 +194,11 @@ class GemvSiluOutOuroMLP(OuroMLP):
     """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself."""
 
     def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
-        from looptrace.engine.kernels import gemv  # imports Triton: only where a kernel runs
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         x = materialized(x)
-        if gemv.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
-            return finish(self.down_proj, gemv.gate_up_silu(x, self.gate_up), tail)
+        if gemv_forms.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
+            return finish(self.down_proj, gemv_forms.gate_up_silu(x, self.gate_up), tail)
         return super().forward(x, tail)
 
 

@@ -1,63 +1,11 @@
-"""Bandwidth-bound GEMV for decode: `y = x @ W.T` for a few rows (M <= 8) in Triton (R3: `kernels.gemv`).
-
-Why: at decode batch 1-8 a projection reads its whole weight once and does almost no arithmetic, so the
-time floor is `N * K * 2` bytes at the copy bandwidth (H200: 4.28 TB/s). cuBLAS reaches about 46-58 % of it on
-Ouro's chain; a GEMV that keeps every SM streaming W can get close to the floor.
-
-Design (`_gemv_kernel`):
-- Grid `(cdiv(N, BLOCK_N), SPLIT_K)`: program (n, s) owns output columns `n*BLOCK_N ...` and the K range
-  of split s (`K_TILES` tiles of `BLOCK_K`). Where N / BLOCK_N alone gives too few programs for the 132 SMs
-  (o_proj and down_proj: 2048 columns), K is split too (`split_for`).
-- All M rows of x are handled by one program, so W is read exactly once. x is tiny (M * K * 2 bytes) and stays
-  in L1/L2.
-- Loads along K are contiguous runs of BLOCK_K bf16 (K contiguous in W and x, pointers 16-byte aligned, K a
-  multiple of 16): Triton emits 16-byte vector loads. `EVEN_K` (K a whole number of tiles, every split full)
-  drops the K mask.
-- Products: `DOT=True` runs `tl.dot(W_tile, x_tile.T)` on tensor cores with x padded to 16 rows (bf16 x bf16
-  products are exact in fp32, accumulation in fp32; the padding rows cost tensor-core cycles, which are
-  nowhere near the limit here); `DOT=False` multiplies on CUDA cores in fp32 and reduces with `tl.sum`
-  (M == 1: an elementwise fp32 accumulator, reduced once after the K loop). The tile table picks one.
-- Split-K reduction, deterministic (no float atomics): each split stores its fp32 partial `[M, BLOCK_N]` in a
-  scratch buffer, then takes a ticket (an `acq_rel` atomic add on the column block's int32 counter, after a
-  barrier so all its stores are released with it). The program that draws the last ticket reads the
-  SPLIT_K partials back from L2 (`.cg`) and adds them in split order 0, 1, ..., SPLIT_K - 1 (the same
-  order whoever is last), rounds once to bf16, stores y and resets the counter to zero for the next launch.
-  The counters are one persistent zeroed buffer per device (`scratch.tickets`, shared with the paged
-  attention kernel: launches on one stream never overlap and each leaves them zero).
-- CUDA graphs: no host syncs, the grid depends only on (M, N, K), the partial scratch is a plain
-  `torch.empty` per call (graph-pool memory under capture) and the ticket buffer is allocated outside
-  capture on first use (`warmup` or the graph's eager warm-up).
-- One row, CUDA cores only (see `split_product`):
-  - `PRELOAD` (`kernels.gemv_preload`, under PDL): tile 0 of W is loaded before the wait. Weights are never
-    written, so this overlaps the kernel before.
-  - `X_FORM` (`kernels.gemv_silu` / `kernels.gemv_norm`): the input row is computed in the kernel from the
-    inputs of the exact kernel it replaces (`silu_mul_linear`, `residual_norm_linear`), bit for bit. Measured
-    slower on the H200, so off in `fast`.
-  - `Y_FORM` (`kernels.gemv_silu_out` / `kernels.gemv_norm_out`): the kernel finishes the exact kernel that
-    would run after it, bit for bit: SiLU·mul of the gate/up GEMV's output (`gate_up_silu`: one program
-    holds a block of gate rows and the same block of up rows; one split only, so it refuses shapes where the
-    plain GEMV splits K) or the sandwich residual norm after o / down (`linear_residual_norm`: the program
-    that completes the row's last column block, after a second ticket, runs it over the whole row). On the
-    H200 the first pays (one launch fewer) and the second does not (a one-program tail after a ticket costs
-    more than a separate launch under PDL): on and off in `fast`.
-
-Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
-fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,
-which may depend on M; a row's result is therefore not claimed to be independent of the batch size.
-
-`linear(x, w, b)` is the drop-in for `F.linear`: the Triton GEMV for bias-free bf16 CUDA inputs of at most
-`MAX_ROWS` rows, `F.linear` otherwise. `engine/assemble.py` swaps in the variants that call it: `GemvLinear`
-on every bias-free nn.Linear, `GemvFusedLinear` on Ouro's fused projections. Importing this module imports
-Triton.
-"""
+"""The GEMV's Triton kernel (`_gemv_kernel`), its device helpers, its launch and the plain `gemv`
+(`kernels.gemv`; design in the package docstring). Imports Triton."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kernels.device_helpers import (
@@ -74,102 +22,19 @@ from looptrace.engine.kernels.device_helpers import (
     triton,
     wait_for_inputs,
 )
+from looptrace.engine.kernels.gemv.tiles import MAX_ROWS, TileConfig, pick_config, split_for
 from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
-from looptrace.engine.kernels.reduce_order import mean_factor, reduce_shape
 from looptrace.engine.kernels.rmsnorm import residual_norm_row, residual_row_mean, residual_value, row_mean
 from looptrace.engine.kernels.scratch import tickets
 
 tl = triton.language
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-MAX_ROWS = 8  # rows the kernel takes (decode); above it the GEMM is compute-bound
-# Rows up to which `linear` routes to the GEMV: measured on the H200, it beats cuBLAS only at one row
-# (Ouro's token chain 5.62 vs 5.98 ms, bench/results/h200/decode-token/; at 2-8 rows every
-# tile candidate was slower, gemv_h200.md), so fast keeps cuBLAS from two rows on.
-ROUTE_ROWS = 1
-SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
-TARGET_PROGRAMS = 4 * SMS
-MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
 # Under `kernels.pdl`: prefetch each program's weight slice into L2 before waiting for the kernel before.
 # Off: measured slower on the H200 (bench/results/h200/decode-token/, Ouro token at 1 row: PDL 5.52 ->
 # 5.05 ms without it, 6.88 ms with it; the early programs' prefetches compete with the kernel before).
 PREFETCH_UNDER_PDL = False
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int | None = None  # None: as many splits as reach TARGET_PROGRAMS (see `split_for`)
-    num_warps: int = 4
-    num_stages: int = 3
-    dot: bool = False
-    # Under PDL: weight tiles this program asks L2 for before its wait, after the one it preloads (a hint
-    # that moves no values, R0): the next tiles stream while the kernel before finishes, with no registers
-    # held for them (a 16-32 KB register preload measured slower: fewer programs per SM). 0 in every table
-    # entry: depths 1, 2 and 4 made Ouro's token slower on an H100, 5.02 -> 5.47 / 5.74 / 6.16 ms
-    # (bench/results/h100/decode-token/); not yet measured on an H200
-    prefetch_tiles: int = 0
-
-
-# Tile table: first entry whose (N range, K range, M range) holds the shape wins; ranges are inclusive.
-# The M = 1 rows are the fastest candidate per shape measured on the H200 (bench/results/h200/kernels/:
-# Ouro-1.4B's decode chain 3.97 ms against cuBLAS's 4.11 ms). At M >= 2 no candidate measured beat cuBLAS
-# (the tensor-core path reads W once but runs at 36-76 % of copy bandwidth): the entry below is the best
-# of them, kept so `fast` runs one kernel family; tuning it is open work.
-DEFAULT = TileConfig(block_n=32, block_k=128)  # M = 1, K = 2048-5632, N <= 8191: Ouro's down
-_WIDE = TileConfig(block_n=32, block_k=256)  # lm_heads, Huginn's fc: 94-98 % of copy bandwidth
-_LONG_ROWS = TileConfig(block_n=16, block_k=512, num_stages=2)
-# Ouro's other one-row projections (hidden 2048), tuned inside the dependent token chain, where a tile
-# runs differently than alone (bench/token_ablation.py --gemv-sweep, then the whole token: 4.39 ->
-# 4.19 ms with all three; bench/results/h200/decode-token/)
-_OURO_QKV = TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)  # 6144 x 2048
-_OURO_O = TileConfig(block_n=32, block_k=128, num_warps=8)  # 2048 x 2048
-_OURO_GATE_UP = TileConfig(block_n=16, block_k=256)  # 11264 x 2048
-TILE_TABLE: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int], TileConfig], ...] = (
-    ((1, 1 << 30), (1, 1 << 30), (2, MAX_ROWS), TileConfig(block_n=64, block_k=128, dot=True)),
-    ((11264, 11264), (2048, 2048), (1, 1), _OURO_GATE_UP),
-    ((6144, 6144), (2048, 2048), (1, 1), _OURO_QKV),
-    ((2048, 2048), (2048, 2048), (1, 1), _OURO_O),
-    ((32768, 1 << 30), (1, 1 << 30), (1, 1), _WIDE),
-    ((8192, 32767), (1, 1 << 30), (1, 1), _LONG_ROWS),  # Ouro gate_up, Huginn qkv
-    ((4096, 8191), (5000, 6000), (1, 1), _LONG_ROWS),  # Huginn o (not Ouro down: N 2048)
-    ((1, 8191), (12000, 1 << 30), (1, 1), _LONG_ROWS),  # Huginn down
-)
-
-
-# What `bench/kernel_gemv.py` tries next to the table's choice (the GPU tests check each of them too).
-CANDIDATES = (
-    TileConfig(block_n=64, block_k=128),
-    TileConfig(block_n=32, block_k=256),
-    TileConfig(block_n=32, block_k=128),
-    TileConfig(block_n=16, block_k=512, num_stages=2),
-    TileConfig(block_n=64, block_k=128, dot=True),
-    TileConfig(block_n=128, block_k=128, num_warps=8, dot=True),
-    TileConfig(block_n=32, block_k=256, num_stages=4, dot=True),
-)
-
-
-def pick_config(m: int, n: int, k: int) -> TileConfig:
-    for (n_lo, n_hi), (k_lo, k_hi), (m_lo, m_hi), cfg in TILE_TABLE:
-        if n_lo <= n <= n_hi and k_lo <= k <= k_hi and m_lo <= m <= m_hi:
-            return cfg
-    return DEFAULT
-
-
-def split_for(n: int, k: int, cfg: TileConfig) -> tuple[int, int]:
-    """(SPLIT_K, K_TILES): splits of K and BLOCK_K tiles per split. Without a fixed `split_k`: as many splits
-    as bring the grid to TARGET_PROGRAMS, each at least MIN_TILES_PER_SPLIT tiles; never an empty split."""
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    blocks = triton.cdiv(n, cfg.block_n)
-    want = cfg.split_k or max(1, min(triton.cdiv(TARGET_PROGRAMS, blocks), k_tiles // MIN_TILES_PER_SPLIT))
-    if cfg.split_k is None:  # a split count within 2x that divides the tiles: every split full, no K mask
-        most = max(1, k_tiles // MIN_TILES_PER_SPLIT)
-        divisors = [s for s in range(1, most + 1) if k_tiles % s == 0 and want <= 2 * s <= 4 * want]
-        want = min(divisors, key=lambda s: (abs(s - want) / want, -s), default=want)
-    per_split = triton.cdiv(k_tiles, max(1, want))
-    return triton.cdiv(k_tiles, per_split), per_split
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -421,22 +286,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig | None = None) -
     """`x @ weight.T` for `x [..., K]` with at most MAX_ROWS rows and `weight [N, K]` (K contiguous); the
     result has x's dtype and shape `[..., N]`. fp32 accumulation. `cfg` overrides the tile table."""
     *lead, k = x.shape
-    _check_weight(weight, k)
+    check_weight(weight, k)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}")
-    return _launch(x2, weight, cfg or pick_config(m, weight.shape[0], k)).reshape(*lead, weight.shape[0])
+    return launch(x2, weight, cfg or pick_config(m, weight.shape[0], k)).reshape(*lead, weight.shape[0])
 
 
-def _check_weight(weight: torch.Tensor, k: int) -> None:
+def check_weight(weight: torch.Tensor, k: int) -> None:
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} must be [N, {k}] with K contiguous")
 
 
-def _launch(
+def launch(
     x2: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, form=None, consts=None, y_form: int = PLAIN_OUT
 ) -> torch.Tensor:
     """One `_gemv_kernel` launch over the `[M, K]` rows x2, or (`form`: the fused form's tensors and
@@ -459,7 +324,7 @@ def _launch(
     launch = pdl_args()
     early = launch_mode.weight_preload()  # kernels.gemv_preload: weight work before the PDL wait
     preload = int(m == 1 and not cfg.dot and early)
-    form = form or _unused_inputs(x2)
+    form = form or unused_inputs(x2)
     # the fused forms hold exact kernels' arithmetic: compiled with their options (no contraction,
     # libdevice without flush-to-zero); the GEMV's own products are explicit FMAs either way
     consts = {**consts, **EXACT_OPTIONS} if consts else {}
@@ -488,187 +353,16 @@ def _prefetch_tiles(
     return max(0, min(cfg.prefetch_tiles, per_split - preload)) if early else 0
 
 
-def _unused_inputs(x2: torch.Tensor) -> dict:
+def unused_inputs(x2: torch.Tensor) -> dict:
     """The fused forms' arguments where the kernel does not read them (PLAIN; the silu form's norm ones)."""
     return dict(
         u_ptr=x2, res_ptr=x2, wy_ptr=x2, wn_ptr=x2, h_ptr=x2, x_out_ptr=x2, factor=1.0, eps_y=0.0, eps_n=0.0
     )
 
 
-# ------------------------------------------------------------------------- GEMVs with a fused input form
-
-
-def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`linear` would take the Triton GEMV for this input (one routed row on CUDA, bf16, no bias)."""
-    return x.numel() <= ROUTE_ROWS * x.shape[-1] and supported(x, weight, None)
-
-
-def one_row_config(n: int, k: int) -> TileConfig | None:
-    """The tile config of a one-row GEMV if the fused input forms can run it (the CUDA-core path)."""
-    cfg = pick_config(1, n, k)
-    return None if cfg.dot else cfg
-
-
-def silu_mul_fusable(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`silu_mul_linear` runs as one fused GEMV: one routed bf16 row, gate and up of one shape with unit
-    inner stride, and a weight `[N, K]` with K contiguous."""
-    return (
-        routes(gate, weight)
-        and up.shape == gate.shape
-        and up.dtype == gate.dtype
-        and gate.stride(-1) == up.stride(-1) == 1
-        and weight.shape[1] == gate.shape[-1]
-        and one_row_config(weight.shape[0], gate.shape[-1]) is not None
-    )
-
-
-def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`gemv(silu_mul(gate, up), weight)` in one launch (`kernels.gemv_silu`): each program computes
-    SiLU·mul of its own K slice with `silu_mul.py`'s fenced arithmetic, so the result is bitwise the two
-    launches'. Call only where `silu_mul_fusable`."""
-    k = gate.shape[-1]
-    _check_weight(weight, k)
-    x2 = gate.reshape(1, k)
-    form = {**_unused_inputs(x2), "u_ptr": up.reshape(1, k)}
-    y = _launch(x2, weight, one_row_config(weight.shape[0], k), form, dict(X_FORM=SILU_MUL))
-    return y.reshape(*gate.shape[:-1], weight.shape[0])
-
-
-def residual_norm_fusable(y: torch.Tensor, residual: torch.Tensor, w_post, w_next, weight) -> bool:
-    """`residual_norm_linear` runs as one fused GEMV: where `rmsnorm.residual_rms_norm` takes its one-kernel
-    form and the projection is one routed row through the CUDA-core GEMV."""
-    from looptrace.engine.kernels import rmsnorm
-
-    return (
-        routes(y, weight)
-        and y.stride(-1) == residual.stride(-1) == 1
-        and weight.shape[1] == y.shape[-1]
-        and rmsnorm.residual_supported(y, residual, w_post, w_next)
-        and one_row_config(weight.shape[0], y.shape[-1]) is not None
-    )
-
-
-def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next: float, weight):
-    """`h, x = residual_rms_norm(y, w_post, eps_post, residual, w_next, eps_next); return gemv(x, weight), h`
-    in one launch (`kernels.gemv_norm`): every program computes both row norms itself (PyTorch's mean
-    order, rmsnorm's helpers) and its K slice of x; program (0, 0) stores h. Bitwise the two launches'.
-    Call only where `residual_norm_fusable`."""
-    from looptrace.engine.kernels import rmsnorm
-
-    k = y.shape[-1]
-    _check_weight(weight, k)
-    shape = reduce_shape(1, k)
-    h = torch.empty_like(residual)
-    form = dict(
-        u_ptr=y, res_ptr=residual.reshape(1, k), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
-        h_ptr=h, x_out_ptr=y, factor=mean_factor(1, k), eps_y=eps_post, eps_n=eps_next,
-    )  # fmt: skip
-    order = rmsnorm.shuffle_order()
-    consts = dict(LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=order == "desc", CHUNK=min(k, 2048))
-    out = _launch(y.reshape(1, k), weight, one_row_config(weight.shape[0], k), form,
-                  dict(X_FORM=RESIDUAL_NORM, **consts))  # fmt: skip
-    return out.reshape(*y.shape[:-1], weight.shape[0]), h
-
-
-# ------------------------------------------------------------------------ GEMVs with a fused output form
-
-
-def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`gate_up_silu` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV and a stacked
-    `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row), where
-    the plain GEMV would not split K (the form runs one split: with a split, its sums would differ)."""
-    n, k = weight.shape
-    cfg = one_row_config(n, k)
-    return (
-        routes(x, weight)
-        and k == x.shape[-1]
-        and n % 2 == 0
-        and cfg is not None
-        and cfg.block_n >= 2
-        and split_for(n, k, cfg)[0] == 1
-    )
-
-
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`silu_mul(*gemv(x, weight).chunk(2, -1))` in one launch (`kernels.gemv_silu_out`): each program
-    computes a block of gate columns and the same block of up columns (the plain GEMV's products, in its
-    order) and stores SiLU·mul of them with `silu_mul.py`'s fenced arithmetic, so the result is bitwise the
-    two launches'. `weight` is `[gate; up]` (`[2 I, K]`); returns `[..., I]`. Call only where
-    `gate_up_silu_fusable`."""
-    k = x.shape[-1]
-    _check_weight(weight, k)
-    x2 = x.reshape(1, k)
-    cfg = one_row_config(weight.shape[0], k)
-    y = _launch(x2, weight, cfg, consts=dict(X_FORM=PLAIN), y_form=SILU_OUT)
-    return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
-
-
-def linear_norm_fusable(
-    a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, w_post, w_next
-) -> bool:
-    """`linear_residual_norm` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV whose
-    output row `[1, N]` the one-kernel residual norm takes (`rmsnorm.residual_supported`)."""
-    from looptrace.engine.kernels import rmsnorm
-
-    return (
-        routes(a, weight)
-        and weight.shape[1] == a.shape[-1]
-        and residual.shape[-1] == weight.shape[0]
-        and residual.numel() == weight.shape[0]
-        and residual.stride(-1) == 1
-        and rmsnorm.residual_supported(residual, residual, w_post, w_next)
-        and one_row_config(weight.shape[0], a.shape[-1]) is not None
-    )
-
-
-def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, eps_next: float):
-    """`residual_rms_norm(gemv(a, weight), w_post, eps_post, residual, w_next, eps_next)` in one launch
-    (`kernels.gemv_norm_out`): the program that completes the row's last column block runs the residual
-    norm over the whole row with the exact kernel's code (`rmsnorm.residual_norm_row`), so h and x are
-    bitwise the two launches'. Returns (h, x), each shaped like `residual`. Call only where
-    `linear_norm_fusable`."""
-    from looptrace.engine.kernels import rmsnorm
-
-    k, n = a.shape[-1], weight.shape[0]
-    _check_weight(weight, k)
-    shape = reduce_shape(1, n)
-    h, x = torch.empty_like(residual), torch.empty_like(residual)
-    form = dict(
-        u_ptr=a, res_ptr=residual.reshape(1, n), wy_ptr=w_post.contiguous(), wn_ptr=w_next.contiguous(),
-        h_ptr=h, x_out_ptr=x, factor=mean_factor(1, n), eps_y=eps_post, eps_n=eps_next,
-    )  # fmt: skip
-    desc = rmsnorm.shuffle_order() == "desc"
-    consts = dict(X_FORM=PLAIN, LANES=shape.lanes, VECS=shape.vectors_per_lane, DESC=desc,
-                  CHUNK=rmsnorm.chunk_columns(n), NORM_N=n)  # fmt: skip
-    _launch(a.reshape(1, k), weight, one_row_config(n, k), form, consts, y_form=NORM_OUT)
-    return h, x
-
-
 def prefetch_aligned(weight: torch.Tensor) -> bool:
     """Bulk L2 prefetches take 16-byte aligned addresses: the weight's base and row stride must be."""
     return weight.dtype == torch.bfloat16 and weight.data_ptr() % 16 == 0 and (weight.stride(0) * 2) % 16 == 0
-
-
-def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The GEMV's domain: bias-free, bf16 on CUDA, 1..MAX_ROWS rows, weight with K contiguous."""
-    return (
-        bias is None
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and weight.stride(-1) == 1
-        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
-    )
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with the Triton GEMV where it applies (`supported`) and pays (at most ROUTE_ROWS rows)."""
-    if x.numel() <= ROUTE_ROWS * x.shape[-1] and supported(x, weight, bias):
-        return gemv(x, weight)
-    return F.linear(x, weight, bias)
-
-
-# --------------------------------------------------------------------------------------------- the model
 
 
 def warmup(device: torch.device | str, shapes, rows=range(1, MAX_ROWS + 1)) -> None:
@@ -678,22 +372,3 @@ def warmup(device: torch.device | str, shapes, rows=range(1, MAX_ROWS + 1)) -> N
         for m in rows:
             gemv(torch.zeros(m, k, dtype=torch.bfloat16, device=device), w)
     torch.cuda.synchronize(device)
-
-
-__all__ = [
-    "CANDIDATES",
-    "MAX_ROWS",
-    "ROUTE_ROWS",
-    "TILE_TABLE",
-    "TileConfig",
-    "gate_up_silu",
-    "gate_up_silu_fusable",
-    "gemv",
-    "linear_norm_fusable",
-    "linear_residual_norm",
-    "linear",
-    "pick_config",
-    "split_for",
-    "supported",
-    "warmup",
-]
