@@ -110,3 +110,22 @@ def test_captured_prefetches_change_no_bit():
     prefetched = capture()
     assert pf.issued >= 7
     assert torch.equal(plain, prefetched)
+
+
+def test_the_wrapped_gemv_fused_linear_takes_the_wrappers_call():
+    """`kernels.l2_prefetch` wraps a fused projection's `fused_linear` and calls it as `(x, weight, bias)`:
+    `GemvFusedLinear`'s (the Triton GEMV where it applies, `F.linear` on CPU) takes that call."""
+    from looptrace.engine.kernels.l2_prefetch import _wrap_fused
+    from looptrace.engine.models.ouro import GemvFusedLinear
+
+    prefetched = []
+
+    class Prefetcher:
+        def before(self, weight, x):
+            prefetched.append(tuple(weight.shape))
+
+    module = GemvFusedLinear()
+    _wrap_fused(module, Prefetcher())
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert torch.equal(module.fused_linear(x, w), torch.nn.functional.linear(x, w))
+    assert prefetched == [(4, 8)]

@@ -84,10 +84,10 @@ class GemvFusedLinear:
     concatenated weight's GEMM through the Triton GEMV where it applies (`GemvLinear` for plain ones)."""
 
     @staticmethod
-    def fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
-        return gemv_forms.linear(x, weight)
+        return gemv_forms.linear(x, weight, bias)
 
 
 class RopeWriteOuroAttention(OuroAttention):
