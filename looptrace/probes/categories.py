@@ -20,6 +20,7 @@ sampling).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -110,6 +111,7 @@ _LAYER_MODULE_RE = re.compile(r"^nn\.Module: \w*?(?:DecoderLayer|Layer|Block)_(\
 _LAYER_PATH_RE = re.compile(r"(?:^|[./])(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure in the name; names repeat across events
 def composite_category(op: str) -> str | None:
     if is_comm_name(op):
         return COMM
@@ -117,6 +119,7 @@ def composite_category(op: str) -> str | None:
     return next((cat for cat, pattern in _COMPOSITE if pattern.search(name)), None)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure in the name; names repeat across events
 def generic_category(op: str) -> str | None:
     if op.startswith("triton_"):  # Inductor records each Triton kernel launch as a CPU op of its name
         return kernel_category(op)
@@ -132,6 +135,7 @@ def generic_category(op: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure in the name; names repeat across events
 def kernel_category(kernel: str) -> str:
     if is_comm_name(kernel):  # before copy: an NCCL all-gather kernel is not a copy/cast
         return COMM

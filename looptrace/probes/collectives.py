@@ -22,6 +22,7 @@ not given (it says so) and an all-gather's S is only known from its output.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -67,6 +68,8 @@ _PARAM_DTYPE_BYTES = {"float": 4, "double": 8, "bfloat16": 2, "half": 2, "long":
                       "char": 1, "bool": 1, "short": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
 
 
+# Cached: a trace repeats a few hundred op and kernel names over hundreds of thousands of events.
+@functools.lru_cache(maxsize=1 << 16)
 def is_comm_name(name: str) -> bool:
     return bool(COMM_NAME_RE.search(name.lower()))
 
