@@ -796,9 +796,10 @@ def _foreign_contexts(
         for j, idx in sorted(groups.items())
     }
     outside = order.pop(-1, None) if order.keys() - {-1} else None
-    found = _detect(ctx, kernels, list(order.values()), hints)
+    prefill = [j >= 0 and steps[j].phase == st.PREFILL for j in order]  # a prefill forward's stage: prefill
+    found = _detect(ctx, kernels, list(order.values()), hints, prefill)
     if outside is not None:  # kernels outside every step: their own sequence, not counted as a step
-        alone = _detect(ctx, kernels, [outside], hints)
+        alone = _detect(ctx, kernels, [outside], hints, [False])
         found = found if found.found or not alone.found else alone
     return ctx, found
 
@@ -808,11 +809,13 @@ def _detect(
     kernels: list[tuple[TraceEvent, Position]],
     order: list[list[int]],
     hints: dict[str, int | None],
+    prefill: list[bool],
 ) -> LoopStructure:
     """`loops.detect_loops` on the kernels of each sequence in `order`; their contexts updated in `ctx`."""
     found = detect_loops(
         [[ctx[i] for i in idx] for idx in order],
         names=[[kernels[i][0].name for i in idx] for idx in order],
+        prefill=prefill,
         **hints,
     )
     for idx, inferred in zip(order, found.steps, strict=True):

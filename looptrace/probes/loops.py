@@ -55,6 +55,7 @@ from looptrace.probes import categories as cats
 from looptrace.probes.context import NONE, Context
 
 RECURRENT, PRELUDE, CODA, SAMPLE = "recurrent", "prelude", "coda", "sample"
+PREFILL_STAGE = "prefill"  # a prefill forward's stage: the name of looptrace's prefill step
 _INDEX_RE = re.compile(r"(\d+)$")
 _SAMPLING_NAME_RE = re.compile(r"argmax|multinomial|sampl|top_p|top_k_")
 
@@ -120,13 +121,18 @@ def detect_loops(
     names: Sequence[Sequence[str]] | None = None,
     layers_per_loop: int | None = None,
     loops: int | None = None,
+    prefill: Sequence[bool] | None = None,
 ) -> LoopStructure:
-    """`infer_loops`, plus a summary of the loop structure for the report."""
+    """`infer_loops`, plus a summary of the loop structure for the report. `prefill`: per step, whether it
+    is a prefill forward: its ops get stage "prefill" (sampling stays "sample"), their loops and layers
+    kept, as looptrace's ranges give a prefill step."""
     for hint, flag in ((layers_per_loop, "layers_per_loop"), (loops, "loops")):
         if hint is not None and hint < 1:
             raise ValueError(f"{flag} must be >= 1")
     if names is not None and len(names) != len(step_ops):
         raise ValueError("names must have one sequence per step")
+    if prefill is not None and len(prefill) != len(step_ops):
+        raise ValueError("prefill must have one flag per step")
     found = []
     for s, ctxs in enumerate(step_ops):
         ctxs = list(ctxs)
@@ -139,7 +145,13 @@ def detect_loops(
         # One recurrent block per model: a repeat of another width is something else (e.g. Huginn's coda
         # layers, run once to fill the coda KV of the prompt and once more for its last position).
         chains = [ch for ch in chains if len(ch.blocks[0].layers) == width]
-        out.steps.append(_assign(ctxs, keys, blocks, chains) if chains else ctxs)
+        step = len(out.steps)
+        phases = (
+            (False, False)
+            if prefill is None
+            else (prefill[step], step + 1 < len(prefill) and prefill[step + 1])
+        )
+        out.steps.append(_assign(ctxs, keys, blocks, chains, *phases) if chains else ctxs)
         for ch in chains:
             shapes[(width, len(ch.blocks))] += 1
             out.sources.append(ch.source)
@@ -411,9 +423,16 @@ def _split_block(blocks: list[_Block], layers_per_loop: int | None, loops: int |
 
 
 def _assign(
-    ctxs: list[Context], keys: list[Hashable], blocks: list[_Block], chains: list[_Chain]
+    ctxs: list[Context],
+    keys: list[Hashable],
+    blocks: list[_Block],
+    chains: list[_Chain],
+    prefill: bool = False,
+    next_prefill: bool = False,
 ) -> list[Context]:
-    """New contexts: loop passes, layers and stages of every op of a step with loops."""
+    """New contexts: loop passes, layers and stages of every op of a step with loops. A prefill forward
+    computes its prelude and loops as stage prefill (the coda and sampling keep theirs); the prelude ops
+    after the last sampling prepare the next forward and take its stage."""
     n = len(ctxs)
     stage: list[str] = [NONE] * n
     loop: list[int | None] = [None] * n
@@ -435,7 +454,16 @@ def _assign(
                 layer[s:e] = [f"core{j}"] * (e - s)
         spans.append((start, end))
         prev_end = end
-    _outside(ctxs, keys, spans, stage, layer, blocks)
+    repeats = _outside(ctxs, keys, spans, stage, layer, blocks)
+    # A prefill computes every prompt row up to its last coda pass (which may run for the last row only).
+    coda_from = max([p for p in repeats if p >= spans[-1][1]], default=spans[-1][1])
+    last_sample = max((p for p in range(spans[-1][1], n) if stage[p] == SAMPLE), default=None)
+    for p in range(n):
+        if last_sample is not None and p > last_sample:
+            if next_prefill and stage[p] == PRELUDE:
+                stage[p] = PREFILL_STAGE
+        elif prefill and (stage[p] in (PRELUDE, RECURRENT) or (stage[p] == CODA and p < coda_from)):
+            stage[p] = PREFILL_STAGE
     roles = {name: _role(name) for name in set(layer)}
     shared: dict[tuple, Context] = {}  # frozen: equal results can be one object (replace costs µs per op)
     out = []
@@ -461,9 +489,10 @@ def _outside(
     stage: list[str],
     layer: list[str | None],
     blocks: list[_Block],
-) -> None:
+) -> list[int]:
     """Prelude / coda (and sample) stages, and prelude<i> / coda<i> layers, around the chains (the blocks
-    inside each region: chain blocks lie in the chains' spans)."""
+    inside each region: chain blocks lie in the chains' spans). Returns where a region's first block runs
+    again (a prefill's coda layers run once for every prompt row, then once for the last row)."""
     n = len(ctxs)
     edges = [0] + [e for _, e in spans]
     starts = [s for s, _ in spans] + [n]
@@ -472,11 +501,12 @@ def _outside(
         if k == 0:
             regions.append((lo, hi, PRELUDE))
             continue
-        cut = hi
-        if k < len(spans):  # between two chains: coda up to the last sampling op, then prelude
-            sampled = [p for p in range(lo, hi) if _is_sampling(ctxs[p], keys[p])]
-            cut = sampled[-1] + 1 if sampled else hi
+        # After a chain: coda up to the last sampling op, then prelude (what follows the sampling prepares
+        # the next forward: its positions, its inputs), also after the sequence's last chain.
+        sampled = [p for p in range(lo, hi) if _is_sampling(ctxs[p], keys[p])]
+        cut = sampled[-1] + 1 if sampled else hi
         regions += [(lo, cut, CODA), (cut, hi, PRELUDE)]
+    repeats: list[int] = []  # where a region's first block runs again
     k = 0  # blocks and regions are both in sequence order: one sweep
     for lo, hi, name in regions:
         for p in range(lo, hi):
@@ -492,10 +522,12 @@ def _outside(
                 first = content
             elif content == first and len(blocks[k].layers) > 1:
                 index = 0
+                repeats.append(blocks[k].layers[0][0])
             for s, e in blocks[k].layers:
                 layer[s:e] = [f"{name}{index}"] * (e - s)
                 index += 1
             k += 1
+    return repeats
 
 
 def _describe(shapes: Counter[tuple[int, int]], sources: list[str], steps: int) -> str:
