@@ -491,8 +491,9 @@ def _outside(
     blocks: list[_Block],
 ) -> list[int]:
     """Prelude / coda (and sample) stages, and prelude<i> / coda<i> layers, around the chains (the blocks
-    inside each region: chain blocks lie in the chains' spans). Returns where a region's first block runs
-    again (a prefill's coda layers run once for every prompt row, then once for the last row)."""
+    inside each region: chain blocks lie in the chains' spans). Returns where the ops that lead to a repeat of
+    a region's first block start (a prefill's coda layers run once for every prompt row, then once more for
+    the last row)."""
     n = len(ctxs)
     edges = [0] + [e for _, e in spans]
     starts = [s for s, _ in spans] + [n]
@@ -506,7 +507,7 @@ def _outside(
         sampled = [p for p in range(lo, hi) if _is_sampling(ctxs[p], keys[p])]
         cut = sampled[-1] + 1 if sampled else hi
         regions += [(lo, cut, CODA), (cut, hi, PRELUDE)]
-    repeats: list[int] = []  # where a region's first block runs again
+    repeats: list[int] = []  # where a repeat of a region's first block starts, with the ops leading to it
     k = 0  # blocks and regions are both in sequence order: one sweep
     for lo, hi, name in regions:
         for p in range(lo, hi):
@@ -519,10 +520,11 @@ def _outside(
             # a repeat of the region's first block is a repeated pass: coda0.. again.
             content = _content(keys, blocks[k])
             if first is None:
-                first = content
+                first, lead_in = content, keys[lo : blocks[k].start]
             elif content == first and len(blocks[k].layers) > 1:
                 index = 0
-                repeats.append(blocks[k].layers[0][0])
+                # the repeat starts with the ops that led into the first block (e.g. the coda's inputs)
+                repeats.append(blocks[k].start - _suffix(keys, blocks[k - 1].end, blocks[k].start, lead_in))
             for s, e in blocks[k].layers:
                 layer[s:e] = [f"{name}{index}"] * (e - s)
                 index += 1

@@ -181,6 +181,51 @@ def test_stripped_trace_forwards_give_profiles_tokens_and_structure(preset, reco
     assert inferred.source == "inferred" and inferred.coverage >= 0.95
 
 
+def by_forwards(run: Stripped) -> list[Context]:
+    """Contexts of the leaf ops inferred as `analyze` does on a trace without ranges: one sequence per
+    forward (`forwards`), a prefill forward flagged as such."""
+    _, forwards = find_forwards(run.bare)
+    groups: dict[int, list[int]] = {}
+    for i, e in enumerate(run.leaves):
+        j = next((k for k, f in enumerate(forwards) if f.event.ts <= e.ts < f.event.end), -1)
+        groups.setdefault(j, []).append(i)
+    order = sorted(groups)
+    found = detect_loops(
+        [[run.contexts[i] for i in groups[j]] for j in order],
+        names=[[run.names[i] for i in groups[j]] for j in order],
+        prefill=[j >= 0 and forwards[j].phase == "prefill" for j in order],
+    )
+    out = list(run.contexts)
+    for j, inferred in zip(order, found.steps, strict=True):
+        for i, c in zip(groups[j], inferred, strict=True):
+            out[i] = c
+    return out
+
+
+# Kernels of profile's prefill window whose stage differs from its ranges', by (ranges' stage, ours): the
+# ops that set up the coda pass of the last prompt row (its state gather and positions) read as the
+# prefill's; Ouro's state write and gather for the next forward after the prefill as its coda.
+PREFILL_STAGE_MISMATCHES = {
+    "ouro-tiny": {("prefill", "coda"): 2},
+    "huginn-tiny": {("coda", "prefill"): 5},
+    "olmo-retrofit-tiny": {("coda", "prefill"): 9},
+}
+
+
+@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
+def test_prefill_forward_stage(preset, recorded):
+    """A prefill forward's prelude and loops are stage prefill, as profile's ranges name our engine's
+    prefill step, its last coda pass coda; loops and layers are the ranges' for every op of the window."""
+    run = recorded(preset)
+    inferred = by_forwards(run)
+    [window] = [e for e in run.events if e.cat == C.ANNOTATION_CAT and e.name == C.window_name("prefill")]
+    pairs = [(t, i) for t, i, e in zip(run.truth, inferred, run.leaves) if window.ts <= e.ts < window.end]
+    assert [(t.loop, t.layer) for t, _ in pairs] == [(i.loop, i.layer) for _, i in pairs]
+    stages = Counter((t.stage, i.stage) for t, i in pairs)
+    assert stages[("prefill", "prefill")] > 0.8 * len(pairs)
+    assert {k: n for k, n in stages.items() if k[0] != k[1]} == PREFILL_STAGE_MISMATCHES[preset], stages
+
+
 def test_stripped_trace_stages(recorded):
     """Huginn: prelude layers before each chain, coda layers and sampling after it, as profile's stages;
     in the prefill step (one stage there) the ops of its loop ranges are the recurrent ones."""
