@@ -28,7 +28,11 @@ and exit gate). A plain transformer is N × [layer] once per forward: no repeate
    head (tail wins where both hold); ops that are neither run between loops (stage recurrent, no loop).
 4. Ops before the first pass are prelude, after the last coda (between two chains of passes in one
    sequence: coda up to the last sampling op, then prelude); layer passes there are prelude<i>/coda<i>,
-   numbered on across the region's blocks (a repeat of its first block starts again at 0).
+   numbered on across the region's blocks (a repeat of its first block starts again at 0). Ops after the
+   last sampling op prepare the next forward: prelude.
+5. A prefill forward (`prefill=`): its prelude and loops are stage prefill, as looptrace's ranges name its
+   prefill step; its last coda pass (where the coda runs again for the last prompt row), the ops leading
+   to it and sampling keep theirs; the ops after sampling take the next forward's stage.
 
 Hints (`layers_per_loop`, `loops`: the CLI's --layers-per-loop / --loops) keep only chains of that shape;
 where no chain is found, they split the largest block of k = loops × layers_per_loop layers into loops (a
