@@ -40,6 +40,7 @@ _KINDS = (
 )
 # A \uD800-\uDFFF escape: only then can json.loads produce a lone surrogate (raw ones are not UTF-8).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")  # the same on text: no encoded copy of a trace
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -171,7 +172,7 @@ def parse_json(data: str | bytes, where: str, *, check: bool = True) -> Any:
         raise InputError(f"{where}: invalid JSON ({_first_sentence(exc)})") from None
     if check:
         check_tree(value, where)
-    elif _SURROGATE_ESCAPE.search(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data):
+    elif (_SURROGATE_ESCAPE_TEXT if isinstance(data, str) else _SURROGATE_ESCAPE).search(data):
         _check_strings_only(value, where)
     return value
 

@@ -176,18 +176,30 @@ def _read_bytes(path: Path) -> bytes:
     return b"".join(chunks)
 
 
+def _utf8_text(data: bytes) -> str | bytes:
+    """The file as text, so that json.loads makes no decoded copy of its own while the bytes are still
+    held (a 184 MB trace would be in memory three times at the parse's peak). Bytes that are not UTF-8 are
+    left to json.loads, which names the problem."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data
+
+
 def _read_json(path: Path) -> Any:
     """The trace's JSON, parsed within looptrace.input_files' limits (nesting, digits, surrogates)."""
     try:
-        return parse_json(_read_bytes(path), str(path), check=False)
+        return parse_json(_utf8_text(_read_bytes(path)), str(path), check=False)
     except InputError as exc:
         raise TraceError(str(exc).replace("; expected a file", ", not a trace file")) from None
     except (OSError, EOFError, zlib.error) as exc:  # unreadable, bad or truncated gzip
         raise TraceError(f"{path}: cannot read trace ({exc})".replace("\n", " ")) from None
 
 
-def parse_chrome_trace(data: Any, source: str = "<memory>") -> Trace:
-    """Build a `Trace` from already-decoded JSON: an object with `traceEvents` or a bare event list."""
+def parse_chrome_trace(data: Any, source: str = "<memory>", consume: bool = False) -> Trace:
+    """Build a `Trace` from already-decoded JSON: an object with `traceEvents` or a bare event list.
+    `consume=True` drops each raw event from the list once it is converted, so the decoded JSON and the
+    events are never both whole in memory (a large trace's peak memory; the caller's list is emptied)."""
     if isinstance(data, dict):
         raw_events = data.get("traceEvents")
         if not isinstance(raw_events, list):
@@ -199,6 +211,8 @@ def parse_chrome_trace(data: Any, source: str = "<memory>") -> Trace:
         raise TraceError(f"{source}: not a Chrome trace (expected an object or a list of events)")
     events = []
     for i, raw in enumerate(raw_events):
+        if consume:
+            raw_events[i] = None
         if not isinstance(raw, dict) or raw.get("ph") != "X":
             continue
         try:
@@ -249,7 +263,7 @@ def charge_replay_overlaps(events: list[TraceEvent]) -> int:
 def load_chrome_trace(path: str | Path) -> Trace:
     """Read a Chrome/Kineto JSON trace (`.json` or `.json.gz`); raise `TraceError` on any problem."""
     path = Path(path)
-    return parse_chrome_trace(_read_json(path), source=str(path))
+    return parse_chrome_trace(_read_json(path), source=str(path), consume=True)
 
 
 def trace_from_profiler(prof: Any, path: str | Path | None = None) -> Trace:
