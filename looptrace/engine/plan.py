@@ -23,7 +23,7 @@ from looptrace.engine.kv_cache import LAYOUTS, KVLayout
 from looptrace.engine.model_config import ModelSpec
 from looptrace.engine.request import EngineInputError, Stage
 
-# How a RECURRENT batch runs (the engine keeps one small strategy per mode: LLMEngine.DECODE_MODES).
+# How a RECURRENT batch runs (one class per mode: decode_modes.DECODE_MODES).
 ASYNC_WHOLE_TOKEN = "async_whole_token"  # whole-token steps submitted before the last one's tokens are read
 WHOLE_TOKEN = "whole_token"  # prelude, every loop and the coda in one step
 FUSED_LOOPS = "fused_loops"  # every loop of a row in one step; prelude and coda apart

@@ -141,6 +141,17 @@ class ModelRunner:
             name: GraphCache(name, body, cfg, mempool) for name, body in bodies.items() if name in families
         }
 
+    def graph_caches(self) -> list[tuple[str, GraphCache]]:
+        """(family name, cache) of every family captured here, in `LLMEngine.graph_counters` order."""
+        named = (
+            ("recurrent", self.recurrent_graphs),
+            ("recurrent_fused", self.fused_graphs),
+            ("coda", self.coda_graphs),
+            ("whole_token", self.token_graphs),
+            ("prefill", self.prefill_graphs),
+        )
+        return [(name, cache) for name, cache in named if cache is not None]
+
     # Carried-state slots ----------------------------------------------------------------------------------
     def take_slot(self) -> int:
         """A free carried-state row; there is one per admissible request (scheduler.max_num_seqs)."""

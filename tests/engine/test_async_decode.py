@@ -63,8 +63,8 @@ def test_a_step_is_submitted_before_the_previous_tokens_are_read():
     while "token" not in log.stages:
         e.step()
     req = e.requests[rid]
-    assert req.outputs[-1] == PENDING_TOKEN and e._pending_tokens is not None  # unread after its step
-    first_pending = e._pending_tokens
+    assert req.outputs[-1] == PENDING_TOKEN and e.decode.in_flight is not None  # unread after its step
+    first_pending = e.decode.in_flight
     outputs = e.step()  # the next token step goes first, then the earlier tokens are read
     assert log.stages[-1] == "token" and first_pending.resolved
     assert [o.token_id for o in outputs] == [req.outputs[-2]] and req.outputs[-1] == PENDING_TOKEN
@@ -81,7 +81,7 @@ def test_eos_read_late_drops_the_extra_token(preset):
     outs, reasons = {}, {}
     for mode in (False, True):
         e = engine(preset, mode)
-        e.spec = replace(e.spec, eos_token_ids=(eos,))
+        e.spec = e.lifecycle.spec = replace(e.spec, eos_token_ids=(eos,))  # the lifecycle applies stops
         got, why = stream(e, PROMPTS[:2], params)
         outs[mode] = [r.outputs for r in e.requests.values()]
         reasons[mode] = why
@@ -110,7 +110,7 @@ def test_abort_while_a_read_is_pending_leaves_no_placeholder():
     e = engine("ouro-tiny", True)
     a = e.add_request(PROMPTS[0], SamplingParams(max_tokens=6))
     b = e.add_request(PROMPTS[1], SamplingParams(max_tokens=6))
-    while e._pending_tokens is None:
+    while e.decode.in_flight is None:
         e.step()
     e.abort_request(a)
     while e.has_unfinished_requests():

@@ -70,7 +70,7 @@ def test_abort_with_a_gate_in_flight_frees_the_request():
     eng = engine(True, 0.3)
     rid = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=20))
     other = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=4))
-    while eng._pending is None:  # run until a recurrent step left its gate unread
+    while eng.decode.in_flight is None:  # run until a recurrent step left its gate unread
         eng.step()
     eng.abort_request(rid)
     while eng.has_unfinished_requests():

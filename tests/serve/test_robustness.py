@@ -141,12 +141,12 @@ def test_a_failing_detokenizer_fails_that_stream_alone():
 
     srv = serve(tokenizer=Tok())
     engine = srv.loop.engine
-    real = engine._emit_token
+    real = engine.lifecycle.emit_token
 
     def emit(req, token):
         return real(req, 250 if req.prompt == MAGIC else token)
 
-    engine._emit_token = emit
+    engine.lifecycle.emit_token = emit
     try:
         with ThreadPoolExecutor(2) as pool:
             good = pool.submit(stream, srv.url, OTHER, 16, None)
