@@ -43,6 +43,8 @@ Static part (pure `ast`, nothing of the package is imported):
   sibling's private name, `from .x import _y`, a private sibling module `_x`, or reading `x._y` of a sibling
   module it imported); the functions of `kernels/__init__.py` and, of them, the forwarders (a body of
   imports and one call returned or made, after at most `if ...: return <constant>` guards).
+- Branches on request events: per engine function, the `Event.NAME` values compared (`==`, `is`); the
+  request lifecycle is a table of handlers, so the largest should stay at most 1.
 - Lines per package, functions over 40 lines in cli/, the five longest functions per package.
 - Duplicated regions: lines normalised (stripped, inner whitespace collapsed; blank, comment and import
   lines dropped), windows of 6 normalised lines hashed, matching windows extended to maximal regions; each
@@ -792,6 +794,31 @@ def kernel_wing(modules: dict[str, Module]) -> dict:
     }
 
 
+def event_switches(modules: dict[str, Module]) -> list[dict]:
+    """Functions of the engine that branch on a request event: each `x == Event.NAME` (or `is`, `!=`)
+    comparison is one branch; one entry per function with any, largest first. The request lifecycle as a
+    table of handlers (engine/request_events.py) has none; the old `_advance` switch had 12."""
+    out = []
+    for module in modules.values():
+        if not module.in_engine:
+            continue
+        for fn in ast.walk(module.tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            events = {
+                side.attr
+                for node in ast.walk(fn)
+                if isinstance(node, ast.Compare)
+                for side in (node.left, *node.comparators)
+                if isinstance(side, ast.Attribute)
+                and isinstance(side.value, ast.Name)
+                and side.value.id == "Event"
+            }
+            if events:
+                out.append({"where": f"{module.rel}:{fn.lineno}", "function": fn.name, "events": len(events)})
+    return sorted(out, key=lambda h: -h["events"])
+
+
 # ------------------------------------------------------------------------------------ size and repeats
 
 
@@ -908,6 +935,7 @@ def analyse(root: Path) -> dict:
         "launch_globals": launch_globals(modules),
         "kernel_wing": kernel_wing(modules),
         "class_sizes": class_sizes(modules),
+        "event_switches": event_switches(modules),
         "cli_functions_over_40": [
             f for f in all_functions if f["package"] == "cli" and f["lines"] > LONG_FUNCTION_LINES
         ],
@@ -1153,6 +1181,8 @@ def summary(result: dict) -> dict[str, int]:
         figures[f"{name} lines"] = size["lines"]
         if "step_lines" in size:
             figures[f"{name}.step lines"] = size["step_lines"]
+    switches = result["event_switches"]
+    figures["largest branch on request events (events)"] = max((h["events"] for h in switches), default=0)
     figures["function-level imports (lazy edges)"] = result["import_edges"]["lazy"]
     wing = result["kernel_wing"]
     figures["lines engine/kernels (all files)"] = sum(wing["lines"].values())
