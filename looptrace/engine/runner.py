@@ -1,7 +1,8 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one stage of the model, keeps carried state.
 
 The runner owns device tensors (KV pool, carried recurrent state, per-traversal metadata, CUDA graphs);
-it asks the block manager for addresses and keeps the written-state guard up to date. Each call of
+its host metadata (`runner_metadata.HostMetadata`) asks the block manager for addresses and keeps the
+written-state guard up to date. Each call of
 stage method (`prefill`, `prelude`, `recurrent`, `coda`) is one submission (one engine step). The runner
 computes and returns results; it never changes a request's stage or progress (the engine does). Stages:
 
@@ -28,13 +29,8 @@ from looptrace.engine.cuda_graphs import GraphCache
 from looptrace.engine.hooks import HookDispatcher
 from looptrace.engine.kv_cache import BlockManager, KVPool
 from looptrace.engine.layers import (
-    META_CTX,
-    META_FIXED,
-    META_POS,
     META_SLOT,
     META_TOKEN,
-    META_WBLOCK,
-    META_WOFF,
     AttentionMetadata,
     AttnContext,
     PackedRows,
@@ -43,6 +39,7 @@ from looptrace.engine.layers import (
 from looptrace.engine.models import LoopedModel
 from looptrace.engine.plan import EnginePlan, PrefillDepth
 from looptrace.engine.request import PrefillSpan, Request
+from looptrace.engine.runner_metadata import HostMetadata
 from looptrace.engine.runner_parts import (  # PendingRead, Row: re-exported (old import path)
     GateReadback,
     HostStaging,
@@ -84,6 +81,7 @@ class ModelRunner:
         # same shapes (and give the same bits); on CPU the batch's own width is enough.
         self.fixed_width = math.ceil(max_model_len / self.block_size) if device.type == "cuda" else None
         self._init_slots(max_slots)
+        self.host_meta = HostMetadata(blocks, self.block_size)  # rows -> host metadata, written-state guard
         # The Triton attention path needs no mask and no gather list (TritonAttentionMetadata).
         self.metadata = (TritonAttentionMetadata if plan.triton_attention else AttentionMetadata)(
             self.block_size
@@ -161,95 +159,12 @@ class ModelRunner:
         self.free_slots.append(slot)
 
     # Metadata -------------------------------------------------------------------------------------------
-    def _raw(self, rows: list[Row], plane_sets: list[list[int]], width: int) -> np.ndarray:
-        """Host metadata -> [len(plane_sets), R, 6 + width]; entry j gives row i the plane plane_sets[j][i]
-        (prefill: one entry per plane; recurrent: one entry, each row at its own depth's plane).
-
-        Vectorized over rows: a whole-burst prefill is tens of thousands of rows times every plane (Huginn:
-        32), which a per-row loop turned into seconds of host time before the first kernel."""
-        bs, n = self.block_size, len(rows)
-        raw = np.full((len(plane_sets), n, META_FIXED + width), -1, dtype=np.int64)
-        if not n:
-            return raw
-        pos = np.fromiter((r.pos for r in rows), np.int64, n)
-        raw[:, :, META_SLOT] = np.fromiter((r.request.state_slot for r in rows), np.int64, n)
-        raw[:, :, META_POS] = pos
-        raw[:, :, META_CTX] = pos + 1
-        raw[:, :, META_WOFF] = pos % bs
-        raw[:, :, META_TOKEN] = np.fromiter((r.token for r in rows), np.int64, n)
-        page = pos // bs
-        below_need = np.arange(width)[None, :] <= page[:, None]  # the table columns a row may read
-        rid_index: dict[str, int] = {}
-        req = np.fromiter(
-            (rid_index.setdefault(r.request.request_id, len(rid_index)) for r in rows), np.int64, n
-        )
-        rids = list(rid_index)
-        slots = []
-        for j, planes in enumerate(plane_sets):
-            plane = np.asarray(planes, dtype=np.int64)
-            # One padded table per distinct (request, plane) of this entry; each row indexes its own.
-            span = int(plane.max()) + 1
-            keys, key_of_row = np.unique(req * span + plane, return_inverse=True)
-            tables = np.full((len(keys), width), -1, dtype=np.int64)
-            for k, key in enumerate(keys.tolist()):
-                table = self.blocks.entries(rids[key // span], key % span)
-                tables[k, : min(len(table), width)] = table[:width]
-            row_tables = tables[key_of_row]
-            write_block = row_tables[np.arange(n), page]
-            if (write_block < 0).any():
-                i = int(np.argmax(write_block < 0))
-                raise IndexError(f"row {i} (position {int(pos[i])}) has no KV page in plane {int(plane[i])}")
-            raw[j, :, META_WBLOCK] = write_block
-            raw[j, :, META_FIXED:] = np.where(below_need, row_tables, -1)
-            slots.append(np.stack([plane, write_block, pos % bs], axis=1))
-        self._check_unique_writes(np.concatenate(slots))
-        return raw
-
-    @staticmethod
-    def _check_unique_writes(slots: np.ndarray) -> None:
-        """slots [N, 3] = (plane, entry base, offset): two rows of one traversal must never write one slot."""
-        if not len(slots):
-            return
-        plane, entry, offset = slots.T
-        keys = (plane * (int(entry.max()) + 1) + entry) * (int(offset.max()) + 1) + offset  # one int a slot
-        order = np.argsort(keys, kind="stable")
-        repeated = np.flatnonzero(keys[order][1:] == keys[order][:-1])
-        if len(repeated):
-            dup = tuple(int(x) for x in slots[order[repeated[0]]])
-            raise RuntimeError(f"duplicate KV write at plane/entry/offset {dup}")
-
     def _index(self, values: list[int]) -> torch.Tensor:
         """A small int64 index on the device, staged through pinned memory (no blocking copy)."""
         return self.staging.to_device(np.asarray(values, dtype=np.int64))
 
-    def _width(self, rows: list[Row]) -> int:
-        return max(r.pos // self.block_size + 1 for r in rows)
-
     def _decode_width(self, rows: list[Row]) -> int:
-        return self.fixed_width or self._width(rows)
-
-    def _check(self, rows: list[Row], plane: int, role) -> None:
-        """Every layer of `role` (or the given physical layer ids) in `plane` wrote each row's history."""
-        firsts: dict[str, int] = {}
-        for r in rows:  # a chunk's later rows see the rows written before them in this traversal
-            firsts.setdefault(r.request.request_id, r.pos)
-        for rid, pos in firsts.items():
-            self.blocks.check_history(rid, plane, role, pos)
-
-    def _mark(self, rows: list[Row], plane: int, role) -> None:
-        """Marks each row's position written by every layer of `role` (or the given layer ids) in `plane`;
-        consecutive positions of one request are marked as one range."""
-        run: list = []  # [request id, start, stop]
-        for r in rows:
-            rid = r.request.request_id
-            if run and run[0] == rid and run[2] == r.pos:
-                run[2] += 1
-                continue
-            if run:
-                self.blocks.mark_written(run[0], plane, role, run[1], run[2])
-            run = [rid, r.pos, r.pos + 1]
-        if run:
-            self.blocks.mark_written(run[0], plane, role, run[1], run[2])
+        return self.fixed_width or self.host_meta.width(rows)
 
     # Traversals (also the bodies captured into CUDA graphs) ------------------------------------------------
     def _core_pass(self, raw: torch.Tensor, state: torch.Tensor, inject: torch.Tensor | None = None):
@@ -319,7 +234,9 @@ class ModelRunner:
         if self._prefill_graphable():
             self._prefill_graphed(spans, rows, boundary, core_planes, planes)
             return
-        raw = self.staging.to_device(self._raw(rows, [[p] * len(rows) for p in planes], self._width(rows)))
+        raw = self.staging.to_device(
+            self.host_meta.raw(rows, [[p] * len(rows) for p in planes], self.host_meta.width(rows))
+        )
         raw_of = {p: raw[i] for i, p in enumerate(planes)}
         ctx0 = self.metadata(
             raw_of[boundary], self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache
@@ -332,10 +249,10 @@ class ModelRunner:
         tokens = raw_of[boundary][:, META_TOKEN]
 
         if self.spec.n_prelude:
-            self._check(rows, boundary, "prelude")
+            self.host_meta.check(rows, boundary, "prelude")
         embedded, inject = self.model.prelude(tokens, ctx0)
         if self.spec.n_prelude:
-            self._mark(rows, boundary, "prelude")
+            self.host_meta.mark(rows, boundary, "prelude")
         state = self.model.first_state(embedded)
         if state is None:
             state = self.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
@@ -368,12 +285,12 @@ class ModelRunner:
         """The eager chunk's work (`_prefill_rows`) with the prelude and the loops in one graph replay; the
         initial-state draw (request generators), the coda fill and the state hand-off stay eager."""
         raw = self.staging.to_device(
-            self._raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
+            self.host_meta.raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
         )
         if self.spec.n_prelude:
-            self._check(rows, boundary, "prelude")
+            self.host_meta.check(rows, boundary, "prelude")
         for plane in core_planes:  # history before each request's first row: the same for every loop
-            self._check(rows, plane, "core")
+            self.host_meta.check(rows, plane, "core")
         packed = self.plan.packed_prefill  # only on the Triton path here (`_prefill_graphable`)
         blocks = self._packed_blocks(spans, len(rows)) if packed else self._no_blocks
         inputs: tuple = (raw, blocks)
@@ -383,9 +300,9 @@ class ModelRunner:
             out = self._maybe_graph(self.prefill_graphs, len(rows), self._prefill_pass, inputs)
         state, inject = out[0], (out[1] if len(out) > 1 else None)
         if self.spec.n_prelude:
-            self._mark(rows, boundary, "prelude")
+            self.host_meta.mark(rows, boundary, "prelude")
         for plane in core_planes:
-            self._mark(rows, plane, "core")
+            self.host_meta.mark(rows, plane, "core")
         last_rows = self._last_rows(spans)
         if self.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
@@ -427,11 +344,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Every loop on these rows, depth-major: all rows do loop 1, then loop 2, ... (loop t on plane t)."""
         for t in loops if loops is not None else range(self.max_loops):
-            self._check(rows, planes[t], "core")
+            self.host_meta.check(rows, planes[t], "core")
             if self.hooks.active:
                 self.hooks.loop_begin("prefill", t)
             state, _ = self.model.core(state, inject, ctxs[t])
-            self._mark(rows, planes[t], "core")
+            self.host_meta.mark(rows, planes[t], "core")
             if self.hooks.active:
                 if self.hooks.wants_hidden:
                     self._emit_hidden("prefill", t, rows, state)
@@ -501,12 +418,14 @@ class ModelRunner:
         if not keep:
             return
         sub = [rows[i] for i in keep]
-        self._check(sub, plane, "coda")
-        raw = self.staging.to_device(self._raw(sub, [[plane] * len(sub)], self._width(sub)))[0]
+        self.host_meta.check(sub, plane, "coda")
+        raw = self.staging.to_device(
+            self.host_meta.raw(sub, [[plane] * len(sub)], self.host_meta.width(sub))
+        )[0]
         ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
         part = state if len(keep) == len(rows) else state.index_select(0, self._index(keep))
         self.model.coda_hidden(part, ctx)
-        self._mark(sub, plane, "coda")
+        self.host_meta.mark(sub, plane, "coda")
 
     def prelude(self, requests: list[Request]) -> None:
         self.submissions += 1
@@ -514,16 +433,18 @@ class ModelRunner:
         plane = self.layout.plane("prelude", 0)
         width = self._decode_width(rows)
         raw_np = (
-            self._raw(rows, [[plane] * len(rows)], width) if self.spec.n_prelude else self._raw_no_kv(rows)
+            self.host_meta.raw(rows, [[plane] * len(rows)], width)
+            if self.spec.n_prelude
+            else self.host_meta.raw_no_kv(rows)
         )
         raw = self.staging.to_device(raw_np)[0]
         ctx = None
         if self.spec.n_prelude:
-            self._check(rows, plane, "prelude")
+            self.host_meta.check(rows, plane, "prelude")
             ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
         embedded, inject = self.model.prelude(raw[:, META_TOKEN], ctx)
         if self.spec.n_prelude:
-            self._mark(rows, plane, "prelude")
+            self.host_meta.mark(rows, plane, "prelude")
         state = self.model.first_state(embedded)
         if state is None:
             state = self.ops.state_init(embedded, [(r, r.decode_position, 1) for r in requests])
@@ -531,16 +452,6 @@ class ModelRunner:
         self.state_pool.index_copy_(0, slots, state)
         if inject is not None:
             self.inject_pool.index_copy_(0, slots, inject)
-
-    def _raw_no_kv(self, rows: list[Row]) -> np.ndarray:
-        raw = np.zeros((1, len(rows), META_FIXED + 1), dtype=np.int64)
-        for i, row in enumerate(rows):
-            raw[0, i, META_SLOT], raw[0, i, META_POS], raw[0, i, META_TOKEN] = (
-                row.request.state_slot,
-                row.pos,
-                row.token,
-            )
-        return raw
 
     def recurrent(
         self, requests: list[Request], need_gate: bool, defer: bool = False
@@ -552,8 +463,8 @@ class ModelRunner:
         rows = [Row(r, r.decode_position) for r in requests]
         planes = [self.layout.plane("core", r.loops_done) for r in requests]
         for row, plane in zip(rows, planes):
-            self._check([row], plane, "core")
-        raw = self.staging.to_device(self._raw(rows, [planes], self._decode_width(rows)))[0]
+            self.host_meta.check([row], plane, "core")
+        raw = self.staging.to_device(self.host_meta.raw(rows, [planes], self._decode_width(rows)))[0]
         slots = raw[:, META_SLOT]
         inputs = (raw, self.state_pool.index_select(0, slots))
         if self.inject_pool is not None:
@@ -567,7 +478,7 @@ class ModelRunner:
             self.prev_state.index_copy_(0, slots, inputs[1])
         self.state_pool.index_copy_(0, slots, out[0])
         for row, plane in zip(rows, planes):
-            self._mark([row], plane, "core")
+            self.host_meta.mark([row], plane, "core")
         if self.hooks.active:
             if self.hooks.wants_hidden:
                 for t in loops:
@@ -599,8 +510,8 @@ class ModelRunner:
         rows = [Row(r, r.decode_position) for r in requests]
         plane_sets = [[self.layout.plane("core", t)] * len(rows) for t in range(loops)]
         for planes in plane_sets:
-            self._check(rows, planes[0], "core")
-        raw = self.staging.to_device(self._raw(rows, plane_sets, self._decode_width(rows)))
+            self.host_meta.check(rows, planes[0], "core")
+        raw = self.staging.to_device(self.host_meta.raw(rows, plane_sets, self._decode_width(rows)))
         slots = raw[0][:, META_SLOT]
         inputs = (raw, self.state_pool.index_select(0, slots))
         if self.inject_pool is not None:
@@ -620,7 +531,7 @@ class ModelRunner:
                 out = self._maybe_graph(self.fused_graphs, len(rows), self._fused_pass, inputs)
         self.state_pool.index_copy_(0, slots, out[0])
         for t in range(loops):
-            self._mark(rows, plane_sets[t][0], "core")
+            self.host_meta.mark(rows, plane_sets[t][0], "core")
 
     def _fused_pass(self, raw: torch.Tensor, state: torch.Tensor, inject: torch.Tensor | None = None):
         """raw [loops, R, ...]: loop t reads and writes plane t."""
@@ -646,17 +557,17 @@ class ModelRunner:
         rows = [Row(r, r.decode_position, r.outputs[-1]) for r in requests]
         planes = self._token_planes()
         raw = self.staging.to_device(
-            self._raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
+            self.host_meta.raw(rows, [[p] * len(rows) for p in planes], self._decode_width(rows))
         )
         for role, plane in self._token_roles():
-            self._check(rows, plane, role)
+            self.host_meta.check(rows, plane, role)
         inputs: tuple = (raw,)
         if self.spec.has_injection:  # Huginn/OLMo: the noise draw stays eager (request generators), in order
             inputs += (self.ops.state_init(self.state_pool, [(r, r.decode_position, 1) for r in requests]),)
         with self._fused_range("recurrent"):
             tokens, logits = self._maybe_graph(self.token_graphs, len(rows), self._token_pass, inputs)
         for role, plane in self._token_roles():
-            self._mark(rows, plane, role)
+            self.host_meta.mark(rows, plane, role)
         if self.hooks.active and self.hooks.wants_logits:
             self.hooks.logits([r.request_id for r in requests], logits)
         if any(r.params.needs_sampler for r in requests):  # the graph's argmax serves plain greedy rows
@@ -730,17 +641,17 @@ class ModelRunner:
         plane = self.layout.plane("coda", 0)
         has_kv = self.model.has_coda_layers
         if has_kv:
-            self._check(rows, plane, "coda")
+            self.host_meta.check(rows, plane, "coda")
         raw_np = (
-            self._raw(rows, [[plane] * len(rows)], self._decode_width(rows))
+            self.host_meta.raw(rows, [[plane] * len(rows)], self._decode_width(rows))
             if has_kv
-            else self._raw_no_kv(rows)
+            else self.host_meta.raw_no_kv(rows)
         )
         raw = self.staging.to_device(raw_np)[0]
         state = self.state_pool.index_select(0, raw[:, META_SLOT])
         (logits,) = self._maybe_graph(self.coda_graphs, len(rows), self._coda_pass, (raw, state))
         if has_kv:
-            self._mark(rows, plane, "coda")
+            self.host_meta.mark(rows, plane, "coda")
         if self.hooks.active and self.hooks.wants_logits:
             self.hooks.logits([r.request_id for r in requests], logits)
         tokens = self.ops.sampler(logits, requests)

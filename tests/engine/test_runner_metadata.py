@@ -1,15 +1,14 @@
-"""The runner's host metadata (`ModelRunner._raw`): the vectorized build equals the per-row definition
-(row fields, write entry, the block-table prefix each row may read, -1 elsewhere) for prefill and for
-decode rows at mixed depth planes, on the planes and packed layouts; duplicate writes are refused."""
+"""The runner's host metadata (`runner_metadata.HostMetadata.raw`): the vectorized build equals the
+per-row definition (row fields, write entry, the block-table prefix each row may read, -1 elsewhere) for
+prefill and for decode rows at mixed depth planes, on the planes and packed layouts; duplicate writes are
+refused."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from looptrace.engine.llm_engine import LLMEngine
-from looptrace.engine.request import SamplingParams, Stage
-from looptrace.engine.runner import (
+from looptrace.engine.layers import (
     META_CTX,
     META_FIXED,
     META_POS,
@@ -17,8 +16,10 @@ from looptrace.engine.runner import (
     META_TOKEN,
     META_WBLOCK,
     META_WOFF,
-    Row,
 )
+from looptrace.engine.llm_engine import LLMEngine
+from looptrace.engine.request import SamplingParams, Stage
+from looptrace.engine.runner_parts import Row
 from looptrace.recipes import load_recipe
 
 
@@ -75,11 +76,11 @@ def test_prefill_metadata_equals_the_per_row_definition(preset, recipe) -> None:
         }
     )
     plane_sets = [[p] * len(rows) for p in planes]
-    width = runner._width(rows)
-    got = runner._raw(rows, plane_sets, width)
+    width = runner.host_meta.width(rows)
+    got = runner.host_meta.raw(rows, plane_sets, width)
     assert np.array_equal(got, reference_raw(runner, rows, plane_sets, width))
     # A wider table than the rows need (the graphs' fixed width) only adds -1 columns.
-    wide = runner._raw(rows, plane_sets, width + 3)
+    wide = runner.host_meta.raw(rows, plane_sets, width + 3)
     assert np.array_equal(wide, reference_raw(runner, rows, plane_sets, width + 3))
     assert (wide[..., META_FIXED + width :] == -1).all()
 
@@ -92,14 +93,15 @@ def test_decode_rows_at_mixed_planes() -> None:
         last[r.request.request_id] = r  # each request's last prompt position
     decode = [Row(r.request, r.pos, 5) for r in last.values()]
     planes = [[runner.layout.plane("core", t) for t in (0, 3, 7)]]
-    width = runner._width(decode)
-    assert np.array_equal(runner._raw(decode, planes, width), reference_raw(runner, decode, planes, width))
+    width = runner.host_meta.width(decode)
+    got = runner.host_meta.raw(decode, planes, width)
+    assert np.array_equal(got, reference_raw(runner, decode, planes, width))
 
 
 def test_two_rows_writing_one_slot_are_refused() -> None:
     runner, rows = admitted("ouro-tiny", "base", (20,))
     twice = [rows[3], rows[3]]
     with pytest.raises(RuntimeError, match=r"duplicate KV write at plane/entry/offset \(0, \d+, 3\)"):
-        runner._raw(twice, [[0, 0]], runner._width(twice))
+        runner.host_meta.raw(twice, [[0, 0]], runner.host_meta.width(twice))
     # The same position in two planes is two slots, not a duplicate.
-    runner._raw([rows[3], rows[3]], [[0, 1]], runner._width(twice))
+    runner.host_meta.raw([rows[3], rows[3]], [[0, 1]], runner.host_meta.width(twice))
