@@ -44,7 +44,8 @@ def _flag_type_hidden(display_type_rich):
     return display
 
 
-TyperOption.display_type_rich = _flag_type_hidden(TyperOption.display_type_rich)
+if hasattr(TyperOption, "display_type_rich"):  # Typer's rich help (older releases have no such hook)
+    TyperOption.display_type_rich = _flag_type_hidden(TyperOption.display_type_rich)
 
 
 class OneLineErrorsGroup(TyperGroup):
