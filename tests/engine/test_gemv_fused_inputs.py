@@ -14,6 +14,7 @@ graph, and the gates' refusals (two rows, a non-routed config).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -269,21 +270,26 @@ def _mid_ouro():
 
 def fast_with_and_without(monkeypatch, spec, toggles: tuple[str, ...], spied: tuple[str, ...], off=()):
     """fast on `spec` (CUDA) with the `toggles` off, then on (and the settings `off` off in both): the
-    tokens of 4 requests batched and of the first alone, and how often each `gemv.forms` function in `spied`
-    ran with them off and with them on. Returns (tokens off, tokens on, calls off, calls on)."""
+    tokens of 4 requests batched and of the first alone, and how often each function in `spied` (a
+    `gemv.forms` name, or `module.name` of another kernel module) ran with them off and with them on.
+    Returns (tokens off, tokens on, calls off, calls on)."""
     from looptrace.engine import LLMEngine, SamplingParams
     from looptrace.engine.kernels.gemv import forms as gemv_forms
     from looptrace.recipes import load_recipe
 
     calls = dict.fromkeys(spied, 0)
-    for name in spied:
-        real = getattr(gemv_forms, name)
+    for name in spied:  # "fn" is a gemv.forms function; "module.fn" one of another kernel module
+        module_name, _, fn = name.rpartition(".")
+        module = (
+            importlib.import_module(f"looptrace.engine.kernels.{module_name}") if module_name else gemv_forms
+        )
+        real = getattr(module, fn)
 
         def spy(*args, _real=real, _name=name):
             calls[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(gemv_forms, name, spy)
+        monkeypatch.setattr(module, fn, spy)
     prompts = [[3 + i + j for j in range(5 + 7 * i)] for i in range(4)]
     tokens, counts = [], []
     for on in (False, True):

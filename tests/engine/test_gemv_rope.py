@@ -226,12 +226,14 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_rope_form(monke
     from tests.engine.test_gemv_fused_inputs import fast_with_and_without
     from tests.engine.test_gemv_fused_outputs import _small_ouro
 
+    FUSED, SEPARATE = "gemv_rope.qkv_rope_write", "rope.rope_half_write_kv"  # the kernel modules' own names
+
     if not (torch.cuda.is_available() and HAS_TRITON):
         pytest.skip("needs CUDA and Triton")
     off, on, calls_off, calls_on = fast_with_and_without(
-        monkeypatch, _small_ouro(), ("kernels.gemv_rope_out",), ("qkv_rope_write", "rope_half_write_kv")
+        monkeypatch, _small_ouro(), ("kernels.gemv_rope_out",), (FUSED, SEPARATE)
     )
-    assert calls_off["qkv_rope_write"] == 0 and calls_off["rope_half_write_kv"] > 0
-    assert calls_on["qkv_rope_write"] > 0 and calls_on["rope_half_write_kv"] > 0, calls_on
+    assert calls_off[FUSED] == 0 and calls_off[SEPARATE] > 0
+    assert calls_on[FUSED] > 0 and calls_on[SEPARATE] > 0, calls_on
     assert off[0] == on[0], "batch 4: the form does not act, the tokens must not change"
     assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"
