@@ -55,6 +55,10 @@ def _get(url: str, timeout: float) -> Any:
     import httpx
 
     try:
+        url.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: httpx would raise while percent-encoding it
+        raise SourceError(f"{ascii(url)}: not a URL (it holds text that is not valid Unicode)") from None
+    try:
         resp = httpx.get(url, timeout=timeout, headers=auth_headers())
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (`top '[bold]'`) is no HTTPError
         raise SourceError(f"{url}: cannot connect ({type(exc).__name__}: {exc or 'no answer'})") from None

@@ -139,3 +139,12 @@ def test_once_format_json(tmp_path) -> None:
     assert doc["source"].startswith("replay of session.jsonl")
     r = runner.invoke(cli, ["top", "--replay", str(SESSION), "--format", "json"])
     assert_one_line_error(r, "--format applies to --once")
+
+
+@pytest.mark.parametrize("url", ["[/]\ud800", "http://127.0.0.1:1/\udfff"])
+def test_url_with_a_lone_surrogate_is_one_line_exit_2(url: str) -> None:
+    """httpx raised UnicodeEncodeError (a traceback, exit 1) while percent-encoding such a URL."""
+    r = runner.invoke(cli, ["top", url, "--once"])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and r.exc_info[0] is SystemExit
+    assert "not a URL" in r.output
