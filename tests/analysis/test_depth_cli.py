@@ -1,4 +1,4 @@
-"""`looptrace depth` as a command (issue #23): -o suffix rule, loop-count options named in their errors,
+"""`looptrace depth` as a command: -o suffix rule, loop-count options named in their errors,
 the memory budget before allocating, and a Ctrl-C during --validate writing what was measured (exit 130)."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_memory_budget_before_allocating(prompts: Path, monkeypatch, args, optio
 
 
 def test_ctrl_c_during_validate_writes_what_was_measured(prompts: Path, tmp_path: Path, monkeypatch) -> None:
-    """Issue #23: a Ctrl-C during --validate gave `TypeError: '<' not supported ... NoneType` (the partial
+    """A Ctrl-C during --validate gave `TypeError: '<' not supported ... NoneType` (the partial
     record of the interrupted run went into the statistics)."""
     from looptrace.drive import benchmark
 

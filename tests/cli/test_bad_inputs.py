@@ -1,4 +1,4 @@
-"""Issue #23, "the last tracebacks": every bad input across the commands is one `error:` line on stderr and
+"""The last tracebacks: every bad input across the commands is one `error:` line on stderr and
 exit code 2 (Rich markup in user text, Typer usage errors, huge values, malformed files, conflicting
 options); an output is never one of the command's inputs; light commands never import torch."""
 

@@ -341,7 +341,7 @@ def test_tiny_presets_use_their_trained_weights_on_any_device() -> None:
 
 
 def test_each_r3_setting_is_marked_by_its_own_accuracy(tmp_path: Path) -> None:
-    """Issue #23: kv.layout=shared with depth.prefill_loops=1 (which needs it) marked both VIOLATED although
+    """kv.layout=shared with depth.prefill_loops=1 (which needs it) marked both VIOLATED although
     shared alone holds. When R3 settings miss the rule together, each is checked on its own, on top of the
     settings it needs; bisect blames depth.prefill_loops on A+kv.layout, not the pair."""
     import looptrace.assets

@@ -1,4 +1,4 @@
-"""`looptrace diff` at real shape on CUDA (issue #23: Huginn-0125 ran out of memory with every run's engine
+"""`looptrace diff` at real shape on CUDA (Huginn-0125 ran out of memory with every run's engine
 still allocated). One engine alive at a time, the peak bounded by one engine, and a pool that cannot fit
 named in one line. Skipped without CUDA."""
 

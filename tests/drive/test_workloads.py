@@ -221,7 +221,7 @@ def test_jsonl_accepts_tokenizers_encoding(tmp_path):
             '{"prompt_token_ids":[1],"arrival":-1}',
             "arrival must be a number of seconds in [0, 1e+07], got -1",
         ),
-        # issue #23: a finite but absurd arrival overflowed the driver's sleep (OverflowError)
+        # a finite but absurd arrival overflowed the driver's sleep (OverflowError)
         (
             '{"prompt_token_ids":[1],"arrival":1e308}',
             "arrival must be a number of seconds in [0, 1e+07], got 1e+308",
@@ -240,7 +240,7 @@ def test_jsonl_errors_name_file_line_and_problem(tmp_path, bad_line, problem):
 
 
 def test_jsonl_token_outside_the_vocabulary_names_the_line(tmp_path):
-    """issue #23: an out-of-vocabulary id was submitted and "rejected" (exit 0) instead of FILE:LINE."""
+    """An out-of-vocabulary id was submitted and "rejected" (exit 0) instead of FILE:LINE."""
     path = _write(tmp_path, ['{"prompt_token_ids": [1, 2]}', '{"prompt_token_ids": [3, 512]}'])
     with pytest.raises(WorkloadError) as exc:
         JsonlWorkload(path, vocab_size=512)
@@ -249,7 +249,7 @@ def test_jsonl_token_outside_the_vocabulary_names_the_line(tmp_path):
 
 
 def test_describe_is_plain_data(tmp_path):
-    """issue #23: run headers carried `repr(workload)` (with a memory address); now a JSON dict."""
+    """Run headers carried `repr(workload)` (with a memory address); now a JSON dict."""
     wl = BurstWorkload(concurrency=2, prompt_len=3, max_tokens=4, seed=5, vocab_size=10)
     assert wl.describe() == {
         "kind": "burst",

@@ -1,5 +1,5 @@
 """exit.min_loops matters only for an early exit (policy gate, threshold < 1): elsewhere exit.max_loops=1
-needs no exit.min_loops=1 (issue #23)."""
+needs no exit.min_loops=1."""
 
 from __future__ import annotations
 

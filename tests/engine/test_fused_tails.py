@@ -1,4 +1,4 @@
-"""The fused exact kernels beyond single ops (issue #8): `kernels.residual_norm` (Ouro's post-norm, residual
+"""The fused exact kernels beyond single ops: `kernels.residual_norm` (Ouro's post-norm, residual
 add and next pre-norm in one launch) and `kernels.rope_kv_write` (rotate-half RoPE of q and k with the K/V
 cache write in one launch).
 

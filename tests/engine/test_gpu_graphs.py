@@ -222,7 +222,7 @@ def _cuda_kernel_names(fn) -> list[str]:
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
 def test_eager_graph_body_launches_the_replay_kernels(preset):
-    """Issue #20: profilers map a replay's kernels to ops through the graph body run eagerly
+    """Profilers map a replay's kernels to ops through the graph body run eagerly
     (`graph_bodies()`). With the exact kernels that run took the eager fallbacks below 256 rows (H200,
     exactloop whole-token graph: 5,142 kernels vs the replay's 990), so no replay matched; the body now
     takes the capture's code path: the same kernel names in the same order."""

@@ -1,4 +1,4 @@
-"""Exact fused kernels (issue #8, ExactLoop R0): bitwise equal to the engine's eager ops on a GPU.
+"""Exact fused kernels (ExactLoop R0): bitwise equal to the engine's eager ops on a GPU.
 
 Every (row bucket x model width x input kind), eager call and captured-and-replayed CUDA graph, compared
 with `torch.equal` (and bit patterns) against `looptrace.engine.layers` / `F.silu(g) * up` run eagerly.

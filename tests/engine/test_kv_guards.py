@@ -1,4 +1,4 @@
-"""KV fidelity guards (issue #6): the written-state guard is per (plane, layer), so a partial write of a
+"""KV fidelity guards: the written-state guard is per (plane, layer), so a partial write of a
 layer range is caught on read; the exit-plane copy checks that the exit plane wrote the position (every core
 layer at the exit depth, as the base engine's `finalize_token`) before copying it deeper."""
 
@@ -55,7 +55,7 @@ def test_engine_read_after_partial_write_raises():
     seq.written[(2, 4)].prefix = 3  # layer 4 of plane 2 "forgot" positions 3.. (others remain written)
     while engine.requests[rid].loops_done < 2:
         engine.step()
-    # The guard's error fails the step's requests alone (issue #23: StepError, KV freed), never a silent read.
+    # The guard's error fails the step's requests alone (StepError, KV freed), never a silent read.
     with pytest.raises(StepError, match="plane 2 layer 4") as err:
         engine.step()
     assert isinstance(err.value.__cause__, KVHistoryError) and err.value.request_ids == [rid]

@@ -8,7 +8,7 @@ and prints one JSON line; each test reads its entry.
 
 GPU (`gpu` marker): bf16 at the Ouro (16/16/128) and Huginn (55/55/96) shapes and a GQA shape, R in
 {1, 8, 64, 300}, contexts up to 700: float64 reference, SDPA, batch invariance bitwise, CUDA-graph replay ==
-eager bitwise, write_kv exact. Split-KV segments (issue #22, `EDGE_CONTEXTS`): contexts at the segment edges
+eager bitwise, write_kv exact. Split-KV segments (`EDGE_CONTEXTS`): contexts at the segment edges
 (64, 1024, 1025) and beyond 1,024 keys (multi-tile segments: 1500, 4100) against float64 and SDPA; the same
 request bitwise equal alone and at several positions inside batches of 1/8/64 rows with other contexts and
 a wider table; graph replay == eager with contexts moved across the edges.
@@ -411,7 +411,7 @@ def test_gpu_write_kv_exact(shape):
         assert write_kv_case(pa, 40, 3, kv_heads, dim, torch.bfloat16, "cuda", gen, layer_id)
 
 
-# ------------------------------------------------------------------ GPU: split-KV segments (issue #22)
+# ------------------------------------------------------------------ GPU: split-KV segments
 
 # Contexts at and across the segment rules (`paged_attention.segment_keys`; Ouro: 32-key tiles, segments of
 # at least 2 tiles, Huginn: 64-key one-tile segments; at most 16): one segment (63, 64), two (65), exactly

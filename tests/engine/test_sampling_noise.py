@@ -181,7 +181,7 @@ def test_huginn_noise_is_drawn_in_processing_order():
     assert _close(zr_one, zr_chk)
 
 
-# --- sequential noise couples co-scheduled requests (issue #6) ----------------------------------------------
+# --- sequential noise couples co-scheduled requests ----------------------------------------------
 X_PROMPT = [17, 250, 3, 99, 411, 64, 8, 300, 12, 45, 77, 123]
 
 
@@ -212,7 +212,7 @@ def _x_run(noise: str, mate: bool, seed: int = 3):
 
 
 def test_sequential_noise_couples_requests_through_chunk_splits():
-    """Base behaviour (issue #6): under `sequential` a co-scheduled request changes another request's
+    """Base behaviour: under `sequential` a co-scheduled request changes another request's
     tokens. The mate takes 5 of the 8-token budget, so x's prompt is drawn as runs [3, 8, 1] instead of
     [8, 4]: other numbers for the same positions, and (noise and sampling share x's generator) other
     sampled tokens. `position_keyed` gives x the same noise and the same tokens either way. (The tiny

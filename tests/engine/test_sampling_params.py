@@ -1,4 +1,4 @@
-"""SamplingParams at the engine boundary (issue #23): every field range-checked at add_request (nothing
+"""SamplingParams at the engine boundary: every field range-checked at add_request (nothing
 that can raise reaches a step), seeds over the whole 64-bit range on every seed path, tiny temperatures
 and top_p that used to give NaN / an invalid multinomial, the logit processing (bias, penalties), stop
 token ids, and logprobs against the engine's own log-softmax of the logits it sampled from."""

@@ -1,4 +1,4 @@
-"""LoopDuet split depth (S, P) on the shared KV layout (issue #9, phase 2): (S, S) is bitwise the uniform
+"""LoopDuet split depth (S, P) on the shared KV layout (phase 2): (S, S) is bitwise the uniform
 engine, (S, P) runs P loops on ordinary prompt rows and S on every chunk endpoint, and the queue-age
 controller sets P before each step and reports it through the hooks."""
 

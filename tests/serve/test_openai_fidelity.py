@@ -1,4 +1,4 @@
-"""OpenAI-API fidelity and validation through the real `openai` client (issue #23): each bad request is
+"""OpenAI-API fidelity and validation through the real `openai` client: each bad request is
 sent while another stream is in flight (the bad one gets a 400 naming its field, the other completes with
 exact usage); logprobs against the engine's own log-softmax of the logits it sampled from; n > 1 and
 batched prompts equal seeded single requests; logit_bias, penalties, stop_token_ids; /tokenize,

@@ -23,7 +23,7 @@ def test_once_on_a_vllm_endpoint(vllm_endpoint):
     url, _ = vllm_endpoint
     result = runner.invoke(app, ["top", "--prometheus", url, "--once", "--interval", "0.05"])
     assert result.exit_code == 0, result.output
-    # the second of the two scrapes (tokens/s needs two): test_issue23_top checks the rate itself
+    # the second of the two scrapes (tokens/s needs two): test_top_panels checks the rate itself
     assert "16 / 5" in result.output  # running / waiting
     assert "30.5 %" in result.output  # vllm:kv_cache_usage_perc
 

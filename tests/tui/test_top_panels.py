@@ -1,4 +1,4 @@
-"""`looptrace top` fixes of issue #23: the requests panel at 80x24, the probe panel on a Prometheus source,
+"""`looptrace top`: the requests panel at 80x24, the probe panel on a Prometheus source,
 `--once` tokens/s from two snapshots, and `--record` checked before the dashboard starts."""
 
 from __future__ import annotations
