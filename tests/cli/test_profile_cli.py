@@ -383,4 +383,6 @@ def test_status_line_on_a_terminal_but_not_under_json(monkeypatch, fmt: str) -> 
     monkeypatch.setattr(common, "err_console", Console(file=terminal, force_terminal=True, stderr=True))
     result = invoke("--model", "ouro", "--prompt-len", "8", "--decode-steps", "6", "--format", fmt)
     assert result.exit_code == 0, result.output
-    assert ("base: warm-up" in terminal.getvalue()) == (fmt == "table")  # the first stage it names
+    # Which stages get drawn depends on the spinner's refresh timing (a fast machine finishes the warm-up
+    # between two refreshes); the stop always draws the last one, so look for the side's name.
+    assert ("base: " in terminal.getvalue()) == (fmt == "table")
