@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -23,6 +25,18 @@ DIFF = {
         {"id": "short", "a_tokens": [1, 2], "b_tokens": [1, 2, 3]},
     ]
 }
+
+
+@contextmanager
+def _loopback(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A thread serving `handler` on a free loopback port; yields its base URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @pytest.fixture
@@ -48,12 +62,8 @@ def vllm_endpoint():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics", served
-    httpd.shutdown()
-    httpd.server_close()
+    with _loopback(Handler) as base:
+        yield f"{base}/metrics", served
 
 
 @pytest.fixture
@@ -74,12 +84,8 @@ def stats_endpoint():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", answer
-    httpd.shutdown()
-    httpd.server_close()
+    with _loopback(Handler) as base:
+        yield base, answer
 
 
 def session_variant(tmp_path: Path, name: str, change) -> Path:
