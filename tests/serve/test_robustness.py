@@ -9,7 +9,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -17,6 +19,30 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import Proc, make_engine, read_response, stalled_upload
+
+
+@contextmanager
+def health_latencies(url: str) -> Iterator[list[float]]:
+    """Polls /health every 10 ms while the body runs; yields the list its latencies go into."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=url) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        poller.join()
+
 
 MAGIC = [5, 5, 5, 5, 5, 5]  # the prompt of the request a test makes fail
 OTHER = [11, 42, 7, 99, 3, 250, 18, 64]
@@ -241,21 +267,10 @@ def test_a_huge_request_does_not_freeze_other_clients(kind):
             msgs = [{"role": "user", "content": "x"}] * 200_000
             path, body = "/v1/chat/completions", {"model": "ouro", "messages": msgs, "max_tokens": 1}
         data = json.dumps(body).encode()
-        latencies, stop = [], threading.Event()
-
-        def poll():
-            with httpx.Client(base_url=srv.url) as c:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    assert c.get("/health").status_code == 200
-                    latencies.append(time.perf_counter() - t)
-                    time.sleep(0.01)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        r = httpx.post(srv.url + path, content=data, headers={"content-type": "application/json"}, timeout=60)
-        stop.set()
-        poller.join()
+        with health_latencies(srv.url) as latencies:
+            r = httpx.post(
+                srv.url + path, content=data, headers={"content-type": "application/json"}, timeout=60
+            )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         # Before: the event loop parsed, validated and tokenized it (3-5 s of nothing for every client).
         # What remains is json.loads of the body, one C call that holds the GIL (0.3-0.5 s here, loaded).
@@ -269,23 +284,8 @@ def test_tokenizing_a_huge_prompt_does_not_freeze_other_clients():
     millions of ids serialized there in one call."""
     srv = serve()
     try:
-        latencies, stop = [], threading.Event()
-
-        def poll():
-            with httpx.Client(base_url=srv.url) as c:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    assert c.get("/health").status_code == 200
-                    latencies.append(time.perf_counter() - t)
-                    time.sleep(0.01)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        try:
+        with health_latencies(srv.url) as latencies:
             r = httpx.post(srv.url + "/tokenize", json={"prompt": "x" * 7_000_000}, timeout=60)
-        finally:
-            stop.set()
-            poller.join()
         assert r.status_code == 200 and r.json()["count"] == 7_000_001  # BOS + one id per byte
         assert latencies and max(latencies) < 1.5, max(latencies)
     finally:
