@@ -58,7 +58,7 @@ from looptrace.probes import steps as st
 from looptrace.probes.capture import HOW_TO_RECORD, CapturedGraph, attribute_replay, pick_graph
 from looptrace.probes.context import NONE, Context
 from looptrace.probes.events import Trace, TraceError, TraceEvent, enclosing_chains
-from looptrace.probes.forwards import find_forwards
+from looptrace.probes.forwards import FORWARD_CAT, find_forwards
 from looptrace.probes.loops import LoopStructure, detect_loops
 from looptrace.probes.opstats import (
     CategoryRow,
@@ -785,11 +785,7 @@ def _foreign_contexts(
     one call site; kernels grouped by engine step, in launch order), and what it found."""
     ctx = [Context(op=k.category, layer=None if k.layer is None else f"layer{k.layer}") for k in kops]
 
-    groups: dict[int, list[int]] = defaultdict(list)
-    starts = [s.event.ts for s in steps]
-    for i, (_, (_, t)) in enumerate(kernels):
-        j = bisect.bisect_right(starts, t) - 1
-        groups[j if j >= 0 and t < steps[j].event.end else -1].append(i)
+    groups = group_by_step([t for _, (_, t) in kernels], steps)
     # launch order; kernels of one graph replay share a launch time, so device order breaks ties
     order = {
         j: sorted(idx, key=lambda i: (kernels[i][1][1], kernels[i][0].ts))
@@ -804,6 +800,21 @@ def _foreign_contexts(
     return ctx, found
 
 
+def group_by_step(times: Sequence[float], steps: list[st.Step]) -> dict[int, list[int]]:
+    """Indices of `times` by the step around each (-1: outside every step). Ops before the first forward
+    found without annotations prepare it (its positions and masks come before its embedding lookup,
+    where `forwards` starts it), so they are its."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    starts = [s.event.ts for s in steps]
+    first_prepares = bool(steps) and steps[0].event.cat == FORWARD_CAT
+    for i, t in enumerate(times):
+        j = bisect.bisect_right(starts, t) - 1
+        if j < 0 and first_prepares:
+            j = 0
+        groups[j if j >= 0 and t < steps[j].event.end else -1].append(i)
+    return groups
+
+
 def _detect(
     ctx: list[Context],
     kernels: list[tuple[TraceEvent, Position]],
@@ -816,6 +827,7 @@ def _detect(
         [[ctx[i] for i in idx] for idx in order],
         names=[[kernels[i][0].name for i in idx] for idx in order],
         prefill=prefill,
+        times=[[kernels[i][1][1] for i in idx] for idx in order],
         **hints,
     )
     for idx, inferred in zip(order, found.steps, strict=True):

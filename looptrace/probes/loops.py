@@ -41,10 +41,10 @@ model whose loops run back to back, with no op between them, looks like a deeper
 Limits. Kernel names (`names=`) match far more precisely than categories: with categories alone a per-loop
 op can pass for the end of a layer and shift layer boundaries (the loop index stays right on our traces).
 Successive forwards of a plain model with no recognisable sampling op between them look like loops: pass
-one sequence per engine step where the trace has step annotations, else per forward (`forwards`). Our
-own engine's bookkeeping between two loop ranges (a step's state gather, the gate readback) shares its
-place with the loops' tails and heads, so structure gives it to a loop where `profile` (its lt ranges)
-gives it none.
+one sequence per engine step where the trace has step annotations, else per forward (`forwards`). Where an
+engine runs one loop per step (our engine's decode), the ops between two passes are the end of one step and
+the start of the next (a state write and gate readback, then a state gather and metadata); the host pause
+between the steps (`times=`) splits them, as `profile`'s loop ranges do; without times the tail wins.
 """
 
 from __future__ import annotations
@@ -104,6 +104,9 @@ class _Chain:
     head: int  # ops of each gap that open the next pass
     tail: int  # ops of each gap that close the previous pass
     source: str
+    # Each gap holds an engine-step boundary (`_split_at_step_boundary`): in a gap longer than the usual
+    # one (a one-off op), the ops before the head close the previous pass.
+    step_split: bool = False
 
 
 def infer_loops(
@@ -112,11 +115,13 @@ def infer_loops(
     names: Sequence[Sequence[str]] | None = None,
     layers_per_loop: int | None = None,
     loops: int | None = None,
+    times: Sequence[Sequence[float]] | None = None,
 ) -> list[list[Context]]:
     """Each step's contexts with stage/loop/layer/role filled where a looped pattern is found (module
     docstring), unchanged elsewhere. `names`: the kernel (or op) names, same shape: finer than the
-    categories in `Context.op` for matching repeats."""
-    return detect_loops(step_ops, names=names, layers_per_loop=layers_per_loop, loops=loops).steps
+    categories in `Context.op` for matching repeats; `times`: as for `detect_loops`."""
+    found = detect_loops(step_ops, names=names, layers_per_loop=layers_per_loop, loops=loops, times=times)
+    return found.steps
 
 
 def detect_loops(
@@ -126,10 +131,12 @@ def detect_loops(
     layers_per_loop: int | None = None,
     loops: int | None = None,
     prefill: Sequence[bool] | None = None,
+    times: Sequence[Sequence[float]] | None = None,
 ) -> LoopStructure:
     """`infer_loops`, plus a summary of the loop structure for the report. `prefill`: per step, whether it
     is a prefill forward: its ops get stage "prefill" (sampling stays "sample"), their loops and layers
-    kept, as looptrace's ranges give a prefill step."""
+    kept, as looptrace's ranges give a prefill step. `times`: per step, each op's host start time (a
+    kernel's launch), which shows where an engine that runs one loop per step starts its next step."""
     for hint, flag in ((layers_per_loop, "layers_per_loop"), (loops, "loops")):
         if hint is not None and hint < 1:
             raise ValueError(f"{flag} must be >= 1")
@@ -137,25 +144,29 @@ def detect_loops(
         raise ValueError("names must have one sequence per step")
     if prefill is not None and len(prefill) != len(step_ops):
         raise ValueError("prefill must have one flag per step")
+    if times is not None and [len(t) for t in times] != [len(c) for c in step_ops]:
+        raise ValueError("times must have one host time per op of each step")
     found = []
     for s, ctxs in enumerate(step_ops):
         ctxs = list(ctxs)
         keys = _keys(ctxs, names[s] if names is not None else None)
-        found.append((ctxs, keys, *_find_chains(ctxs, keys, layers_per_loop, loops)))
+        blocks, chains = _find_chains(ctxs, keys, layers_per_loop, loops)
+        if times is not None:
+            chains = [_split_at_step_boundary(ch, keys, times[s]) for ch in chains]
+        found.append((ctxs, keys, blocks, chains))
     width = _dominant_width([ch for *_, chains in found for ch in chains])
+    # One recurrent block per model: a repeat of another width is something else (e.g. Huginn's coda
+    # layers, run once to fill the coda KV of the prompt and once more for its last position).
+    found = [
+        (c, k, b, [ch for ch in chains if len(ch.blocks[0].layers) == width]) for c, k, b, chains in found
+    ]
+    flags = list(prefill) if prefill is not None else [False] * len(found)
+    coda = _decode_coda([(c, k, chains) for (c, k, _, chains), p in zip(found, flags) if not p])
     out = LoopStructure([])
     shapes: Counter[tuple[int, int]] = Counter()
-    for ctxs, keys, blocks, chains in found:
-        # One recurrent block per model: a repeat of another width is something else (e.g. Huginn's coda
-        # layers, run once to fill the coda KV of the prompt and once more for its last position).
-        chains = [ch for ch in chains if len(ch.blocks[0].layers) == width]
-        step = len(out.steps)
-        phases = (
-            (False, False)
-            if prefill is None
-            else (prefill[step], step + 1 < len(prefill) and prefill[step + 1])
-        )
-        out.steps.append(_assign(ctxs, keys, blocks, chains, *phases) if chains else ctxs)
+    for step, (ctxs, keys, blocks, chains) in enumerate(found):
+        phases = (flags[step], step + 1 < len(flags) and flags[step + 1])
+        out.steps.append(_assign(ctxs, keys, blocks, chains, *phases, coda=coda) if chains else ctxs)
         for ch in chains:
             shapes[(width, len(ch.blocks))] += 1
             out.sources.append(ch.source)
@@ -408,6 +419,45 @@ def _split_gaps(keys: list[Hashable], blocks: list[_Block], i: int, j: int, sour
     return _Chain(blocks[i : j + 1], head, tail, source)
 
 
+# An engine step boundary is a host pause this many times the chain's typical time per op.
+STEP_PAUSE_FACTOR = 8.0
+
+
+def _split_at_step_boundary(ch: _Chain, keys: list[Hashable], times: Sequence[float]) -> _Chain:
+    """Where every gap of the chain holds an engine-step boundary (our engine, or any engine that runs one
+    loop per step: the host pauses between two steps to schedule the next), the boundary splits the gap:
+    the ops before it close the previous pass (its state write, its gate read back), those after it open
+    the next (its state gather, its metadata). Between two passes the op pattern alone cannot tell (a
+    gather after the last pass opens the coda step, a state write before the first pass ends the
+    prelude's). The boundary: the same place in most gaps, among the splits the passes at the chain's ends
+    allow (the ops a head takes must also open the first pass, a tail's also close the last), with a
+    median pause at least STEP_PAUSE_FACTOR times the chain's median time per op; else the chain stays."""
+    first, last = ch.blocks[0], ch.blocks[-1]
+    gaps = [(a.end, b.start) for a, b in zip(ch.blocks, ch.blocks[1:])]
+    usual = Counter(tuple(keys[a:b]) for a, b in gaps).most_common(1)[0][0]
+    n = len(usual)
+    if n == 0 or len(gaps) < 2:
+        return ch
+    lo_end = first.start - n  # the chain's first pass can reach back this far for its head
+    allowed = [
+        k
+        for k in range(n + 1)
+        if _suffix(keys, max(lo_end, 0), first.start, usual[k:]) == n - k
+        and _prefix(keys, last.end, len(keys), usual[:k]) == k
+    ]
+    if not allowed:
+        return ch
+    same = [a for a, b in gaps if tuple(keys[a:b]) == usual]
+    pauses = {k: sorted(times[a + k] - times[a + k - 1] for a in same) for k in allowed}
+    best = max(allowed, key=lambda k: pauses[k][len(same) // 2])
+    votes = sum(max(allowed, key=lambda k: times[a + k] - times[a + k - 1]) == best for a in same)
+    span = [times[i + 1] - times[i] for i in range(first.start, last.end - 1)]
+    typical = sorted(span)[len(span) // 2] if span else 0.0
+    if 3 * votes < 2 * len(same) or pauses[best][len(same) // 2] < STEP_PAUSE_FACTOR * max(typical, 1e-9):
+        return ch
+    return dataclasses.replace(ch, head=n - best, tail=best, step_split=True)
+
+
 def _split_block(blocks: list[_Block], layers_per_loop: int | None, loops: int | None) -> _Chain | None:
     """With a hint and no chain: the largest block whose layers divide into loops, as back-to-back passes."""
     for b in sorted(blocks, key=lambda b: -len(b.layers)):
@@ -426,6 +476,25 @@ def _split_block(blocks: list[_Block], layers_per_loop: int | None, loops: int |
 # --- 3-4. contexts ------------------------------------------------------------------------------------------
 
 
+def _last_pass_end(ch: _Chain, n: int) -> int:
+    """Where the chain's last pass ends, its tail included."""
+    return min(ch.blocks[-1].end + ch.tail, n)
+
+
+def _decode_coda(steps: list[tuple[list[Context], list[Hashable], list[_Chain]]]) -> tuple | None:
+    """The ops a decode forward runs from its last loop to its sampling op (the coda: its state gather,
+    coda layers, final norm, lm-head), the most common over the decode forwards; None without one."""
+    seen: Counter[tuple] = Counter()
+    for ctxs, keys, chains in steps:
+        if not chains:
+            continue
+        end = _last_pass_end(chains[-1], len(keys))
+        sample = next((p for p in range(end, len(keys)) if _is_sampling(ctxs[p], keys[p])), None)
+        if sample is not None:
+            seen[tuple(keys[end:sample])] += 1
+    return seen.most_common(1)[0][0] if seen else None
+
+
 def _assign(
     ctxs: list[Context],
     keys: list[Hashable],
@@ -433,10 +502,14 @@ def _assign(
     chains: list[_Chain],
     prefill: bool = False,
     next_prefill: bool = False,
+    coda: tuple | None = None,
 ) -> list[Context]:
     """New contexts: loop passes, layers and stages of every op of a step with loops. A prefill forward
     computes its prelude and loops as stage prefill (the coda and sampling keep theirs); the prelude ops
-    after the last sampling prepare the next forward and take its stage."""
+    after the last sampling prepare the next forward and take its stage. `coda`: the decode forwards'
+    coda ops (`_decode_coda`): where a prefill forward ends with the same ops before its sampling, they
+    are its coda and all before them (the coda layers over every prompt row, the hand-off of the state)
+    is prefill."""
     n = len(ctxs)
     stage: list[str] = [NONE] * n
     loop: list[int | None] = [None] * n
@@ -446,13 +519,18 @@ def _assign(
     for c, ch in enumerate(chains):
         nxt = chains[c + 1].blocks[0].start if c + 1 < len(chains) else n
         start = max(ch.blocks[0].start - ch.head, prev_end)
-        end = min(ch.blocks[-1].end + ch.tail, nxt)
+        end = min(_last_pass_end(ch, n), nxt)
         last = len(ch.blocks) - 1
         stage[start:end] = [RECURRENT] * (end - start)  # ops between loops (neither tail nor head) too
         hi = start
         for r, b in enumerate(ch.blocks):
             lo = max(b.start - ch.head, hi) if r else start  # a shorter gap than the usual: tail first
-            hi = min(b.end + ch.tail, ch.blocks[r + 1].start) if r < last else end
+            if r == last:
+                hi = end
+            elif ch.step_split:
+                hi = max(ch.blocks[r + 1].start - ch.head, b.end)
+            else:
+                hi = min(b.end + ch.tail, ch.blocks[r + 1].start)
             loop[lo:hi] = [r] * (hi - lo)
             for j, (s, e) in enumerate(b.layers):
                 layer[s:e] = [f"core{j}"] * (e - s)
@@ -462,6 +540,11 @@ def _assign(
     # A prefill computes every prompt row up to its last coda pass (which may run for the last row only).
     coda_from = max([p for p in repeats if p >= spans[-1][1]], default=spans[-1][1])
     last_sample = max((p for p in range(spans[-1][1], n) if stage[p] == SAMPLE), default=None)
+    if prefill and coda and last_sample is not None:
+        first_sample = min(p for p in range(spans[-1][1], last_sample + 1) if stage[p] == SAMPLE)
+        lead = first_sample - len(coda)
+        if lead >= spans[-1][1] and tuple(keys[lead:first_sample]) == coda:
+            coda_from = lead
     for p in range(n):
         if last_sample is not None and p > last_sample:
             if next_prefill and stage[p] == PRELUDE:

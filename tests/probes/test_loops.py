@@ -1,15 +1,15 @@
 """Loop inference without lt ranges (`looptrace.probes.loops`).
 
-The must-show: traces of our own engine (Ouro and Huginn tiny on CPU, recorded by `profile_engine` as
-`looptrace profile --trace` does), every lt.* range stripped, op categories from the stripped trace's CPU
-ops (`categories`, as `trace analyze` does for foreign traces): the inferred loop and layer of every leaf
-op inside an lt.loop range equal the ranges', exactly. What structure cannot tell: the engine's per-step
-bookkeeping between two loop ranges (gathering the carried state, reading the exit gate back) lies in a
-gap that every loop boundary shares; those ops are counted exactly below.
+The must-show: traces of our own engine (Ouro, Huginn and OLMo-retrofit tiny on CPU, recorded by
+`profile_engine` as `looptrace profile --trace` does), every lt.* range stripped, op categories from the
+stripped trace's CPU ops (`categories`, as `trace analyze` does for foreign traces): the stage, loop, layer
+and role of every leaf op equal the ranges', exactly. A loop's range holds everything our engine's step does
+for that loop (its state gather and metadata, the pass, its state write and gate readback); without the
+ranges, the host pause between two engine steps shows where one loop's bookkeeping ends and the next's
+begins.
 
 The same traces through `analyze` and `looptrace trace analyze` (the stripped file, CPU mode): the op ×
-layer × loop table equals profile's cell by cell up to that bookkeeping, in JSON too; the hints pass
-through.
+layer × loop and stage tables equal profile's cell by cell, in JSON too; the hints pass through.
 
 Then: no false loops on plain transformers (a real Hugging Face trace, synthetic steps and whole traces,
 alternating layer types, MoE experts), module layer indices (vLLM paths), and the CLI hints.
@@ -103,18 +103,21 @@ def recorded(tmp_path_factory):
     return get
 
 
-# Per-step bookkeeping of our engine outside the loop ranges that structure puts in a loop: 2 ops per
-# loop and decode token. Ouro: each recurrent step's gate readback (copy_) and the next step's state
-# gather (index_select; after the last loop, the coda step's); Huginn: the next step's state and
-# injection gathers (the coda's state gather after the last loop, and one gather of the first loop).
-BETWEEN_LOOPS = {"ouro-tiny": {"aten::index_select", "aten::copy_"}, "huginn-tiny": {"aten::index_select"}}
+PRESETS = ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"]
 
 
-@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+def contexts_of(ctxs: list[Context]) -> list[tuple]:
+    return [(c.stage, c.loop, c.layer, c.role) for c in ctxs]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_stripped_trace_loops_agree_with_profile(preset, recorded):
+    """The whole trace as one sequence: the loops and layers of every op are the ranges', exactly; the
+    bookkeeping between two loops (a step's state gather and metadata, the last step's state write and
+    gate readback) goes to its loop by the host pause between the engine's steps."""
     run = recorded(preset)
     spec, loops = run.engine.spec, run.engine.max_loops
-    found = detect_loops([run.contexts], names=[run.names])
+    found = detect_loops([run.contexts], names=[run.names], times=[[e.ts for e in run.leaves]])
     assert (found.loops, found.layers_per_loop) == (loops, spec.n_core), found.how
     # One chain per forward of the recurrent block: each decode token, and the prefill step.
     assert found.chains == run.loop0, found.how
@@ -122,30 +125,10 @@ def test_stripped_trace_loops_agree_with_profile(preset, recorded):
         f"repeated op pattern: {spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in 1 step)"
     )
     inferred = found.steps[0]
-    pairs = list(zip(run.truth, inferred, run.names))
-    in_loop = [(t, i) for t, i, _ in pairs if t.loop is not None]
-    same_loop = sum(t.loop == i.loop for t, i in in_loop)
-    same_layer = sum((t.layer, t.role) == (i.layer, i.role) for t, i in in_loop)
-    assert (same_loop, same_layer) == (len(in_loop), len(in_loop)), f"{len(in_loop)} ops in loop ranges"
-    assert len(in_loop) > 0.8 * len(pairs)
-
-    # Ops outside every loop range: no loop, except the between-loops bookkeeping (module docstring).
-    moved = Counter(n for t, i, n in pairs if t.loop is None and i.loop is not None)
-    decode_tokens = run.loop0 - 1  # the prefill step runs its loops back to back, with no bookkeeping
-    # Ouro's first recurrent step in the trace zeroes a buffer once (aten::zero_): that gap is one op
-    # longer, and its state gather falls between the loops (no loop, as the ranges say).
-    expected = 2 * loops * decode_tokens - (preset == "ouro-tiny")
-    assert set(moved) == BETWEEN_LOOPS[preset] and sum(moved.values()) == expected, moved
-    # Layers outside the loops: Huginn's prelude0..1 and coda0..1, as the ranges name them.
-    outside = [(t.layer, i.layer) for t, i, _ in pairs if t.loop is None and t.layer is not None]
-    assert all(t == i for t, i in outside) and bool(outside) == (spec.n_prelude + spec.n_coda > 0)
-    # The loop table: ops per loop index as profile counts them, plus the bookkeeping, 2 per decode token
-    # in every loop (Ouro: one fewer in loop 0, the one-off gap above).
-    ours = Counter(i.loop for _, i, _ in pairs if i.loop is not None)
-    profiles = Counter(t.loop for t, _, _ in pairs if t.loop is not None)
-    extra = {k: ours[k] - profiles[k] for k in range(loops)}
-    assert set(ours) == set(profiles) == set(range(loops))
-    assert extra == {k: 2 * decode_tokens - (preset == "ouro-tiny" and k == 0) for k in range(loops)}, extra
+    truth = [(t.loop, t.layer, t.role) for t in run.truth]
+    assert [(i.loop, i.layer, i.role) for i in inferred] == truth
+    in_loops = sum(t.loop is not None for t in run.truth)
+    assert in_loops == IN_LOOPS[preset] and in_loops > 0.7 * len(truth)  # OLMo: 72 %, prelude and coda
 
 
 @pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
@@ -185,15 +168,13 @@ def by_forwards(run: Stripped) -> list[Context]:
     """Contexts of the leaf ops inferred as `analyze` does on a trace without ranges: one sequence per
     forward (`forwards`), a prefill forward flagged as such."""
     _, forwards = find_forwards(run.bare)
-    groups: dict[int, list[int]] = {}
-    for i, e in enumerate(run.leaves):
-        j = next((k for k, f in enumerate(forwards) if f.event.ts <= e.ts < f.event.end), -1)
-        groups.setdefault(j, []).append(i)
+    groups = C.group_by_step([e.ts for e in run.leaves], forwards)
     order = sorted(groups)
     found = detect_loops(
         [[run.contexts[i] for i in groups[j]] for j in order],
         names=[[run.names[i] for i in groups[j]] for j in order],
         prefill=[j >= 0 and forwards[j].phase == "prefill" for j in order],
+        times=[[run.leaves[i].ts for i in groups[j]] for j in order],
     )
     out = list(run.contexts)
     for j, inferred in zip(order, found.steps, strict=True):
@@ -202,64 +183,34 @@ def by_forwards(run: Stripped) -> list[Context]:
     return out
 
 
-# Kernels of profile's prefill window whose stage differs from its ranges', by (ranges' stage, ours): the
-# ops that set up the coda pass of the last prompt row (its state gather and positions) read as the
-# prefill's; Ouro's state write and gather for the next forward after the prefill as its coda.
-PREFILL_STAGE_MISMATCHES = {
-    "ouro-tiny": {("prefill", "coda"): 2},
-    "huginn-tiny": {("coda", "prefill"): 5},
-    "olmo-retrofit-tiny": {("coda", "prefill"): 9},
-}
-
-
-@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny", "olmo-retrofit-tiny"])
-def test_prefill_forward_stage(preset, recorded):
-    """A prefill forward's prelude and loops are stage prefill, as profile's ranges name our engine's
-    prefill step, its last coda pass coda; loops and layers are the ranges' for every op of the window."""
+@pytest.mark.parametrize("preset", PRESETS)
+def test_forwards_give_every_op_profiles_context(preset, recorded):
+    """One sequence per forward, as `analyze` does on a trace without ranges: every op of the trace gets
+    the stage, loop, layer and role profile's ranges give it: prelude, the loops (a prefill forward's
+    prelude and loops stage prefill, as our engine's prefill step), coda, sampling; the ops before the
+    first forward prepare it."""
     run = recorded(preset)
     inferred = by_forwards(run)
-    [window] = [e for e in run.events if e.cat == C.ANNOTATION_CAT and e.name == C.window_name("prefill")]
-    pairs = [(t, i) for t, i, e in zip(run.truth, inferred, run.leaves) if window.ts <= e.ts < window.end]
-    assert [(t.loop, t.layer) for t, _ in pairs] == [(i.loop, i.layer) for _, i in pairs]
-    stages = Counter((t.stage, i.stage) for t, i in pairs)
-    assert stages[("prefill", "prefill")] > 0.8 * len(pairs)
-    assert {k: n for k, n in stages.items() if k[0] != k[1]} == PREFILL_STAGE_MISMATCHES[preset], stages
+    wrong = [(n, t, i) for n, t, i in zip(run.names, contexts_of(run.truth), contexts_of(inferred)) if t != i]
+    assert wrong == []
+    stages = Counter(t.stage for t in run.truth)
+    assert set(stages) == {"prelude", "recurrent", "coda", "sample", "prefill"}, stages
 
 
-def test_stripped_trace_stages(recorded):
-    """Huginn: prelude layers before each chain, coda layers and sampling after it, as profile's stages;
-    in the prefill step (one stage there) the ops of its loop ranges are the recurrent ones."""
-    run = recorded("huginn-tiny")
-    inferred = infer_loops([run.contexts], names=[run.names])[0]
-    pairs = list(zip(run.truth, inferred))
-    decode = Counter((t.stage, i.stage) for t, i in pairs if t.stage != "prefill")
-    wrong = {k: n for k, n in decode.items() if k[0] != k[1]}
-    # Per decode token: the state gather before loop 0 reads as prelude, the coda's as the last loop's.
-    tokens = run.loop0 - 1
-    assert wrong == {("recurrent", "prelude"): tokens, ("coda", "recurrent"): tokens}, decode
-    assert decode[("sample", "sample")] == tokens + 1  # and the prefill's first token
-    prefill = [(t, i) for t, i in pairs if t.stage == "prefill"]
-    assert sum(i.stage == "recurrent" for _, i in prefill) == sum(t.loop is not None for t, _ in prefill)
-
-
-@pytest.mark.parametrize(("preset", "misplaced"), [("ouro-tiny", 0), ("huginn-tiny", 8)])
-def test_categories_only(preset, misplaced, recorded):
-    """Without kernel names (categories alone) layers stay exact and loops nearly: in Huginn's prefill
-    step the adapter's concat (copy/cast) opening each of the 8 loops looks like the copy after the last
-    loop, so it goes to the previous loop's tail (the first one to none)."""
+@pytest.mark.parametrize("preset", PRESETS)
+def test_categories_only(preset, recorded):
+    """Without kernel names (categories alone) the loops and layers are still the ranges': the host
+    pauses between the engine's steps place the ops that a category alone cannot (Huginn's adapter
+    concat opening each loop looks like a copy closing the previous one)."""
     run = recorded(preset)
-    inferred = infer_loops([run.contexts])[0]
-    in_loop = [(t, i, n) for t, i, n in zip(run.truth, inferred, run.names) if t.loop is not None]
-    wrong = [(t.stage, n, t.loop, i.loop) for t, i, n in in_loop if t.loop != i.loop]
-    assert sum((t.layer, t.role) == (i.layer, i.role) for t, i, _ in in_loop) == len(in_loop)
-    assert len(wrong) == misplaced and {(s, n) for s, n, *_ in wrong} <= {("prefill", "aten::cat")}
-    assert sorted(i for *_, i in wrong if i is not None) == list(range(misplaced - 1))
+    inferred = infer_loops([run.contexts], times=[[e.ts for e in run.leaves]])[0]
+    assert [(i.loop, i.layer, i.role) for i in inferred] == [(t.loop, t.layer, t.role) for t in run.truth]
 
 
 # --- the same traces through `analyze` and `trace analyze`: the op × layer × loop table ----------------
 
 # Ops inside lt.loop ranges of the recorded window (what `profile` attributes to a loop).
-IN_LOOPS = {"ouro-tiny": 4881, "huginn-tiny": 8880}
+IN_LOOPS = {"ouro-tiny": 4913, "huginn-tiny": 8944, "olmo-retrofit-tiny": 6696}
 
 
 def strip_ranges(src: Path, dst: Path) -> Path:
@@ -309,39 +260,36 @@ def cells(stats: list[C.GroupStat], layered: bool) -> Counter:
     return out
 
 
-def bookkeeping(preset: str, tokens: int, loops: int) -> dict[str, int]:
-    """Kernels that structure gives to each loop and `profile` to none (BETWEEN_LOOPS), by loop."""
-    per_loop = {str(k): 2 * tokens - (preset == "ouro-tiny" and k == 0) for k in range(loops)}
-    return per_loop | {C.NONE: -sum(per_loop.values())}
-
-
-@pytest.mark.parametrize("preset", ["ouro-tiny", "huginn-tiny"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_analyze_stripped_trace_loop_table(preset, analyzed):
     """`analyze` on the stripped trace file (CPU mode: leaf cpu_ops) finds the loops and gives the op ×
-    layer × loop table of `profile` (analyze of the trace with its ranges), up to the bookkeeping."""
+    layer × loop table of `profile` (analyze of the trace with its ranges), cell by cell."""
     run, original, bare, _ = analyzed(preset)
-    spec, loops, tokens = run.engine.spec, run.engine.max_loops, run.loop0 - 1
+    spec, loops = run.engine.spec, run.engine.max_loops
     # One sequence per forward (lm-head GEMM, embedding lookup: `forwards`), one chain in each.
     how = f"{spec.n_core} layers × {loops} loops ({run.loop0} chains of passes in {run.loop0} steps)"
     assert f"loops inferred from the kernel pattern: repeated op pattern: {how}" in bare.notes
     assert bare.counters.kernels == original.counters.kernels and bare.breakdown.has_loops
     profiled, inferred = per_loop(original.breakdown.by_loop), per_loop(bare.breakdown.by_loop)
     assert sum(n for loop, n in profiled.items() if loop != C.NONE) == IN_LOOPS[preset]
-    assert {k: inferred[k] - profiled[k] for k in profiled} == bookkeeping(preset, tokens, loops)
-    # Every (layer, loop) cell with a layer: the same kernels as profile's (its ops are lt.op kinds,
-    # ours categories, so cells are compared summed over ops).
-    layered = cells(bare.breakdown.by_op_layer_loop, True)
-    assert layered == cells(original.breakdown.by_op_layer_loop, True) and len(layered) >= spec.n_core * loops
-    # Per category: the categories of the same ops under the ranges' (layer, loop); the only difference is
-    # the bookkeeping, all copy/cast (index_select, copy_) outside layers.
+    assert inferred == profiled
+    # Every (layer, loop) cell: the same kernels as profile's (its ops are lt.op kinds, ours categories,
+    # so cells are compared summed over ops) ...
+    for layered in (True, False):
+        assert cells(bare.breakdown.by_op_layer_loop, layered) == cells(
+            original.breakdown.by_op_layer_loop, layered
+        )
+    assert len(cells(bare.breakdown.by_op_layer_loop, True)) >= spec.n_core * loops
+    # ... and per category: the categories of the same ops under the ranges' (layer, loop).
     truth = Counter(
         (c.op, t.layer or C.NONE, C.NONE if t.loop is None else str(t.loop))
         for c, t in zip(run.contexts, run.truth, strict=True)
     )
-    diff = Counter({s.key: s.kernels for s in bare.breakdown.by_op_layer_loop})
-    diff.subtract(truth)
-    expected = {(cats.COPY, C.NONE, loop): n for loop, n in bookkeeping(preset, tokens, loops).items()}
-    assert {k: n for k, n in diff.items() if n} == expected
+    assert Counter({s.key: s.kernels for s in bare.breakdown.by_op_layer_loop}) == truth
+    # And per stage, as profile's ranges give them.
+    assert {s.key: s.kernels for s in bare.breakdown.by_stage} == {
+        s.key: s.kernels for s in original.breakdown.by_stage
+    }
 
 
 def test_trace_analyze_cli_loop_table(analyzed, tmp_path):
