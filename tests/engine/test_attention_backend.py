@@ -1,5 +1,5 @@
 """`kernels.attention` (torch | triton): the engine wiring of the paged Triton attention path. The kernel
-itself is tested in test_paged_attention_kernel.py (interpreter on CPU, bf16 on the GPU)."""
+itself is tested in kernels/test_paged_attention.py (interpreter on CPU, bf16 on the GPU)."""
 
 from __future__ import annotations
 
