@@ -37,6 +37,7 @@ from looptrace.engine.runner_parts import (  # PendingRead, Row: re-exported (ol
     Row,
     Sampler,
     StateInit,
+    tokens_to_host,
 )
 from looptrace.engine.runner_passes import Traversals
 from looptrace.engine.runner_prefill import PrefillPaths
@@ -286,14 +287,14 @@ class ModelRunner:
         raw = self.staging.to_device(
             self.host_meta.raw(rows, [[p] * len(rows) for p in planes], self.decode_width(rows))
         )
-        for role, plane in self._token_roles():
+        for role, plane in self.passes.token_roles():
             self.host_meta.check(rows, plane, role)
         inputs: tuple = (raw,)
         if self.spec.has_injection:  # Huginn/OLMo: the noise draw stays eager (request generators), in order
             inputs += (self.ops.state_init(self.state_pool, [(r, r.decode_position, 1) for r in requests]),)
         with one_loop_range(self.hooks, "recurrent"):
             tokens, logits = self.graph_runs.run(self.token_graphs, len(rows), self.passes.token_pass, inputs)
-        for role, plane in self._token_roles():
+        for role, plane in self.passes.token_roles():
             self.host_meta.mark(rows, plane, role)
         if self.hooks.active and self.hooks.wants_logits:
             self.hooks.logits([r.request_id for r in requests], logits)
@@ -302,15 +303,7 @@ class ModelRunner:
             if self.async_decode:
                 self.token_buf.index_copy_(0, raw[0][:, META_SLOT], tokens)
         record_logprobs(logits, tokens, requests)
-        return PendingRead.start(tokens) if defer else self._to_host(tokens)
-
-    def _token_roles(self) -> list[tuple[str, int]]:
-        roles = [("core", self.layout.plane("core", t)) for t in range(self.max_loops)]
-        if self.spec.n_prelude:
-            roles.insert(0, ("prelude", self.layout.plane("prelude", 0)))
-        if self.model.has_coda_layers:
-            roles.append(("coda", self.layout.plane("coda", 0)))
-        return roles
+        return PendingRead.start(tokens) if defer else tokens_to_host(tokens)
 
     def finalize_exits(self, requests: list[Request]) -> None:
         """Early exit at depth e < max_loops: copy the exit plane's slot into planes e..max-1 (planes and
@@ -354,12 +347,4 @@ class ModelRunner:
             self.hooks.logits([r.request_id for r in requests], logits)
         tokens = self.ops.sampler(logits, requests)
         record_logprobs(logits, tokens, requests)
-        return self._to_host(tokens)
-
-    def _to_host(self, tokens: torch.Tensor) -> list[int]:
-        if self.device.type != "cuda":
-            return tokens.tolist()
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one blocking read: the sampled tokens
-        return host.tolist()
+        return tokens_to_host(tokens)

@@ -72,6 +72,15 @@ class Traversals:
         out += [self.layout.plane("core", t) for t in range(self.max_loops)]
         return sorted(set(out), key=out.index)
 
+    def token_roles(self) -> list[tuple[str, int]]:
+        """(role, plane) of each KV write of one whole-token pass, in the order the pass writes them."""
+        roles = [("core", self.layout.plane("core", t)) for t in range(self.max_loops)]
+        if self.spec.n_prelude:
+            roles.insert(0, ("prelude", self.layout.plane("prelude", 0)))
+        if self.model.has_coda_layers:
+            roles.append(("coda", self.layout.plane("coda", 0)))
+        return roles
+
     def token_pass(self, raw: torch.Tensor, init_state: torch.Tensor | None = None):
         """raw [planes, R, ...] in `token_planes` order. Returns (greedy tokens, logits)."""
         ctx_of = self.plane_contexts(raw, self.token_planes())
