@@ -2,7 +2,8 @@
 upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
 client package; and in the engine: the plan is the only reader of the `kernels` settings, model forwards
 test no kernel switches (only their variants' fallbacks), and no launch flag is a module global; in the
-kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing.
+kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing;
+the engine and the runner stay small, and a static walk from `LLMEngine.step` reaches the runner's stages.
 LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
 from __future__ import annotations
