@@ -2,10 +2,11 @@
 
     python bench/kernel_gemv.py [--out DIR] [--copy-tbps 4.28] [--budget-s 150] [--rows 1,2,4,8]
 
-For every projection shape of Ouro-1.4B and Huginn-0125 (`tests/engine/test_gemv_kernel.py::GPU_SHAPES`)
-and M in {1, 2, 4, 8}: median µs per call of cuBLAS (`F.linear`), of the GEMV with the tile table's config
-(`gemv.pick_config`), and, at M = 1 and 8, of every other tile candidate (`gemv.CANDIDATES`), so one device
-call shows which config wins where (the table in gemv/tiles.py is then set from `best`). Times come from
+For every projection shape of Ouro-1.4B and Huginn-0125
+(`tests/engine/kernels/gemv/test_kernel.py::GPU_SHAPES`) and M in {1, 2, 4, 8}: median µs per call of cuBLAS
+(`F.linear`), of the GEMV with the tile table's config (`gemv.pick_config`), and, at M = 1 and 8, of every
+other tile candidate (`gemv.CANDIDATES`), so one device call shows which config wins where (the table in
+gemv/tiles.py is then set from `best`). Times come from
 `kernel_checks.graph_time_us` (a CUDA graph of 20 calls: no host launch cost). The 20 calls cycle through
 enough copies of the weight to exceed the 50 MB L2 (>= 128 MB, at most 20 copies), so every call reads its
 weight from HBM as in a real decode step. Byte floor = N * K * 2 bytes at the copy bandwidth (4.28 TB/s,
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from looptrace.engine.kernel_checks import graph_time_us  # noqa: E402
 from looptrace.engine.kernels.gemv import kernel as gemv_kernel
 from looptrace.engine.kernels.gemv import tiles as gemv_tiles
-from tests.engine.test_gemv_kernel import GPU_SHAPES  # noqa: E402
+from tests.engine.kernels.gemv.test_kernel import GPU_SHAPES  # noqa: E402
 
 ROWS = (1, 2, 4, 8)
 REPS = 20

@@ -2,11 +2,13 @@
 upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
 client package; and in the engine: the plan is the only reader of the `kernels` settings, model forwards
 test no kernel switches (only their variants' fallbacks), and no launch flag is a module global; in the
-kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing.
+kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing;
+the engine and the runner stay small, and a static walk from `LLMEngine.step` reaches the runner's stages.
 LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
@@ -113,6 +115,68 @@ def test_the_engine_reads_as_a_loop(house):
     modules, _, _ = house
     size = hm.class_sizes(modules)["LLMEngine"]
     assert size["methods"] <= MAX_ENGINE_METHODS and size["step_lines"] <= MAX_STEP_LINES, size
+
+
+# The runner keeps the stage entry points and delegates its roles (prefill paths, traversals, graphs) to
+# collaborators in runner_*.py (bench/house_metrics.py measured 39 methods in 613 lines before the split).
+MAX_RUNNER_METHODS = 25
+RUNNER_STAGES = ("prefill", "prelude", "recurrent", "recurrent_fused", "whole_token", "coda")
+RUNNER_STAGES += ("finalize_exits", "rollback")
+
+
+def test_the_runner_keeps_to_its_stage_entry_points(house):
+    modules, _, _ = house
+    size = hm.class_sizes(modules)["ModelRunner"]
+    assert size["methods"] <= MAX_RUNNER_METHODS, size
+
+
+def _classes(modules, rel: str) -> dict[str, ast.ClassDef]:
+    tree = next(m.tree for m in modules.values() if m.rel == rel)
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+
+
+def _self_calls(function: ast.FunctionDef) -> set[tuple[str, ...]]:
+    """Calls in `function` of `self.<method>` and `self.<attr>.<method>` (`self.<attr>[k].<method>` too)."""
+    out = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value.value if isinstance(node.func.value, ast.Subscript) else node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "self":
+                out.add((node.func.attr,))
+            elif (
+                isinstance(owner, ast.Attribute)
+                and isinstance(owner.value, ast.Name)
+                and owner.value.id == "self"
+            ):
+                out.add((owner.attr, node.func.attr))
+    return out
+
+
+def test_a_static_walk_from_the_engine_step_reaches_the_runner_stages(house):
+    """LLMEngine.step calls its stage runs (`self.stage_runs[...]`, `self.decode`): every method of that
+    name in decode_modes.py, and the `self.<method>` they call, is followed to its `self.runner.<stage>`."""
+    modules, _, _ = house
+    step = next(
+        f
+        for f in _classes(modules, "looptrace/engine/llm_engine.py")["LLMEngine"].body
+        if getattr(f, "name", "") == "step"
+    )
+    stage_runs = {call[-1] for call in _self_calls(step) if call[0] in ("stage_runs", "decode")}
+    functions = [f for c in _classes(modules, "looptrace/engine/decode_modes.py").values() for f in c.body]
+    functions = [f for f in functions if isinstance(f, ast.FunctionDef)]
+    reached, todo, seen = set(), set(stage_runs), set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        for call in set().union(*(_self_calls(f) for f in functions if f.name == name)):
+            if call[0] == "runner":
+                reached.add(call[1])
+            elif len(call) == 1 and call[0] not in seen:
+                todo.add(call[0])
+    runner = _classes(modules, "looptrace/engine/runner.py")["ModelRunner"]
+    defined = {f.name for f in runner.body if isinstance(f, ast.FunctionDef)}
+    assert stage_runs >= {"run", "settle", "drain"} and sorted(reached) == sorted(RUNNER_STAGES)
+    assert set(RUNNER_STAGES) <= defined
 
 
 def test_the_request_lifecycle_is_a_table_of_handlers(house):

@@ -526,8 +526,8 @@ def step_result(engine: LLMEngine, batch: Batch, outputs: list[TokenOutput], ela
         stage_label(engine.plan, batch),
         batch.num_rows,
         elapsed,
-        graph_mode=runner.last_graph_mode if graph_stage else None,
-        fallback_reason=runner.last_fallback if graph_stage else None,
+        graph_mode=runner.graph_runs.last_mode if graph_stage else None,
+        fallback_reason=runner.graph_runs.last_fallback if graph_stage else None,
         new_tokens=len(outputs),
         finished=[o.request_id for o in outputs if o.finished],
     )

@@ -1,6 +1,6 @@
 """The runner's leaf helpers: small op modules a probe may hook (sampler, gate readback, state init, plane
-copy), the host->device staging ring, in-flight host reads and the row record. None of them knows a stage;
-`ModelRunner` (runner.py) composes them."""
+copy), the host->device staging ring, in-flight and blocking host reads, and the row record. None of them
+knows a stage; `ModelRunner` (runner.py) composes them."""
 
 from __future__ import annotations
 
@@ -138,3 +138,13 @@ class Row:
     request: Request
     pos: int
     token: int = 0
+
+
+def tokens_to_host(tokens: torch.Tensor) -> list[int]:
+    """The sampled tokens as a host list: on CUDA through pinned memory, the step's one blocking read."""
+    if tokens.device.type != "cuda":
+        return tokens.tolist()
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    torch.cuda.current_stream().synchronize()  # the step's one blocking read: the sampled tokens
+    return host.tolist()

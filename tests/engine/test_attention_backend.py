@@ -1,5 +1,5 @@
 """`kernels.attention` (torch | triton): the engine wiring of the paged Triton attention path. The kernel
-itself is tested in test_paged_attention_kernel.py (interpreter on CPU, bf16 on the GPU)."""
+itself is tested in kernels/test_paged_attention.py (interpreter on CPU, bf16 on the GPU)."""
 
 from __future__ import annotations
 
@@ -108,10 +108,11 @@ for packed, triton, graphs in runs:
         install_variants(eng.model, "kernels.attention")
         install(eng.runner.metadata, TritonAttentionMetadata)
         eng.runner.triton_attention = True
-        make = eng.runner._packed_blocks
-        eng.runner._packed_blocks = lambda spans, rows: blocks_seen.append(len(spans)) or make(spans, rows)
+        paths = eng.runner.prefill_paths
+        make = paths.packed_blocks
+        paths.packed_blocks = lambda spans, rows: blocks_seen.append(len(spans)) or make(spans, rows)
     if graphs:  # prefill chunks through the graph path (a CPU stand-in graph cache): blocks as an input
-        eng.runner.prefill_graphs = stand_in_graphs("prefill", eng.runner._prefill_pass)
+        eng.runner.prefill_graphs = stand_in_graphs("prefill", eng.runner.passes.prefill_pass)
     out.append(eng.generate([[3, 5, 7, 9, 11, 13, 2], [4, 6, 8]], SamplingParams(max_tokens=3)))
     calls.append(len(packed_calls))
     packed_calls.clear()

@@ -6,7 +6,8 @@ CPU: the chained layer wiring gives the plain model's hidden states bit for bit 
 the eager ops on CPU, so this checks which norm feeds which add), and the kernels run in the Triton
 interpreter against the eager ops (its bf16 casts round toward zero, so only approximately; v, copied
 without arithmetic, must be exact, and padding rows must write nothing). Bitwise equality of the kernels is
-a GPU test: tests/engine/test_gpu_kernels.py (`test_residual_norm_bitwise`, `test_rope_kv_write_bitwise`).
+a GPU test: tests/engine/kernels/test_rmsnorm.py (`test_residual_norm_bitwise`) and test_rope.py
+(`test_rope_kv_write_bitwise`).
 """
 
 from __future__ import annotations

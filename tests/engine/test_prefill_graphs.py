@@ -17,7 +17,7 @@ PROMPTS = [[3 + i + j for j in range(5 + 4 * i)] for i in range(4)]
 
 def stand_in(eng: LLMEngine) -> GraphCache:
     """A prefill graph cache whose capture keeps static buffers and whose replay re-runs the body."""
-    return stand_in_graphs("prefill", eng.runner._prefill_pass)
+    return stand_in_graphs("prefill", eng.runner.passes.prefill_pass)
 
 
 def run(preset: str, graphed: bool, **settings):

@@ -136,7 +136,7 @@ def test_graph_families_count_captures_replays_and_held_graphs():
         scheduler__max_model_len=64,
     )
     assert eng.snapshot().graphs == ()  # CPU: no graph caches
-    eng.runner.token_graphs = stand_in_graphs("whole_token", eng.runner._token_pass)
+    eng.runner.token_graphs = stand_in_graphs("whole_token", eng.runner.passes.token_pass)
     eng.runner.fixed_width = -(-eng.max_model_len // eng.cfg.kv.block_size)  # as on CUDA
     eng.generate([[3, 4, 5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=4))
     # prefill, coda (token 1 of both), then tokens 2-4 as whole-token steps of 2 rows: 1 capture, 3 replays

@@ -13,8 +13,8 @@ from tests.helpers import build_engine, stand_in_graphs
 @pytest.mark.parametrize(
     "settings, family, runner_attr, pass_name",
     [
-        ({"loop_fusion": True}, "recurrent_fused", "fused_graphs", "_fused_pass"),
-        ({"loop_fusion": True, "whole_token": True}, "whole_token", "token_graphs", "_token_pass"),
+        ({"loop_fusion": True}, "recurrent_fused", "fused_graphs", "fused_pass"),
+        ({"loop_fusion": True, "whole_token": True}, "whole_token", "token_graphs", "token_pass"),
     ],
 )
 def test_stats_count_the_graphs_each_family_holds(settings, family, runner_attr, pass_name):
@@ -26,7 +26,7 @@ def test_stats_count_the_graphs_each_family_holds(settings, family, runner_attr,
         scheduler__max_model_len=64,
         **{f"scheduler__{k}": v for k, v in settings.items()},
     )
-    setattr(eng.runner, runner_attr, stand_in_graphs(family, getattr(eng.runner, pass_name)))
+    setattr(eng.runner, runner_attr, stand_in_graphs(family, getattr(eng.runner.passes, pass_name)))
     eng.runner.fixed_width = -(-eng.max_model_len // eng.cfg.kv.block_size)  # as on CUDA
     eng.generate([[3, 4, 5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=4))
     cache = EngineLoop(eng).snapshot()["graphs"]["caches"][family]

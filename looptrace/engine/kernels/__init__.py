@@ -9,7 +9,7 @@ it, so importing this package, or `looptrace.engine`, never imports Triton): `rm
 `reduce_order`, `launch_mode`, `registry` (which setting installs which kernel, needing what).
 
 Each exact kernel has the signature and result of the engine's eager op, bit for bit on CUDA (see
-`tests/engine/test_gpu_kernels.py`, `bench/results/h200/kernels/`), and falls back to the eager math for
+`tests/engine/kernels/`, `bench/results/h200/kernels/`), and falls back to the eager math for
 inputs it does not handle (CPU tensors, other dtypes).
 
 Policy (exactness.md §5): use the kernels only while a CUDA graph is being captured or for eager calls over

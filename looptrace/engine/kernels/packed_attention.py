@@ -11,7 +11,8 @@ per-row kernel, another arithmetic (rung R3: `prefill.packed`, graded by `looptr
 accuracy check).
 
 Block descriptors (`blocks`, int64 `[B, 2]`: first row, row count) come from the host
-(`runner._packed_blocks`); rows of a block are consecutive, belong to one request and read one plane, and
+(`runner_prefill.PrefillPaths.packed_blocks`); rows of a block are consecutive, belong to one request and
+read one plane, and
 the table of the block's last row covers every key any of its rows attends to. Blocks with 0 rows are
 padding (they let a CUDA graph keyed by row count take any split of its rows into requests): they read
 nothing and write nothing. No host syncs and no data-dependent grid, so the launch can be captured.

@@ -241,7 +241,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_paged_attention_kernel")
+    return interpreted_checks("tests.engine.kernels.test_paged_attention")
 
 
 CPU_CASES = ("gqa_d96", "mha_d128", "mha_d96_layer0")

@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.engine.test_gemv_fused_inputs import _open_cuda_gates, _rel_err, _replayed
+from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
 from tests.helpers import interpreted_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -119,7 +119,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_gemv_rope")
+    return interpreted_checks("tests.engine.kernels.test_gemv_rope")
 
 
 CPU_CHECKS = [
@@ -154,7 +154,7 @@ def test_sm90_qkv_rope_waits_before_any_global_access():
     from looptrace.engine.kernels import gemv_rope
     from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
     from looptrace.engine.kernels.gemv import tiles as gemv_tiles
-    from tests.engine.test_pdl import _compile_sm90, _first
+    from tests.engine.kernels.test_launch_mode import _compile_sm90, _first
 
     cfg = gemv_tiles.one_row_config(6144, 2048)
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")}
@@ -223,8 +223,8 @@ def test_the_form_is_declared_r0_and_inactive_on_cpu():
 def test_gpu_fast_generates_the_same_tokens_with_and_without_the_rope_form(monkeypatch):
     """fast at batch 1 (where the form acts) and at batch 4 (where it does not): the same tokens with it on
     and off; with it on, the fused launch ran (and rope_half_write_kv still ran for the batched rows)."""
-    from tests.engine.test_gemv_fused_inputs import fast_with_and_without
-    from tests.engine.test_gemv_fused_outputs import _small_ouro
+    from tests.engine.kernels.gemv.test_forms_inputs import fast_with_and_without
+    from tests.engine.kernels.gemv.test_forms_outputs import _small_ouro
 
     FUSED, SEPARATE = "gemv_rope.qkv_rope_write", "rope.rope_half_write_kv"  # the kernel modules' own names
 

@@ -93,7 +93,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_gemv_kernel")
+    return interpreted_checks("tests.engine.kernels.gemv.test_kernel")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -112,23 +112,6 @@ def test_interpreted_gemv_is_deterministic(cpu_results, case, dtype):
 def test_interpreted_gemv_takes_leading_dims_and_leaves_counters_zero(cpu_results):
     assert cpu_results["three_d_input"][0]
     assert cpu_results["counters_left_zero"][0], cpu_results["counters_left_zero"][1]
-
-
-def test_split_for_fills_the_gpu_without_empty_splits():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
-
-    for n, k in [(2048, 2048), (2048, 5632), (6144, 2048), (11264, 2048), (49152, 2048), (5280, 17920)]:
-        for m in (1, 8):
-            cfg = gemv_tiles.pick_config(m, n, k)
-            split, per_split = gemv_tiles.split_for(n, k, cfg)
-            tiles = -(-k // cfg.block_k)
-            assert (split - 1) * per_split < tiles <= split * per_split  # every split holds a tile
-            most = max(1, tiles // gemv_tiles.MIN_TILES_PER_SPLIT)
-            assert (
-                -(-n // cfg.block_n) * split >= gemv_tiles.SMS or split >= most
-            )  # all SMs busy, or K is split out
 
 
 # ------------------------------------------------------------------------------------ toggle and recipe

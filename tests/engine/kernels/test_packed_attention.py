@@ -1,6 +1,6 @@
 """Triton packed prefill attention (`looptrace.engine.kernels.packed_attention`) and its block table.
 
-CPU: the kernel runs in the Triton interpreter in one child process (as in test_paged_attention_kernel.py),
+CPU: the kernel runs in the Triton interpreter in one child process (as in test_paged_attention.py),
 in fp32 (the interpreter's `tl.dot` multiplies the bit patterns of bf16 operands, triton-lang/triton#11584,
 so bf16 is judged on the GPU only), against the float64 per-row reference and the per-row Triton kernel:
 spans of 1, 2, 5, 16, 17, 33 and 40 rows (one block, block edges, several blocks), chunks that start after
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from looptrace.engine import kernels as K
-from tests.engine.test_paged_attention_kernel import BS, make_pool, max_err, reference
+from tests.engine.kernels.test_paged_attention import BS, make_pool, max_err, reference
 from tests.helpers import interpreted_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -133,7 +133,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_packed_attention_kernel")
+    return interpreted_checks("tests.engine.kernels.test_packed_attention")
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))

@@ -5,7 +5,7 @@
   sandwich block's residual norm (h = res + post(y), x = nxt(h)) to the whole row.
 
 CPU: the kernels run in the Triton interpreter in a child process, with the CUDA-only gates opened for CPU
-tensors there (`test_gemv_fused_inputs._open_cuda_gates`): fused against the two launches (bitwise), against
+tensors there (`conftest._open_cuda_gates`): fused against the two launches (bitwise), against
 float64, run to run, with and without a split K and the weight preload; the ticket counters left at zero.
 GPU (`gpu` marker): Ouro-1.4B's shapes (gate_up 11264 x 2048; o 2048 x 2048 and down 2048 x 5632 before a
 residual norm), bitwise against the two launches in bf16, eager, replayed in a CUDA graph and under PDL.
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.test_gemv_fused_inputs import _open_cuda_gates, _rel_err, _replayed
+from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
 from tests.helpers import interpreted_checks, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -125,7 +125,7 @@ def _cpu_checks() -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_gemv_fused_outputs")
+    return interpreted_checks("tests.engine.kernels.gemv.test_forms_outputs")
 
 
 CPU_CHECKS = [
@@ -153,7 +153,7 @@ def test_interpreted_fused_output_forms(cpu_results, check):
 def test_sm90_fused_output_forms_compile_and_wait_before_any_global_access(form, n, k):
     """Ouro-1.4B's fused launches (gate_up with SiLU·mul; o and down with the residual norm) compile for
     sm_90 on the CPU with their launch options; under PDL only weight loads may come before the wait."""
-    from tests.engine.test_pdl import _first, fused_gemv_ptx
+    from tests.engine.kernels.test_launch_mode import _first, fused_gemv_ptx
 
     # the silu form: gate and up in one program, one split
     ptx = fused_gemv_ptx(n, k, n, one_split=form == 1, X_FORM=0, Y_FORM=form, NORM_N=n if form == 2 else 1)
@@ -260,7 +260,7 @@ def _small_ouro():
 def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(monkeypatch):
     """fast at batch 1 (where the forms act) and at batch 4 (where they do not): the same tokens with them
     on and off; with them on, both fused launches ran."""
-    from tests.engine.test_gemv_fused_inputs import fast_with_and_without
+    from tests.engine.kernels.gemv.test_forms_inputs import fast_with_and_without
 
     _cuda()
     off, on, calls_off, calls_on = fast_with_and_without(

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
 from tests.helpers import interpreted_checks, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -41,25 +42,6 @@ def _reference_norm(y, res, w_post, w_next, eps, w):
 
     h = res.double() + norm(y.double(), w_post)
     return norm(h, w_next) @ w.double().T, h
-
-
-def _rel_err(a, ref) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
-
-
-def _open_cuda_gates():
-    """In the interpreter child only: the CUDA-only gates accept CPU tensors (the kernels run on CPU)."""
-    from looptrace.engine.kernels import rmsnorm, silu_mul
-    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
-
-    def cpu_ok(x, *rest):
-        return x.dtype == torch.bfloat16 and x.numel() > 0
-
-    gemv_tiles.supported = lambda x, w, b: (
-        b is None and x.dtype == w.dtype == torch.bfloat16 and x.numel() > 0
-    )
-    rmsnorm.supported = lambda x, w: cpu_ok(x) and w.dim() == 1 and w.shape[0] == x.shape[-1]
-    silu_mul.supported = lambda g, u: cpu_ok(g) and g.shape == u.shape
 
 
 def _cpu_checks() -> dict:
@@ -130,7 +112,7 @@ def _preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps) -> dict:
 def cpu_results():
     if not HAS_TRITON:
         pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.test_gemv_fused_inputs")
+    return interpreted_checks("tests.engine.kernels.gemv.test_forms_inputs")
 
 
 CPU_CHECKS = [
@@ -159,7 +141,7 @@ def test_interpreted_fused_input_forms(cpu_results, check):
 def test_sm90_fused_forms_compile_and_wait_before_any_global_access(form, n, k):
     """Ouro-1.4B's fused launches (down from gate/up; gate_up and qkv from a residual norm) compile for
     sm_90 on the CPU with their launch options; under PDL the norm prologue's loads come after the wait."""
-    from tests.engine.test_pdl import _first, fused_gemv_ptx
+    from tests.engine.kernels.test_launch_mode import _first, fused_gemv_ptx
 
     ptx = fused_gemv_ptx(n, k, k, X_FORM=form)
     assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
@@ -226,18 +208,6 @@ def test_gpu_residual_norm_gemv_is_bitwise_residual_norm_then_gemv(n, graph):
     assert _rel_err(out, ref) < 0.02
     two_rows = torch.cat([y, y])
     assert not gemv_forms.residual_norm_fusable(two_rows, torch.cat([resid, resid]), w_post, w_next, w)
-
-
-def _replayed(fn):
-    """fn's result from a CUDA graph replay (captured after an eager warm-up), outputs copied out."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
 
 # ---------------------------------------------------------------------------------------------- engine
