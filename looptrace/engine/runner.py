@@ -195,6 +195,12 @@ class ModelRunner:
         `defer` (async gate readback): the logits come back as a PendingRead, and each row's state before
         this loop is kept so a late exit decision can restore it (`rollback`)."""
         self.submissions += 1
+        loops = sorted({r.loops_done for r in requests})
+        loop_tag = loops[0] if len(loops) == 1 else -1  # -1: rows at different depths share this loop
+        # The loop's range holds all this step does for the loop: its state gather and metadata before
+        # the pass, its state write and gate readback after (what the loop costs, as a trace shows it).
+        if self.hooks.active:
+            self.hooks.loop_begin("recurrent", loop_tag)
         rows = [Row(r, r.decode_position) for r in requests]
         planes = [self.layout.plane("core", r.loops_done) for r in requests]
         for row, plane in zip(rows, planes):
@@ -204,25 +210,22 @@ class ModelRunner:
         inputs = (raw, self.state_pool.index_select(0, slots))
         if self.inject_pool is not None:
             inputs += (self.inject_pool.index_select(0, slots),)
-        loops = sorted({r.loops_done for r in requests})
-        loop_tag = loops[0] if len(loops) == 1 else -1  # -1: rows at different depths share this loop
-        if self.hooks.active:
-            self.hooks.loop_begin("recurrent", loop_tag)
         out = self.graph_runs.run(self.recurrent_graphs, len(rows), self.passes.core_pass, inputs)
         if defer:
             self.prev_state.index_copy_(0, slots, inputs[1])
         self.state_pool.index_copy_(0, slots, out[0])
         for row, plane in zip(rows, planes):
             self.host_meta.mark([row], plane, "core")
+        if self.hooks.active and self.hooks.wants_hidden:
+            for t in loops:
+                sel = [i for i, r in enumerate(requests) if r.loops_done == t]
+                self.emit_hidden(
+                    "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self.index(sel))
+                )
+        gate = self.ops.gate_readback(out[1], defer) if need_gate and len(out) > 1 else None
         if self.hooks.active:
-            if self.hooks.wants_hidden:
-                for t in loops:
-                    sel = [i for i, r in enumerate(requests) if r.loops_done == t]
-                    self.emit_hidden(
-                        "recurrent", t, [rows[i] for i in sel], out[0].index_select(0, self.index(sel))
-                    )
             self.hooks.loop_end("recurrent", loop_tag)
-        return self.ops.gate_readback(out[1], defer) if need_gate and len(out) > 1 else None
+        return gate
 
     @property
     def prev_state(self) -> torch.Tensor:
