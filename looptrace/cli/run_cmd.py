@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -10,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import MofNCompleteColumn, TextColumn
 
-from looptrace.build import build_engine, check_seed, resolve_model, run_header
+from looptrace.build import build, check_seed, run_header
 from looptrace.cli import common as c
 from looptrace.cli import options as o
 from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
@@ -151,13 +152,13 @@ def _prepare(a: SimpleNamespace, progress: bool):
         if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
             raise c.UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         with c.spinner(progress, "preparing the workload and the engine"):
-            resolved = resolve_model(a.model, a.device, a.weights)
+            request = c.build_request(a)
+            resolved = request.resolve_model()
             workload = c.pick(a, "concurrency prompt_len max_tokens rate num_requests sessions turns")
             workload |= c.pick(a, "turn_prompt_len prompts seed")
             wl = make_workload(kind, **workload, vocab_size=resolved.spec.vocab_size, tokenizer_dir=a.weights)
             check_workload_memory(kind, wl)
-            engine = c.pick(a, "recipe sets device dtype seed threads")
-            setup = build_engine(resolved, **engine, max_model_len=workload_max_len(wl))
+            setup = build(replace(request, max_model_len=workload_max_len(wl)), resolved)
             check_fits(wl, setup.engine.max_model_len)
     return setup, wl
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rich.markup import escape
 
-from looptrace.build import build_engine, resolve_model
+from looptrace.build import build
 from looptrace.cli import common as c
 from looptrace.cli import options as o
 
@@ -121,13 +121,14 @@ def _engine_and_socket(a: SimpleNamespace):
         except BindError as exc:
             raise c.UsageError(str(exc)) from None
         try:
-            model = resolve_model(a.model, a.device, a.weights)
-            if a.max_model_len > model.spec.max_position:  # build_engine would clamp it silently
+            request = c.build_request(a, max_model_len=a.max_model_len)
+            model = request.resolve_model()
+            if a.max_model_len > model.spec.max_position:  # the build would clamp it silently
                 raise c.UsageError(
                     f"--max-model-len {a.max_model_len}: {model.spec.name} has {model.spec.max_position} "
                     "positions at most"
                 )
-            setup = build_engine(model, **c.pick(a, "recipe sets device dtype seed threads max_model_len"))
+            setup = build(request, model)
         except BaseException:
             sock.close()
             raise

@@ -68,14 +68,13 @@ def test_tokenizer_matches_byte_ids():
 
 
 def test_cli_default_weights_and_opt_out():
-    from looptrace.build import build_engine, resolve_model, run_header
+    from looptrace.build import BuildRequest, build, run_header
 
-    common = dict(recipe="base", sets=None, device="cpu", dtype="auto", seed=0, threads=1)
-    trained = build_engine(resolve_model("huginn", "cpu", None), **common)
+    trained = build(BuildRequest(model="huginn", device="cpu"))
     assert trained.weights == shipped_weights("huginn-tiny")
     assert run_header(trained)["weights"] == str(shipped_weights("huginn-tiny"))
     assert trained.engine.spec.name == "huginn-tiny"
-    rand = build_engine(resolve_model("huginn", "cpu", None, random_weights=True), **common)
+    rand = build(BuildRequest(model="huginn", device="cpu", random_weights=True))
     assert rand.weights is None and run_header(rand)["weights"].startswith("random")
     # The Python API keeps seeded random weights (the engine test-suite relies on them).
     api = LLMEngine.from_preset("huginn-tiny", EngineConfig(), device="cpu")
