@@ -51,6 +51,7 @@ def note(message: str, label: str = "note") -> None:
 _BAD_INPUT = (
     ("looptrace.build", "BuildInputError"),
     ("looptrace.analysis.diff_run", "DiffInputError"),
+    ("looptrace.drive.run_request", "RunInputError"),
     ("looptrace.analysis.depth", "DepthInputError"),
     ("looptrace.train.evaluate", "EvalSetError"),
     ("looptrace.drive.workloads", "WorkloadError"),
