@@ -1,5 +1,7 @@
-"""The one place an engine is built: --model/--weights -> a resolved model, recipe + overrides -> config,
-both -> LLMEngine, plus the metadata every report carries about what was built.
+"""The one place an engine is built: `build(BuildRequest) -> EngineSetup` for every command, the server
+and the clients (--model/--weights -> a resolved model, recipe + overrides -> config, both -> LLMEngine);
+`place` + `load` + `engine_factory` for `looptrace diff`'s engines on one loaded model; plus the metadata
+every report carries about what was built.
 
 No CLI here (no typer, no rich): errors are plain exceptions (`BuildInputError`, `NoDeviceError` and the
 engine's own input errors) that the CLI maps to exit codes. torch is imported inside the functions so that
@@ -195,7 +197,7 @@ class BuildRequest:
     recipe: str = "base"  # a recipe name or a YAML path
     sets: tuple[str, ...] = ()  # section.key=value overrides, applied in order after the recipe
     device: Any = "auto"  # auto, cpu, cuda, cuda:N or a torch.device
-    dtype: Any = "auto"  # auto, bf16, fp16, fp32 (or their long names)
+    dtype: Any = "auto"  # auto, bf16, fp16, fp32 (or their long names) or a torch.dtype
     seed: int = 0
     threads: int = 1  # torch threads on CPU
     max_model_len: int | None = None  # size the decode tables to this many positions (None: the recipe's)
