@@ -40,13 +40,19 @@ VOLATILE = re.compile(
 
 ENGINE_PROBE = r"""
 import json, sys
-from looptrace.build import build_engine, preset_model
+try:
+    from looptrace.build import BuildRequest, build
+    def engine(recipe, family):
+        return build(BuildRequest(model=family, recipe=recipe, device="cpu", dtype="float32")).engine
+except ImportError:  # a tree from before build(): its two-step builder
+    from looptrace.build import build_engine, preset_model
+    def engine(recipe, family):
+        return build_engine(preset_model(family, "cpu"), recipe=recipe, sets=[], device="cpu",
+                            dtype="float32", seed=0, threads=1).engine
 out = {}
 for recipe in sys.argv[1].split(","):
     for family in sys.argv[2].split(","):
-        setup = build_engine(preset_model(family, "cpu"), recipe=recipe, sets=[], device="cpu",
-                             dtype="float32", seed=0, threads=1)
-        e = setup.engine
+        e = engine(recipe, family)
         out[f"{recipe} x {family}"] = {"inactive": list(e.inactive_settings.items()),
                                        "rungs": dict(e.checked_rungs)}
 print(json.dumps(out))

@@ -27,6 +27,8 @@ Static part (pure `ast`, nothing of the package is imported):
 - Reaches into engine internals outside `engine/`: attribute chains with `engine.runner`, `engine.blocks`,
   `.scheduler.` (scheduler in the middle of a chain) or a private `._x` attribute after a part that
   mentions the engine (ENGINE_WORDS as above).
+- Engines constructed outside `build.py` and `engine/`: calls of `LLMEngine(...)` or of its constructors
+  (`.from_preset(`, `.from_spec(`, `.from_checkpoint(`); `build.build` is the one builder.
 - Branch sites on recipe settings in `engine/llm_engine.py` and `engine/runner.py`: tests of `if`, `while`,
   ternaries and comprehension filters, and `and`/`or` expressions outside them, that read a recipe
   setting: a chain with `<section>.<field>` of EngineConfig (sections and fields parsed from the engine's
@@ -465,6 +467,30 @@ def engine_reaches(modules: dict[str, Module]) -> list[dict]:
                 reason = _reach_reason(chain)
                 if reason:
                     hits.append({**_hit(module, node, reason), "chain": ".".join(chain)})
+    return sorted(hits, key=lambda h: _where_key(h["where"]))
+
+
+ENGINE_CLASS = "LLMEngine"
+ENGINE_CONSTRUCTORS = ("from_preset", "from_spec", "from_checkpoint")  # LLMEngine's classmethods
+BUILD_FILE = "looptrace/build.py"
+
+
+def engine_constructions(modules: dict[str, Module]) -> list[dict]:
+    """Engines built outside `build.py` and engine/: a call of `LLMEngine(...)` or of one of its
+    constructors (`X.from_preset(...)`, `X.from_spec(...)`, `X.from_checkpoint(...)`). Every command, the
+    server and the clients build through `build.build`, so each is built one way."""
+    hits = []
+    for module in modules.values():
+        if module.in_engine or module.rel == BUILD_FILE:
+            continue
+        for node in ast.walk(module.tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == ENGINE_CLASS:
+                hits.append(_hit(module, node, f"{ENGINE_CLASS}("))
+            elif isinstance(func, ast.Attribute) and func.attr in ENGINE_CONSTRUCTORS:
+                hits.append(_hit(module, node, f".{func.attr}("))
     return sorted(hits, key=lambda h: _where_key(h["where"]))
 
 
@@ -929,6 +955,7 @@ def analyse(root: Path) -> dict:
         "engine_imports_clients": client_imports_of_engine(modules, edges),
         "getattr_into_engine": getattr_hits(modules),
         "engine_reaches": engine_reaches(modules),
+        "engine_constructions": engine_constructions(modules),
         "recipe_branch_sites": branch_sites,
         "kernel_setting_reads": kernel_reads,
         "toggle_branch_sites": toggle_branch_sites(modules),
@@ -1154,6 +1181,7 @@ def summary(result: dict) -> dict[str, int]:
         "engine imports of client packages": len(result["engine_imports_clients"]),
         "getattr( into engine objects outside engine/": len(result["getattr_into_engine"]),
         "reaches into engine internals outside engine/": len(result["engine_reaches"]),
+        "engines constructed outside build.py and engine/": len(result["engine_constructions"]),
         "cli functions over 40 lines": len(result["cli_functions_over_40"]),
         "duplicated regions (6+ lines)": result["duplicated_regions"],
     }
@@ -1224,6 +1252,10 @@ def render_text(result: dict) -> str:
     lines += _section("upward arrows", [f"{_edge_row(e)}: {e['reason']}" for e in result["upward_arrows"]])
     lines += _section("getattr( into engine objects", [_hit_row(h) for h in result["getattr_into_engine"]])
     lines += _section("reaches into engine internals", [_hit_row(h) for h in result["engine_reaches"]])
+    lines += _section(
+        "engines constructed outside build.py and engine/",
+        [_hit_row(h) for h in result["engine_constructions"]],
+    )
     for rel, sites in result["recipe_branch_sites"].items():
         lines += _section(f"recipe branch sites in {rel}", [_hit_row(h) for h in sites])
     lines += _section("reads of cfg.kernels", [_hit_row(h) for h in result["kernel_setting_reads"]])

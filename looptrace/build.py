@@ -1,5 +1,7 @@
-"""The one place an engine is built: --model/--weights -> a resolved model, recipe + overrides -> config,
-both -> LLMEngine, plus the metadata every report carries about what was built.
+"""The one place an engine is built: `build(BuildRequest) -> EngineSetup` for every command, the server
+and the clients (--model/--weights -> a resolved model, recipe + overrides -> config, both -> LLMEngine);
+`place` + `load` + `engine_factory` for `looptrace diff`'s engines on one loaded model; plus the metadata
+every report carries about what was built.
 
 No CLI here (no typer, no rich): errors are plain exceptions (`BuildInputError`, `NoDeviceError` and the
 engine's own input errors) that the CLI maps to exit codes. torch is imported inside the functions so that
@@ -66,9 +68,12 @@ def resolve_device(device: Any):
     return dev
 
 
-def resolve_dtype(dtype: str, device):
+def resolve_dtype(dtype: Any, device):
+    """torch.dtype of a --dtype value (auto, bf16, fp16, fp32 or a long name) or of a torch.dtype."""
     import torch
 
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -180,6 +185,44 @@ def check_engine_memory(spec, config, device, dtype, *, context: str = "") -> No
     check_memory(engine_needs(spec, config, elt, device), device, context=context)
 
 
+@dataclass(frozen=True)
+class BuildRequest:
+    """What an engine is built from: every command's --model, --weights, --recipe, --set, --device,
+    --dtype, --seed and --threads, and the longest request it must hold. A frozen value, so that a command
+    that builds several engines keeps one request and `dataclasses.replace`s what differs."""
+
+    model: str | None = None  # a family or preset name; None: the default, or the checkpoint's family
+    weights: Path | None = None  # a checkpoint directory; None: the preset (a tiny one's packaged weights)
+    random_weights: bool = False  # a tiny preset's seeded random init instead of its packaged checkpoint
+    recipe: str = "base"  # a recipe name or a YAML path
+    sets: tuple[str, ...] = ()  # section.key=value overrides, applied in order after the recipe
+    device: Any = "auto"  # auto, cpu, cuda, cuda:N or a torch.device
+    dtype: Any = "auto"  # auto, bf16, fp16, fp32 (or their long names) or a torch.dtype
+    seed: int = 0
+    threads: int = 1  # torch threads on CPU
+    max_model_len: int | None = None  # size the decode tables to this many positions (None: the recipe's)
+
+    def resolve_model(self) -> ResolvedModel:
+        return resolve_model(self.model, self.device, self.weights, random_weights=self.random_weights)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine runs, checked: the torch device and dtype (threads applied on CPU)."""
+
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype
+
+
+def place(request: BuildRequest) -> Placement:
+    """Check the request's seed, device, dtype and threads (in that order) and apply --threads."""
+    check_seed(request.seed)
+    device = resolve_device(request.device)
+    dtype = resolve_dtype(request.dtype, device)
+    set_threads(request.threads, device)
+    return Placement(device, dtype)
+
+
 @dataclass
 class EngineSetup:
     engine: Any  # LLMEngine
@@ -191,36 +234,33 @@ class EngineSetup:
         return self.model.weights
 
 
-def build_engine(
-    model: ResolvedModel,
-    *,
-    recipe: str,
-    sets: list[str] | None,
-    device: Any,
-    dtype: str,
-    seed: int,
-    threads: int,
-    max_model_len: int | None = None,
-) -> EngineSetup:
-    """Recipe + overrides -> EngineConfig; the resolved model's weights -> nn.Module; both -> LLMEngine."""
-    from looptrace.engine.llm_engine import LLMEngine
+def build(request: BuildRequest, model: ResolvedModel | None = None) -> EngineSetup:
+    """The one engine builder: placement checked, recipe + overrides -> EngineConfig, its memory checked
+    before anything is allocated, the resolved model's weights -> nn.Module, both -> LLMEngine.
+
+    `model`: the request's model, already resolved by a caller that needed its spec first (a workload's
+    vocabulary, a context limit); None: resolved here."""
     from looptrace.recipes import load_recipe
 
-    check_seed(seed)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    set_threads(threads, dev)
-    rec = load_recipe(recipe, list(sets or []))
-    if max_model_len is not None:  # a workload longer than the model is reported by the caller's fit check
-        fit_max_model_len(rec.config, min(max_model_len, model.spec.max_position))
-    check_engine_memory(model.spec, rec.config, dev, dt)
+    placement = place(request)
+    recipe = load_recipe(request.recipe, list(request.sets))
+    model = model or request.resolve_model()
+    if request.max_model_len is not None:  # a workload longer than the model is the caller's fit check
+        fit_max_model_len(recipe.config, min(request.max_model_len, model.spec.max_position))
+    check_engine_memory(model.spec, recipe.config, placement.device, placement.dtype)
     if model.weights is not None and not model.shipped:
         from looptrace.engine.tokenizer import load_tokenizer
 
         load_tokenizer(model.weights)  # a broken tokenizer.json (read later by serve, run) fails first
-    _, net = load_model(model, dev, dt, seed)
-    engine = LLMEngine(net, rec.config, device=dev, dtype=dt, seed=seed)
-    return EngineSetup(engine, rec, model)
+    _, net = load_model(model, placement.device, placement.dtype, request.seed)
+    return EngineSetup(new_engine(net, recipe.config, placement, request.seed), recipe, model)
+
+
+def new_engine(net, config, placement: Placement, seed: int):
+    """The engine constructor every builder here ends in (the only LLMEngine call outside engine/)."""
+    from looptrace.engine.llm_engine import LLMEngine
+
+    return LLMEngine(net, config, device=placement.device, dtype=placement.dtype, seed=seed)
 
 
 def free_memory() -> None:
@@ -238,11 +278,13 @@ def engine_factory(
     net, device, dtype, seed: int, need: PoolNeed | None = None, *, cap_tokens: int = POOL_CAP_TOKENS
 ) -> Callable[[Any], Any]:
     """EngineConfig -> a fresh LLMEngine on its own copy of `net` (an engine may hook its model), for
-    commands that build many engines of one model one at a time. On CUDA a pool the config does not size
-    is sized on the memory alive when the engine is built, capped at `cap_tokens` positions; a `need`
-    that does not fit is a BudgetError."""
+    commands that build many engines of one model one at a time (`looptrace diff`'s arms, bisect, localize
+    and accuracy runs: configs that differ one setting at a time, on weights loaded once by `load`). On
+    CUDA a pool the config does not size is sized on the memory alive when the engine is built, capped
+    at `cap_tokens` positions; a `need` that does not fit is a BudgetError."""
     from looptrace.engine.budget import cuda_pool_blocks
-    from looptrace.engine.llm_engine import LLMEngine
+
+    placement = Placement(device, dtype)
 
     def make(cfg):
         cfg = copy.deepcopy(cfg)
@@ -251,9 +293,19 @@ def engine_factory(
         if device.type == "cuda" and cfg.kv.num_blocks is None:
             elt = dtype.itemsize
             cfg.kv.num_blocks = cuda_pool_blocks(net.spec, cfg, elt, device, need, cap_tokens)
-        return LLMEngine(model, cfg, device=device, dtype=dtype, seed=seed)
+        return new_engine(model, cfg, placement, seed)
 
     return make
+
+
+def load(request: BuildRequest, placement: Placement, model: ResolvedModel | None = None):
+    """(resolved model, spec, nn.Module): the request's model and its weights on the placement, loaded
+    once for an `engine_factory` (None: resolved from the request)."""
+    model = model or resolve_model(
+        request.model, placement.device, request.weights, random_weights=request.random_weights
+    )
+    spec, net = load_model(model, placement.device, placement.dtype, request.seed)
+    return model, spec, net
 
 
 def versions() -> dict[str, str]:

@@ -1,10 +1,13 @@
-"""The one engine builder and the one recorder the tests share (and a runner for interpreted Triton).
+"""The engine builders and the one recorder the tests share (and a runner for interpreted Triton).
 
     engine = build_engine("huginn-tiny", scheduler__max_num_seqs=2, kv__layout="shared")
     rec = Recorder(hidden=True); engine.attach(rec)
 
-`section__key=value` sets one setting of EngineConfig (`noise=...` a top-level one). Tests default to
-`noise="zeros"`, a deterministic initial state, so the dense oracle can replay them.
+`build_engine` is the engine tests' builder (`LLMEngine.from_preset`, the ground floor): `section__key=value`
+sets one setting of EngineConfig (`noise=...` a top-level one). Tests default to `noise="zeros"`, a
+deterministic initial state, so the dense oracle can replay them. Tests of what the commands and the server
+do build through `looptrace.build.build`, as they do: `build_setup` (one engine) and `diff_factory` (the
+engines of `looptrace diff`'s arms, on one loaded model).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from looptrace.build import BuildRequest, EngineSetup, build, engine_factory, load, place
 from looptrace.engine import EngineConfig, LLMEngine, Observer
 from looptrace.engine.config import GraphConfig, validate_config
 from looptrace.engine.cuda_graphs import GraphCache, _Entry
@@ -82,6 +86,24 @@ def build_engine(
     for observer in observers:
         engine.attach(observer)
     return engine
+
+
+def build_setup(model: str = "ouro-tiny", *sets: str, recipe: str = "base", **fields: Any) -> EngineSetup:
+    """An engine built as the commands and the server build theirs (`looptrace.build.build`): `recipe` and
+    `sets` on CPU, with a tiny preset's seeded random weights unless `random_weights=False` (its packaged
+    checkpoint) or `weights=DIR` say otherwise; `fields`: any other BuildRequest field."""
+    defaults: dict[str, Any] = {"device": "cpu", "random_weights": True}
+    return build(BuildRequest(model=model, recipe=recipe, sets=sets, **(defaults | fields)))
+
+
+def diff_factory(model: str = "ouro", **fields: Any):
+    """EngineConfig -> a fresh engine on its own copy of one loaded model, as `looptrace diff` builds its
+    arms (`looptrace.build.load` + `engine_factory`); CPU and seeded random weights unless `fields` say
+    otherwise."""
+    request = BuildRequest(model=model, **({"device": "cpu", "random_weights": True} | fields))
+    placement = place(request)
+    _, _, net = load(request, placement)
+    return engine_factory(net, placement.device, placement.dtype, request.seed)
 
 
 class Recorder(Observer):

@@ -1,9 +1,10 @@
 """The house's rules, checked on the source with `ast` (bench/house_metrics.py): no import circles, no
 upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
-client package; and in the engine: the plan is the only reader of the `kernels` settings, model forwards
-test no kernel switches (only their variants' fallbacks), and no launch flag is a module global; in the
-kernel wing: no kernel file takes a private name of another, and `kernels/__init__.py` forwards nothing;
-the engine and the runner stay small, and a static walk from `LLMEngine.step` reaches the runner's stages.
+client package, no engine built outside build.py and engine/; and in the engine: the plan is the only
+reader of the `kernels` settings, model forwards test no kernel switches (only their variants' fallbacks),
+and no launch flag is a module global; in the kernel wing: no kernel file takes a private name of another,
+and `kernels/__init__.py` forwards nothing; the engine and the runner stay small, and a static walk from
+`LLMEngine.step` reaches the runner's stages.
 LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def test_no_getattr_into_engine_objects_outside_engine(house):
     modules, _, _ = house
     hits = hm.getattr_hits(modules)
     assert hits == [], "getattr( into engine objects:\n" + _listing(hits)
+
+
+def test_only_build_constructs_engines(house):
+    modules, _, _ = house
+    hits = hm.engine_constructions(modules)
+    assert hits == [], "engines constructed outside build.py and engine/:\n" + _listing(hits)
 
 
 def test_engine_imports_no_client_package(house):
@@ -231,6 +238,32 @@ def test_the_rules_catch_what_they_name(tmp_path):
     assert [e["dst"] for e in hm.client_imports_of_engine(modules, edges)] == ["looptrace.probes.hooks"]
     hits = [h["where"] for h in hm.getattr_hits(modules)]
     assert hits == ["looptrace/serve/app.py:6", "looptrace/serve/app.py:6"]
+
+
+def test_the_construction_rule_catches_an_engine_built_outside_build(tmp_path):
+    """On a made-up package: an engine built by a client (directly and through a constructor) is caught;
+    one built by build.py or inside engine/ is not."""
+    build = (
+        "from looptrace.engine.llm_engine import LLMEngine\n\n\n"
+        "def build(net, cfg):\n    return LLMEngine(net, cfg)\n"
+    )
+    engine = "class LLMEngine:\n    @classmethod\n    def from_preset(cls, n):\n        return cls()\n"
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "build.py": build,
+            "engine/__init__.py": "",
+            "engine/llm_engine.py": engine,
+            "engine/perturb.py": "def f(LLMEngine):\n    return LLMEngine.from_spec(None)\n",
+            "serve/app.py": (
+                "from looptrace.engine.llm_engine import LLMEngine as E\n\n\n"
+                "def make(net, cfg):\n    return LLMEngine(net, cfg), E.from_preset('ouro')\n"
+            ),
+        },
+    )
+    hits = [(h["where"], h["reason"]) for h in hm.engine_constructions(hm.load_modules(tmp_path))]
+    assert hits == [("looptrace/serve/app.py:5", "LLMEngine("), ("looptrace/serve/app.py:5", ".from_preset(")]
 
 
 def test_the_engine_rules_catch_what_they_name(tmp_path):

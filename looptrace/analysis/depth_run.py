@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from looptrace.analysis import depth as D
-from looptrace.build import EngineSetup, ResolvedModel, build_engine, run_header
+from looptrace.build import BuildRequest, EngineSetup, ResolvedModel, build, run_header
 
 BATCH = 64  # rows per engine step: the whole evaluation set decodes together
 
@@ -30,15 +30,11 @@ class Phases(Protocol):
 
 @dataclass(frozen=True)
 class DepthEngines:
-    """What every engine of the experiment shares: the user's model, recipe, overrides and device."""
+    """What every engine of the experiment shares: the user's build request (model, recipe, overrides,
+    device) and its model, resolved once."""
 
+    request: BuildRequest
     model: ResolvedModel
-    recipe: str
-    sets: tuple[str, ...]
-    device: str
-    dtype: str
-    seed: int
-    threads: int
 
     def recipe_sets(self, loops: int | None, extra: tuple[str, ...] = ()) -> list[str]:
         """The experiment's settings at `loops`, then `extra`, then the user's --set (which wins)."""
@@ -49,18 +45,10 @@ class DepthEngines:
         ]
         if loops is not None:
             sets += [f"exit.max_loops={loops}", f"exit.min_loops={min(2, loops)}"]  # min_loops <= max_loops
-        return sets + list(extra) + list(self.sets)
+        return sets + list(extra) + list(self.request.sets)
 
     def build(self, loops: int | None, extra: tuple[str, ...] = ()) -> EngineSetup:
-        return build_engine(
-            self.model,
-            recipe=self.recipe,
-            sets=self.recipe_sets(loops, extra),
-            device=self.device,
-            dtype=self.dtype,
-            seed=self.seed,
-            threads=self.threads,
-        )
+        return build(replace(self.request, sets=tuple(self.recipe_sets(loops, extra))), self.model)
 
 
 @dataclass(frozen=True)
@@ -144,12 +132,12 @@ def check_memory(engines: DepthEngines, depths: list[int], option: str, items: l
     from looptrace.engine.budget import Need, check_memory, engine_needs
     from looptrace.recipes import load_recipe
 
-    dev = resolve_device(engines.device)
-    elt = torch.empty((), dtype=resolve_dtype(engines.dtype, dev)).element_size()
+    dev = resolve_device(engines.request.device)
+    elt = torch.empty((), dtype=resolve_dtype(engines.request.dtype, dev)).element_size()
     spec = engines.model.spec
     positions = sum(len(it.prompt) + len(it.answer or "") + 32 for it in items)  # ~1 token per character
     for d in depths or [spec.default_loops]:
-        cfg = load_recipe(engines.recipe, engines.recipe_sets(d)).config
+        cfg = load_recipe(engines.request.recipe, engines.recipe_sets(d)).config
         needs = [
             Need(n.what, n.nbytes, option, n.host) if n.what == "KV pool" else n
             for n in engine_needs(spec, cfg, elt, dev)

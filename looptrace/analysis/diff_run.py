@@ -15,15 +15,13 @@ from typing import Any
 from looptrace.analysis import diff as d
 from looptrace.build import (
     POOL_CAP_TOKENS,
+    BuildRequest,
     check_seed,
     device_name,
     engine_factory,
     fit_max_model_len,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    resolve_model,
-    set_threads,
+    load,
+    place,
     versions,
 )
 from looptrace.engine.budget import PoolNeed
@@ -60,6 +58,18 @@ class DiffRequest:
     seed: int = 0
     threads: int = 1
 
+    def build_request(self) -> BuildRequest:
+        """What both arms' engines share: the model, its weights and where they run (recipes and
+        overrides differ per arm and go into the configs the factory builds)."""
+        return BuildRequest(
+            model=self.model,
+            weights=self.weights,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.seed,
+            threads=self.threads,
+        )
+
 
 @dataclass
 class DiffSetup:
@@ -89,13 +99,12 @@ def prepare(req: DiffRequest) -> DiffSetup:
     _check_sizes(req)
     rec_a = _load(req.recipe_a, req.a_sets, "--a-set")
     rec_b = _load(req.recipe_b or req.recipe_a, req.b_sets, "--b-set")
-    dev = resolve_device(req.device)
-    dt = resolve_dtype(req.dtype, dev)
-    set_threads(req.threads, dev)
+    build = req.build_request()
+    placement = place(build)
+    dev, dt = placement.device, placement.dtype
     toggles = _toggles(rec_a, rec_b, dev.type)
     _check_perturb(rec_a.config, rec_b.config)
-    model = resolve_model(req.model, dev, req.weights)
-    spec, net = load_model(model, dev, dt, req.seed)
+    model, spec, net = load(build, placement)
     items = _items(req, model.weights, spec)
     acc = _accuracy_plan(req.accuracy, toggles, spec, model.weights)
     if req.localize is not None:

@@ -266,21 +266,23 @@ def served_recipe(
 ) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
     """Our engine for `recipe` behind `looptrace serve`'s app on 127.0.0.1 (an OS-chosen port), for as
     long as the block runs: (the endpoint, facts about it: preset, device, dtype)."""
-    from looptrace.build import build_engine, device_name, resolve_model
+    from looptrace.build import BuildRequest, build, device_name
     from looptrace.engine.tokenizer import load_tokenizer
     from looptrace.serve.server import build_server
 
-    resolved = resolve_model(model, device, weights)
-    setup = build_engine(
-        resolved,
+    request = BuildRequest(
+        model=model,
+        weights=weights,
         recipe=recipe,
-        sets=sets,
+        sets=tuple(sets or ()),
         device=device,
         dtype=dtype,
         seed=seed,
         threads=threads,
         max_model_len=max_model_len,
     )
+    resolved = request.resolve_model()
+    setup = build(request, resolved)
     engine = setup.engine
     name = engine.spec.family
     tok = load_tokenizer(resolved.weights)  # the checkpoint's own tokenizer (bytes when it has none)

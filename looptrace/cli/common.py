@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from looptrace.build import NoDeviceError
+from looptrace.build import BuildRequest, NoDeviceError
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -51,6 +51,7 @@ def note(message: str, label: str = "note") -> None:
 _BAD_INPUT = (
     ("looptrace.build", "BuildInputError"),
     ("looptrace.analysis.diff_run", "DiffInputError"),
+    ("looptrace.drive.run_request", "RunInputError"),
     ("looptrace.analysis.depth", "DepthInputError"),
     ("looptrace.train.evaluate", "EvalSetError"),
     ("looptrace.drive.workloads", "WorkloadError"),
@@ -110,6 +111,18 @@ def fields_of(cls: type, options: dict[str, Any]) -> dict[str, Any]:
 def pick(options: Any, names: str) -> dict[str, Any]:
     """The options `names` (space-separated) of a command's options namespace, by name."""
     return {name: vars(options)[name] for name in names.split()}
+
+
+BUILD_OPTIONS = ("model", "weights", "random_weights", "recipe", "device", "dtype", "seed", "threads")
+
+
+def build_request(options: Any, **fields: Any) -> BuildRequest:
+    """The engine options a command was given (--model, --weights, --random-weights, --recipe, --set,
+    --device, --dtype, --seed, --threads: those it has) as a `BuildRequest`; `fields` add or replace."""
+    given = vars(options)
+    picked = {name: given[name] for name in BUILD_OPTIONS if name in given}
+    picked["sets"] = tuple(given.get("sets") or ())
+    return BuildRequest(**(picked | fields))
 
 
 def progress_bar(console: Console, *middle):

@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.progress import MofNCompleteColumn
 
 from looptrace.cli import options as o
-from looptrace.cli.common import EXIT_INTERRUPTED, UsageError, err_console, friendly_errors, progress_bar
+from looptrace.cli.common import (
+    EXIT_INTERRUPTED,
+    UsageError,
+    build_request,
+    err_console,
+    friendly_errors,
+    progress_bar,
+)
 from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
 
 EPILOG = """
@@ -120,7 +127,6 @@ def depth(
 
 def _depth(a: SimpleNamespace) -> None:
     from looptrace.analysis import depth_run as R
-    from looptrace.build import resolve_model
 
     fmt = infer_format(a.fmt, a.output)
     by_depth = a.accuracy_by_depth is not None
@@ -136,10 +142,8 @@ def _depth(a: SimpleNamespace) -> None:
             check_output(a.output, inputs=command_inputs(a.prompts, a.recipe, a.weights))
             R.check_sizes(a.limit, shape)
             items = R.load_items(a.prompts, a.limit, need_answer=by_depth)
-            model = resolve_model(a.model, a.device, a.weights, random_weights=a.random_weights)
-            engines = R.DepthEngines(
-                model, a.recipe, tuple(a.sets or ()), a.device, a.dtype, a.seed, a.threads
-            )
+            build = build_request(a)
+            engines = R.DepthEngines(build, build.resolve_model())
             if by_depth:
                 depths = R.parse_depths(a.accuracy_by_depth)
                 R.check_memory(engines, depths, "--accuracy-by-depth", items)

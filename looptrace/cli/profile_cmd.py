@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import typer
 from rich.console import Console
 
-from looptrace.build import check_seed, resolve_model
+from looptrace.build import check_seed
 from looptrace.cli import common as c
 from looptrace.cli import options as o
 from looptrace.cli.output import (
@@ -113,8 +113,8 @@ def _profile(a: SimpleNamespace) -> None:
     with c.friendly_errors():
         _check_options(a)
         cfg = ProfileConfig(a.concurrency, a.prompt_len, a.decode_steps, level=a.level, seed=a.seed)
-        model = resolve_model(a.model, a.device, a.weights)
-        engines = ProfileEngines(model, a.device, a.dtype, a.seed, a.threads)
+        build = c.build_request(a, recipe=a.recipe or "base")
+        engines = ProfileEngines(build, build.resolve_model())
         runs = sides_to_run(a.recipe, a.sets, a.compare, a.a_set, a.b_set)
         c.check_roofline_device(a.roofline_device, "--roofline-device")
         # a status line on stderr while each side profiles (45 s at real shape on a CPU), for a terminal

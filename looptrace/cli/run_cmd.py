@@ -1,29 +1,21 @@
-"""`looptrace run`: serve a workload on the reference engine and print vLLM-style serving metrics."""
+"""`looptrace run`: serve a workload on the reference engine and print vLLM-style serving metrics.
+
+Thin: the run lives in looptrace.drive.run_request, its text in looptrace.drive.run_report."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import typer
 from rich.console import Console
 from rich.progress import MofNCompleteColumn, TextColumn
 
-from looptrace.build import build_engine, check_seed, resolve_model, run_header
 from looptrace.cli import common as c
 from looptrace.cli import options as o
 from looptrace.cli.output import check_output, command_inputs, infer_format, write_output
-from looptrace.drive.run_workload import (
-    WorkloadKind,
-    check_fits,
-    check_workload_memory,
-    make_workload,
-    resolve_workload,
-    workload_max_len,
-)
-
-SCHEMA = "looptrace.run/1"
+from looptrace.drive.run_workload import WorkloadKind, resolve_workload
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -103,89 +95,54 @@ def run(
 
 
 def _run(a: SimpleNamespace) -> None:
-    from looptrace.drive.benchmark import run_workload
-    from looptrace.drive.metrics import summarize
+    from looptrace.drive import run_request as R
     from looptrace.drive.run_report import render
-    from looptrace.engine.request import SamplingParams
 
     fmt = infer_format(a.fmt, a.output)
     progress = a.progress and c.err_console.is_terminal  # a pipe or a log file gets no bar remnants
-    setup, wl = _prepare(a, progress)
-    header = run_header(setup)
-    header["workload"] = wl.describe()
-    rows = setup.engine.cfg.scheduler.max_num_seqs
-    if a.concurrency > rows:
-        c.note(
-            f"batches hold at most {rows} rows (scheduler.max_num_seqs); "
-            f"pass --set scheduler.max_num_seqs={a.concurrency} to batch all {a.concurrency} requests"
-        )
-    seed = a.seed if a.temperature else None
-    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=seed)
-    record = _run_with_progress(run_workload, setup.engine, wl, params, progress)
-    metrics = summarize(record)
-    rejected = [r for r in record.requests if r.finish_reason == "rejected"]
-    if rejected:
-        c.note(f"{len(rejected)} request(s) rejected: {rejected[0].error}")
-    data = report_data(header, setup.engine, metrics)
-    if record.interrupted:
-        c.note(
-            f"reporting what was measured so far ({metrics.tokens_sampled} tokens, "
-            f"{metrics.completed} request(s) completed, {metrics.interrupted_requests} in flight)",
-            "interrupted",
-        )
-    text = render(data, fmt)
+    request = _request(a)
     with c.friendly_errors():
-        write_output(text, a.output, Console(width=120), fmt, lambda: render(data, "table"))
-    if header["weights"] == "random (seeded)":
+        R.check(request)
+        with c.spinner(progress, "preparing the workload and the engine"):
+            run = R.prepare(request)
+    if (line := R.batch_note(run, request)) is not None:
+        c.note(line)
+    with _progress(progress, run.workload) as on_progress:
+        result = R.execute(run, request, on_progress)
+    for line, label in result.notes():
+        c.note(line, label)
+    text = render(result.data, fmt)
+    with c.friendly_errors():
+        write_output(text, a.output, Console(width=120), fmt, lambda: render(result.data, "table"))
+    if result.data["header"]["weights"] == "random (seeded)":
         c.note("these were seeded random weights: pass a trained checkpoint with --weights DIR", "next")
-    if record.interrupted:
+    if result.interrupted:
         raise typer.Exit(c.EXIT_INTERRUPTED)
 
 
-def _prepare(a: SimpleNamespace, progress: bool):
-    """Check the options, draw the workload and build an engine sized to it: (EngineSetup, workload)."""
+def _request(a: SimpleNamespace):
+    """The options as a RunRequest: the workload's kind resolved and the output checked before any work."""
+    from looptrace.drive.run_request import RunRequest
+
     with c.friendly_errors():
         kind = resolve_workload(a.workload, a.prompts, a.rate, a.num_requests)
         check_output(a.output, inputs=command_inputs(a.prompts, a.recipe, a.weights))
-        check_seed(a.seed)
-        if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
-            raise c.UsageError("sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        with c.spinner(progress, "preparing the workload and the engine"):
-            resolved = resolve_model(a.model, a.device, a.weights)
-            workload = c.pick(a, "concurrency prompt_len max_tokens rate num_requests sessions turns")
-            workload |= c.pick(a, "turn_prompt_len prompts seed")
-            wl = make_workload(kind, **workload, vocab_size=resolved.spec.vocab_size, tokenizer_dir=a.weights)
-            check_workload_memory(kind, wl)
-            engine = c.pick(a, "recipe sets device dtype seed threads")
-            setup = build_engine(resolved, **engine, max_model_len=workload_max_len(wl))
-            check_fits(wl, setup.engine.max_model_len)
-    return setup, wl
+    options = "concurrency prompt_len max_tokens rate num_requests sessions turns turn_prompt_len prompts"
+    sampling = c.pick(a, "temperature top_k top_p")
+    return RunRequest(c.build_request(a), kind, **c.pick(a, options), **sampling)
 
 
-def _run_with_progress(run_workload, engine, wl, params, show: bool):
+@contextmanager
+def _progress(show: bool, workload):
+    """A progress bar on stderr while the workload is served: yields its callback, or None."""
     if not show:
-        return run_workload(engine, wl, params=params)
+        yield None
+        return
     columns = (MofNCompleteColumn(), TextColumn("requests"), TextColumn("{task.fields[tokens]} tokens"))
     with c.progress_bar(c.err_console, *columns) as bar:
-        task = bar.add_task("serving", total=wl.total_requests(), tokens=0)
+        task = bar.add_task("serving", total=workload.total_requests(), tokens=0)
 
         def on_progress(done: int, total: int, tokens: int) -> None:
             bar.update(task, completed=done, total=total, tokens=tokens)
 
-        return run_workload(engine, wl, params=params, on_progress=on_progress)
-
-
-def report_data(header: dict[str, Any], engine, metrics) -> dict[str, Any]:
-    return {
-        "schema": SCHEMA,
-        "header": header,
-        "metrics": metrics.to_dict(raw=False),
-        "engine": {
-            "steps": engine.stats.steps,
-            "submissions": engine.stats.submissions,
-            "steps_by_stage": engine.stats.steps_by_stage,
-            "output_tokens": engine.stats.output_tokens,
-        },
-        "kv": engine.kv_summary() | {"prefix_cache": engine.snapshot().prefix.counters()},
-        "cuda_graphs": engine.graph_counters(),
-    }
+        yield on_progress

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 from rich.markup import escape
 
-from looptrace.build import build_engine, resolve_model
 from looptrace.cli import common as c
 from looptrace.cli import options as o
 
@@ -97,67 +96,21 @@ def _serve(a: SimpleNamespace) -> None:
     if a.tui and not sys.stdout.isatty():  # the dashboard would write escape codes into a pipe or file
         raise c.fail("--tui needs a terminal, but stdout is not one (serve without --tui; `looptrace top`)")
     c.require_extra("serve", "fastapi", "prometheus_client", "sse_starlette", "uvicorn")
-    setup, sock = _engine_and_socket(a)
-    server, name = _server(a, setup, sock)
+    from looptrace.serve.launch import ServeRequest, launch
+
+    options = (
+        "host port served_model_name probe_interval api_key max_body_bytes body_timeout request_timeout "
+        "drain_timeout"
+    )
+    request = ServeRequest(c.build_request(a, max_model_len=a.max_model_len), **c.pick(a, options))
+    with c.friendly_errors():
+        started = launch(request)
+    server = started.server
     server.notify = lambda msg: c.err_console.print(msg, markup=False, highlight=False, soft_wrap=True)
     if a.tui:
         _serve_with_dashboard(server)
     else:
-        _serve_headless(a, server, setup, name)
-
-
-def _engine_and_socket(a: SimpleNamespace):
-    """Check the options, bind the port (a busy one fails fast), then build the engine."""
-    from looptrace.serve.server import BindError, bind_socket, check_options
-
-    with c.friendly_errors():
-        names = (
-            "port max_model_len probe_interval api_key max_body_bytes request_timeout drain_timeout "
-            "body_timeout served_model_name"
-        )
-        check_options(**c.pick(a, names))
-        try:
-            sock = bind_socket(a.host, a.port)  # before the engine: a busy port fails fast
-        except BindError as exc:
-            raise c.UsageError(str(exc)) from None
-        try:
-            model = resolve_model(a.model, a.device, a.weights)
-            if a.max_model_len > model.spec.max_position:  # build_engine would clamp it silently
-                raise c.UsageError(
-                    f"--max-model-len {a.max_model_len}: {model.spec.name} has {model.spec.max_position} "
-                    "positions at most"
-                )
-            setup = build_engine(model, **c.pick(a, "recipe sets device dtype seed threads max_model_len"))
-        except BaseException:
-            sock.close()
-            raise
-    return setup, sock
-
-
-def _server(a: SimpleNamespace, setup, sock):
-    """The HTTP server over the engine, and the model id clients send."""
-    from looptrace.engine.tokenizer import load_tokenizer
-    from looptrace.serve.server import build_server
-
-    engine = setup.engine
-    name = a.served_model_name or a.model or engine.spec.family
-    aliases = tuple(x for x in (engine.spec.name,) if x != name)
-    info = {"recipe": setup.recipe.name, "preset": engine.spec.name, "device": str(engine.device)}
-    server = build_server(
-        engine,
-        model_name=name,
-        aliases=aliases,
-        tokenizer=load_tokenizer(a.weights),
-        probe_interval=a.probe_interval or None,
-        info=info,
-        sock=sock,
-        api_key=a.api_key,
-        max_body_bytes=a.max_body_bytes,
-        body_timeout=a.body_timeout,
-        request_timeout=a.request_timeout or None,
-        drain_timeout=a.drain_timeout,
-    )
-    return server, name
+        _serve_headless(a, server, started.setup, started.model_name)
 
 
 def _serve_headless(a: SimpleNamespace, server, setup, name: str) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 
 from looptrace.build import (
     DEFAULT_MODEL,
-    build_engine,
+    BuildRequest,
+    build,
     check_seed,
     device_name,
     resolve_device,
     resolve_dtype,
-    resolve_model,
     versions,
 )
 from looptrace.drive import paired
@@ -210,7 +210,7 @@ class _Arm:
 
 
 class EngineBackend:
-    """`paired.PairedBackend` on real LLMEngines (built through `looptrace.build.build_engine`)."""
+    """`paired.PairedBackend` on real LLMEngines (built through `looptrace.build.build`)."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -221,16 +221,18 @@ class EngineBackend:
         if arm == "a":  # before the cell's first engine: its memory split is measured on a free GPU
             self._auto = self._pool_sets(cell)
         sets = paired.arm_overrides(cell, p.shared, p.arm_sets[arm], self._auto.get(arm, []), p.prefill_batch)
-        setup = build_engine(
-            resolve_model(cell.model, p.device, None, random_weights=p.random_weights),
+        request = BuildRequest(
+            model=cell.model,
+            random_weights=p.random_weights,
             recipe=p.recipes[arm],
-            sets=sets,
+            sets=tuple(sets),
             device=p.device,
-            dtype=str(p.dtype).replace("torch.", ""),
+            dtype=p.dtype,
             seed=p.seed,
             threads=p.threads,
             max_model_len=cell.prompt_len + cell.output_len,
         )
+        setup = build(request)
         need = cell.prompt_len + cell.output_len - 1
         if need > setup.engine.max_model_len:
             del setup

@@ -12,11 +12,11 @@ import gc
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from looptrace.build import ResolvedModel, build_engine, run_header
+from looptrace.build import BuildRequest, ResolvedModel, build, run_header
 
 # A status line for `label` while a side profiles: yields a callback for progress messages, or None.
 Status = Callable[[str], AbstractContextManager]
@@ -24,13 +24,11 @@ Status = Callable[[str], AbstractContextManager]
 
 @dataclass(frozen=True)
 class ProfileEngines:
-    """What the engines of every side share (the sides differ in recipe and overrides)."""
+    """What the engines of every side share: the user's build request and its model, resolved once (the
+    sides differ in recipe and overrides)."""
 
+    request: BuildRequest
     model: ResolvedModel
-    device: str
-    dtype: str
-    seed: int
-    threads: int
 
 
 def check_options(level: str, concurrency: int, prompt_len: int, decode_steps: int | None) -> None:
@@ -79,16 +77,8 @@ def profile_side(
     from looptrace.probes.session import plan, profile_engine
 
     max_len = cfg.prompt_len + 64 + (cfg.decode_steps or 0)
-    setup = build_engine(
-        engines.model,
-        recipe=recipe,
-        sets=sets,
-        device=engines.device,
-        dtype=engines.dtype,
-        seed=engines.seed,
-        threads=engines.threads,
-        max_model_len=max_len,
-    )
+    side = replace(engines.request, recipe=recipe, sets=tuple(sets), max_model_len=max_len)
+    setup = build(side, engines.model)
     plan(setup.engine, cfg)  # a prompt that cannot fit fails here, before any profiling
     header = run_header(setup)
     label = setup.recipe.name + (" + " + ", ".join(sets) if sets else "")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 
@@ -27,9 +26,7 @@ from looptrace.analysis.diff import (
 )
 from looptrace.analysis.localize import localize, ulp_distance
 from looptrace.engine.config import EngineConfig
-from looptrace.engine.llm_engine import LLMEngine
-from looptrace.engine.model_config import resolve_preset
-from looptrace.engine.weights import create_model, init_random
+from tests.helpers import diff_factory
 
 CPU = torch.device("cpu")
 
@@ -106,18 +103,9 @@ def test_one_point_rule_is_on_the_point_estimate() -> None:
 
 
 # Engine runs ---------------------------------------------------------------------------------------------
-def factory_for(model: str):
-    spec = resolve_preset(model, "cpu")
-    net = create_model(spec, CPU, torch.float32)
-    init_random(net, 0)
-    return lambda cfg: LLMEngine(
-        copy.deepcopy(net), copy.deepcopy(cfg), device=CPU, dtype=torch.float32, seed=0
-    )
-
-
 @pytest.fixture(scope="module")
 def ouro():
-    return factory_for("ouro")
+    return diff_factory("ouro")
 
 
 def base_cfg() -> EngineConfig:
@@ -182,7 +170,7 @@ def test_bisect_names_exactly_the_planted_toggle(ouro) -> None:
     ],
 )
 def test_localize_names_exactly_the_planted_place(model, place, expect, ouro) -> None:
-    factory = ouro if model == "ouro" else factory_for(model)
+    factory = ouro if model == "ouro" else diff_factory(model)
     a, b = base_cfg(), base_cfg()
     b.debug.perturb = place
     loc = localize(factory, a, b, "r0", ITEMS[0].prompt, 2)

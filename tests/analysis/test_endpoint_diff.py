@@ -152,11 +152,10 @@ def test_batch_probe_sends_each_prompt_alone_and_in_a_crowd(urls) -> None:
 
 def test_a_server_that_refuses_is_retried_then_reported(urls) -> None:
     """A draining server answers 503: retried, then reported on each request; exit 1 under a claim."""
-    from looptrace.engine.config import EngineConfig
-    from looptrace.engine.llm_engine import LLMEngine
     from looptrace.serve.server import build_server
+    from tests.helpers import build_setup
 
-    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu", seed=0)
+    engine = build_setup("ouro").engine
     srv = build_server(engine, port=0, model_name="ouro").start()
     try:
         srv.loop.begin_drain(60.0)  # refuses new requests with 503 from now on
@@ -170,11 +169,10 @@ def test_a_server_that_refuses_is_retried_then_reported(urls) -> None:
 
 
 def test_api_key_is_sent_as_a_bearer_token() -> None:
-    from looptrace.engine.config import EngineConfig
-    from looptrace.engine.llm_engine import LLMEngine
     from looptrace.serve.server import build_server
+    from tests.helpers import build_setup
 
-    engine = LLMEngine.from_preset("ouro", EngineConfig(), device="cpu", seed=0)
+    engine = build_setup("ouro").engine
     srv = build_server(engine, port=0, model_name="ouro", api_key="sesame").start()
     try:
         with pytest.raises(EndpointError, match="HTTP 401"):

@@ -32,8 +32,8 @@ def _boom(*_args, **_kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Every command fails loudly (exit 1, WorkStarted) if it gets past its argument checks."""
-    monkeypatch.setattr("looptrace.cli.run_cmd.make_workload", _boom)
-    monkeypatch.setattr("looptrace.probes.profile_run.build_engine", _boom)
+    monkeypatch.setattr("looptrace.drive.run_request.make_workload", _boom)
+    monkeypatch.setattr("looptrace.probes.profile_run.build", _boom)
     monkeypatch.setattr("looptrace.probes.events.load_chrome_trace", _boom)  # imported at call time
 
 

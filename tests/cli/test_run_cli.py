@@ -367,7 +367,7 @@ def test_ctrl_c_before_serving_exits_130_without_traceback(monkeypatch, tmp_path
     def ctrl_c(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("looptrace.cli.run_cmd.build_engine", ctrl_c)
+    monkeypatch.setattr("looptrace.drive.run_request.build", ctrl_c)
     out = tmp_path / "run.json"
     result = invoke("-o", out)
     assert result.exit_code == 130 and "Traceback" not in result.output

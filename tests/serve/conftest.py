@@ -27,14 +27,11 @@ def load_bench():
 
 
 def make_engine(max_num_seqs: int = 8, max_model_len: int = 256):
-    """Configured in code, so the tests do not depend on a recipe file."""
-    from looptrace.engine.config import EngineConfig
-    from looptrace.engine.llm_engine import LLMEngine
+    """The tiny Ouro with seeded random weights, built as `looptrace serve` builds it (recipe base)."""
+    from tests.helpers import build_setup
 
-    cfg = EngineConfig()
-    cfg.scheduler.max_num_seqs = max_num_seqs
-    cfg.scheduler.max_model_len = max_model_len
-    return LLMEngine.from_preset("ouro", cfg, device="cpu", seed=0)
+    sets = (f"scheduler.max_num_seqs={max_num_seqs}", f"scheduler.max_model_len={max_model_len}")
+    return build_setup("ouro", *sets).engine
 
 
 @pytest.fixture(scope="module")

@@ -78,18 +78,14 @@ def test_text_prompt_and_chat(client):
 def test_trained_tiny_model_answers_its_eval_questions_through_the_api():
     # The serving path encodes a text prompt as the model was trained (BOS first), stops at EOS and
     # decodes: the trained ouro-tiny answers its own eval questions as `looptrace depth` scores them.
-    import torch
-
     from looptrace.assets import shipped_weights
-    from looptrace.engine import EngineConfig, LLMEngine
-    from looptrace.engine.checkpoint import load_checkpoint
     from looptrace.engine.tokenizer import load_tokenizer
     from looptrace.serve.server import build_server
     from looptrace.train.evaluate import read_items
+    from tests.helpers import build_setup
 
     weights = shipped_weights("ouro-tiny")
-    _, net = load_checkpoint(weights, torch.device("cpu"), torch.float32)
-    engine = LLMEngine(net, EngineConfig(), device=torch.device("cpu"), dtype=torch.float32)
+    engine = build_setup("ouro", weights=weights).engine
     srv = build_server(
         engine, port=0, model_name="ouro", tokenizer=load_tokenizer(weights), probe_interval=None
     )

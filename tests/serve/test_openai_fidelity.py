@@ -51,13 +51,11 @@ def ouro():
 @pytest.fixture(scope="module")
 def huginn():
     """`looptrace serve --model huginn --recipe exactloop-cache`, the tiny Huginn on CPU."""
-    from looptrace.engine.llm_engine import LLMEngine
-    from looptrace.recipes import load_recipe
     from looptrace.serve.server import build_server
+    from tests.helpers import build_setup
 
-    cfg = load_recipe("exactloop-cache").config
-    cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len = 8, MAX_LEN
-    engine = LLMEngine.from_preset("huginn", cfg, device="cpu", seed=0)
+    sets = ("scheduler.max_num_seqs=8", f"scheduler.max_model_len={MAX_LEN}")
+    engine = build_setup("huginn", *sets, recipe="exactloop-cache").engine
     srv = build_server(engine, port=0, model_name="huginn", probe_interval=None)
     srv.start()
     yield srv

@@ -17,6 +17,7 @@ from looptrace.engine.config import EngineConfig
 from looptrace.engine.llm_engine import LLMEngine
 from looptrace.engine.tokenizer import ByteTokenizer, load_tokenizer
 from looptrace.train.evaluate import exact_match, read_items
+from tests.helpers import build_setup
 
 # Exact match through the engine at the trained depth on the first 64 items of the built-in eval set. The
 # README's full-set figures (500 items, `looptrace depth --accuracy-by-depth`): ouro-tiny 99.6 % at 4 loops,
@@ -28,13 +29,11 @@ PRESETS = sorted(FLOORS)
 def _engine(preset: str, loops: int | None = None) -> tuple[LLMEngine, object]:
     root = shipped_weights(preset)
     assert root is not None, f"looptrace/assets/{preset} missing (`looptrace train-tiny --replace-shipped`)"
-    _, net = load_checkpoint(root, "cpu", torch.float32, name=preset)
-    cfg = EngineConfig()
-    cfg.scheduler.max_num_seqs = 64
-    cfg.scheduler.max_num_batched_tokens = 1024
-    if loops is not None:
-        cfg.exit.max_loops = loops
-    return LLMEngine(net, cfg, device=torch.device("cpu"), dtype=torch.float32, seed=0), load_tokenizer(root)
+    sets = ("scheduler.max_num_seqs=64", "scheduler.max_num_batched_tokens=1024")
+    sets += () if loops is None else (f"exit.max_loops={loops}",)
+    setup = build_setup(preset, *sets, random_weights=False)  # the packaged checkpoint, as commands load it
+    assert setup.weights == root
+    return setup.engine, load_tokenizer(root)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -68,14 +67,13 @@ def test_tokenizer_matches_byte_ids():
 
 
 def test_cli_default_weights_and_opt_out():
-    from looptrace.build import build_engine, resolve_model, run_header
+    from looptrace.build import BuildRequest, build, run_header
 
-    common = dict(recipe="base", sets=None, device="cpu", dtype="auto", seed=0, threads=1)
-    trained = build_engine(resolve_model("huginn", "cpu", None), **common)
+    trained = build(BuildRequest(model="huginn", device="cpu"))
     assert trained.weights == shipped_weights("huginn-tiny")
     assert run_header(trained)["weights"] == str(shipped_weights("huginn-tiny"))
     assert trained.engine.spec.name == "huginn-tiny"
-    rand = build_engine(resolve_model("huginn", "cpu", None, random_weights=True), **common)
+    rand = build(BuildRequest(model="huginn", device="cpu", random_weights=True))
     assert rand.weights is None and run_header(rand)["weights"].startswith("random")
     # The Python API keeps seeded random weights (the engine test-suite relies on them).
     api = LLMEngine.from_preset("huginn-tiny", EngineConfig(), device="cpu")
