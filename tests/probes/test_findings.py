@@ -25,6 +25,7 @@ from looptrace.probes.findings import (
     gaps,
     loop_syncs,
     norm_calls,
+    per_loop_ops,
     sync_drains,
 )
 from looptrace.probes.window_items import DeviceItem, SyncItem
@@ -146,9 +147,55 @@ def test_unfused_norm_fires_with_the_eager_norm_and_not_with_the_exact_norm(anal
         assert _kind(find(analyses[name]), "unfused_norm") is None
 
 
+# --- small per-loop launches → fused into a neighbouring kernel -----------------------------------------
+
+
+def test_fusable_launch_fires_on_per_loop_metadata_and_not_with_whole_token_steps(analyses) -> None:
+    a = analyses["async-gate"]
+    found = _kind(find(a), "fusable_launch")
+    assert found is not None
+    tokens = a.counters.tokens
+    ops = {o.op: o for o in per_loop_ops(a.device_items, tokens)}
+    # ouro-tiny per loop: metadata 7 kernels, eager 8-kernel norm, gate 3 (GEMV dot, reduce, copy), readback 1
+    assert {op: (o.calls / tokens, len(o.kernels) / o.calls) for op, o in ops.items()} == {
+        "metadata": (OURO_LOOPS, 7),
+        "norm": (OURO_LOOPS, 8),
+        "gate": (OURO_LOOPS, 3),
+        "readback": (OURO_LOOPS, 1),
+    }
+    launches = OURO_LOOPS * (7 + 8 + 3 + 1)
+    assert found.cost.startswith(f"{launches:.1f} short kernels/token launched once per loop")
+    assert found.where.startswith("recurrent / metadata 4.0 calls/token × 7.0 kernels")
+    cost = sum(o.launch_us for o in ops.values())
+    assert found.cost_us_per_token == pytest.approx(cost / tokens)
+    floor = min(i.event.dur for i in a.device_items)
+    saving = sum(sum(o.gaps_us) + sum(min(k.event.dur, floor) for k in o.kernels) for o in ops.values())
+    assert found.saving_us_per_token == pytest.approx(saving / tokens)
+    assert 0 < found.saving_us_per_token < found.cost_us_per_token
+    assert "scheduler.whole_token" in found.remedy
+    # the toggle: whole-token steps (exactloop) build the metadata once per token; the per-loop norm and gate
+    # left are graph nodes whose launches cost too little to reach the threshold
+    exact = analyses["exactloop"]
+    left = {o.op for o in per_loop_ops(exact.device_items, exact.counters.tokens)}
+    assert left == {"norm", "gate"}
+    assert _kind(find(exact), "fusable_launch") is None
+
+
+def test_per_loop_ops_are_outside_the_layers_in_more_than_one_loop() -> None:
+    def cx(loop: int | None, op: str, layer: str | None = None) -> Context:
+        return Context(stage="recurrent", loop=loop, layer=layer, op=op)
+
+    items = [_item(0, 1, context=cx(0, "gate")), _item(10, 1, context=cx(1, "gate"))]  # 2 loops: per loop
+    items += [_item(20, 1, context=cx(0, "head")), _item(30, 1, context=cx(0, "head"))]  # one loop only
+    items += [_item(40, 1, context=cx(0, "mlp", "core0")), _item(50, 1, context=cx(1, "mlp", "core0"))]
+    items += [_item(60, 9, context=cx(0, "norm")), _item(80, 9, context=cx(1, "norm"))]  # not short
+    found = per_loop_ops(items, tokens=1)
+    assert [(o.op, o.calls, o.gaps_us) for o in found] == [("gate", 2, [0.0, 9.0])]
+
+
 def test_findings_are_ranked_by_saving(analyses) -> None:
     found = find(analyses["eager"])
-    assert {f.kind for f in found} == {"host_gaps", "loop_sync", "unfused_norm"}
+    assert {f.kind for f in found} == {"host_gaps", "loop_sync", "unfused_norm", "fusable_launch"}
     savings = [f.saving_us_per_token for f in found]
     assert savings == sorted(savings, reverse=True)
     assert find(analyses["exactloop"]) == []
@@ -195,7 +242,7 @@ def test_trace_analyze_shows_findings_in_text_and_json() -> None:
     as_json = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "json"])
     assert as_json.exit_code == 0, as_json.output
     found = json.loads(as_json.stdout)["findings"]
-    assert [f["kind"] for f in found] == ["loop_sync", "host_gaps", "unfused_norm"]
+    assert [f["kind"] for f in found] == ["loop_sync", "fusable_launch", "host_gaps", "unfused_norm"]
     assert set(found[0]) >= {"cost", "where", "evidence", "remedy", "saving_us_per_token", "estimate"}
     as_csv = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "csv"])
     assert as_csv.exit_code == 0, as_csv.output
