@@ -17,6 +17,7 @@ device busy time for the norm):
   (`EXACT_NORM_KERNELS`). A fused kernel makes one pass over its input: its time is estimated as the
   call's longest kernel (in an eager RMSNorm that is the mean, which reads the whole input once); the
   saving is the median call's (robust to one preempted CPU op), times the calls.
+- `dead_kv` (`findings_kv`): decode attention over a padded key length reads dead KV slots.
 - `fusable_launch`: ops outside the layers that run once per loop (more than once per token; with loop
   indices, in more than one loop), each call a few short kernels (median ≤ `SHORT_KERNEL_US`): the
   traversal metadata, the exit gate, the loop-closing norm, Huginn's adapter. Each launch costs its idle
@@ -35,15 +36,15 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from looptrace.probes.classify import KERNEL_CAT, is_copy_kernel_name
 from looptrace.probes.context import NONE, Context
 from looptrace.probes.counters import Analysis
+from looptrace.probes.finding import MIN_SAVING_PCT, Finding
+from looptrace.probes.findings_kv import dead_kv
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
-MIN_SAVING_PCT = 5.0  # a finding whose saving is under this share of its base is left out
 # The engine's exact RMSNorm is at most three kernels (square, mean, fenced normalize; base-engine.md
 # "Exact fusion"); an eager RMSNorm is eight. More kernels per call than this is an unfused norm.
 EXACT_NORM_KERNELS = 3
@@ -72,23 +73,6 @@ _NORM_TAIL = re.compile(r"elementwise_kernel|^aten::(mul|copy_|_to_copy|add)$")
 _CPU_CAST = re.compile(r"^aten::(copy_|_to_copy)$")
 
 
-@dataclass
-class Finding:
-    kind: str  # host_gaps | loop_sync | unfused_norm | fusable_launch
-    cost: str  # what it costs, in words with the measured figures
-    cost_us_per_token: float
-    cost_pct_of_wall: float
-    where: str
-    evidence: str
-    remedy: str
-    saving_us_per_token: float
-    saving_pct_of_wall: float
-    estimate: str  # how the saving was estimated
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def find(analysis: Analysis) -> list[Finding]:
     """The findings of one analysed window, largest saving first."""
     found = [
@@ -98,6 +82,7 @@ def find(analysis: Analysis) -> list[Finding]:
             _loop_sync(analysis),
             _unfused_norm(analysis),
             _fusable_launch(analysis),
+            dead_kv(analysis),
         )
         if f is not None
     ]

@@ -14,6 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from looptrace.cli.main import app as looptrace_app
 from looptrace.cli.trace_cmd import trace_app
 from looptrace.probes.context import Context
 from looptrace.probes.counters import Analysis, analyze
@@ -28,6 +29,7 @@ from looptrace.probes.findings import (
     per_loop_ops,
     sync_drains,
 )
+from looptrace.probes.findings_kv import attention_calls
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -210,6 +212,54 @@ def test_eager_rmsnorm_pattern_in_a_trace_without_ranges() -> None:
     assert len(calls) == 4 * (2 * 4 * 4 + 4)
     found = _kind(find(a), "unfused_norm")
     assert found is not None and "CPU op time" in found.cost
+
+
+# --- attention over dead KV slots → exact-length attention ---------------------------------------------
+
+OURO_ATTENTION_PER_TOKEN = 4 * OURO_LOOPS  # ouro-tiny: one attention per layer and loop
+
+
+@pytest.fixture(scope="module")
+def kv_traces(tmp_path_factory) -> dict[int, Analysis]:
+    """ouro-tiny on CPU, torch attention path, prompts of 2 tokens, shapes recorded: KV pages of 16 slots
+    (the row's last page is read whole) against pages of one slot (exactly the live keys)."""
+    out = {}
+    for block_size in (16, 1):
+        path = tmp_path_factory.mktemp("kv") / f"bs{block_size}.json"
+        args = ["profile", "--model", "ouro-tiny", "--prompt-len", "2", "--decode-steps", "12", "--shapes"]
+        args += ["--set", f"kv.block_size={block_size}", "--trace", str(path), "--device", "cpu"]
+        result = CliRunner().invoke(looptrace_app, args)
+        assert result.exit_code == 0, result.output
+        out[block_size] = analyze(load_chrome_trace(path), window="decode")
+    return out
+
+
+def test_dead_kv_fires_on_whole_pages_and_not_on_exact_length_keys(kv_traces) -> None:
+    exact = kv_traces[1]
+    calls = attention_calls(exact.device_items, exact.live_keys)
+    tokens = exact.counters.tokens
+    assert len(calls) == OURO_ATTENTION_PER_TOKEN * tokens
+    # one-slot pages: the recorded key length is each row's live context (prompt + tokens so far)
+    assert all(c.rows == 1 and c.keys_read == c.live for c in calls)
+    assert {c.live for c in calls} == {5, 6}
+    assert _kind(find(exact), "dead_kv") is None
+    paged = kv_traces[16]
+    calls = attention_calls(paged.device_items, paged.live_keys)
+    assert len(calls) == OURO_ATTENTION_PER_TOKEN * paged.counters.tokens
+    assert {(c.keys_read, c.live) for c in calls} == {(16, 5), (16, 6)}  # the row's one page, read whole
+    found = _kind(find(paged), "dead_kv")
+    assert found is not None
+    assert found.cost.startswith("decode attention reads 16.0 keys per call where 5.5 are live (66 % dead)")
+    dead_us = sum(c.us * (16 - c.live) / 16 for c in calls)
+    assert found.saving_us_per_token == pytest.approx(dead_us / paged.counters.tokens)
+    assert "kernels.attention=triton" in found.remedy
+
+
+def test_dead_kv_is_silent_without_live_key_markers() -> None:
+    """The public Huginn code's dynamic cache: shapes but no lt.kv markers (and key length = context)."""
+    a = analyze(load_chrome_trace(FIXTURES / "huginn-tiny_cpu_public_decode.json.gz"), window="all")
+    assert a.live_keys == [] and attention_calls(a.device_items, a.live_keys) == []
+    assert _kind(find(a), "dead_kv") is None
 
 
 # --- the timeline ---------------------------------------------------------------------------------------
