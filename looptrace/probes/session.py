@@ -290,7 +290,9 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
     _sync(engine)
     windows: dict[str, WindowRun] = {}
     interrupted = False
-    prof = torch.profiler.profile(**_activities(engine), record_shapes=cfg.record_shapes)
+    activities = _activities(engine)
+    activities.setdefault("record_shapes", cfg.record_shapes)
+    prof = torch.profiler.profile(**activities)
     with _quiet_native_stderr():
         prof.start()
     try:
