@@ -56,6 +56,11 @@ PromptLenOpt = o.opt(int, help="Prompt tokens per request (random ids).")
 DecodeStepsOpt = o.opt(int | None, help="Engine steps in the decode window (default: ~8 tokens per request).")
 LevelOpt = o.opt(str, help="Range granularity: step, loop, layer or op.")
 TraceOpt = o.opt(Path | None, "--trace", parser=o.output_path, help="Write the Chrome trace here.")
+ShapesOpt = o.opt(
+    bool,
+    "--shapes",
+    help="Record every op's input shapes (attention key lengths, for the dead_kv finding); adds host time.",
+)
 CompareOpt = o.opt(
     tuple[str, str] | None,
     help="Profile two recipes on the same workload and compare: --compare A B.",
@@ -79,6 +84,7 @@ def profile(
     decode_steps: DecodeStepsOpt = None,
     level: LevelOpt = "op",
     trace: TraceOpt = None,
+    shapes: ShapesOpt = False,
     compare: CompareOpt = None,
     a_set: ASetOpt = None,
     b_set: BSetOpt = None,
@@ -112,7 +118,9 @@ def _profile(a: SimpleNamespace) -> None:
     fmt = infer_format(a.fmt, a.output)
     with c.friendly_errors():
         _check_options(a)
-        cfg = ProfileConfig(a.concurrency, a.prompt_len, a.decode_steps, level=a.level, seed=a.seed)
+        cfg = ProfileConfig(
+            a.concurrency, a.prompt_len, a.decode_steps, level=a.level, seed=a.seed, record_shapes=a.shapes
+        )
         build = c.build_request(a, recipe=a.recipe or "base")
         engines = ProfileEngines(build, build.resolve_model())
         runs = sides_to_run(a.recipe, a.sets, a.compare, a.a_set, a.b_set)

@@ -84,6 +84,7 @@ WINDOW_DECODE = "lt.window/decode"
 WINDOW_PREFILL = "lt.window/prefill"
 STEP_PREFIX = "lt.step#"
 TOKENS_PREFIX = "lt.tokens/"
+KV_PREFIX = "lt.kv/"  # in a decode step: the live KV positions its rows attend to (context lengths summed)
 STAGE_PREFIX = "lt.stage/"
 LOOP_PREFIX = "lt.loop/"
 LAYER_PREFIX = "lt.layer/"
@@ -115,6 +116,10 @@ def step_name(n: int) -> str:
 
 def tokens_name(n: int) -> str:
     return f"{TOKENS_PREFIX}{n}"
+
+
+def kv_name(n: int) -> str:
+    return f"{KV_PREFIX}{n}"
 
 
 def stage_name(stage: str) -> str:
@@ -270,6 +275,8 @@ class Analysis:
     # The window's device events and blocking syncs with their contexts, for `findings` (not rendered).
     device_items: list[DeviceItem] = field(default_factory=list, repr=False)
     sync_items: list[SyncItem] = field(default_factory=list, repr=False)
+    # (host time, live KV positions) of the window's `lt.kv/<n>` markers, one per decode step, for `findings`
+    live_keys: list[tuple[float, int]] = field(default_factory=list, repr=False)
     # A looped model's prelude / loop / coda layers and the share of device time they account for
     # (`structure`); None without loops. Kernels' stage/layer/loop are in `breakdown` (by_op_layer_loop).
     structure: Structure | None = None
@@ -562,13 +569,14 @@ def analyze(
         phases=phases,
         device=_device_name(peak, props),
         replays=_replay_stat(kernels, kops, graph_corr),
-        device_items=_device_items(kernels, kernel_ctx, memory, graph_corr),
+        device_items=_device_items(kernels, kernel_ctx, memory, graph_corr, kops),
         sync_items=[
             SyncItem(what[len("sync ") :], e, cx)
             for (what, e, _), cx in zip(site_items, site_ctx, strict=True)
             if what.startswith("sync ") and what[len("sync ") :] in cl.BLOCKING_SYNC_KINDS
         ],
         structure=structure,
+        live_keys=_live_keys(ranges, inside),
     )  # fmt: skip
 
 
@@ -577,14 +585,23 @@ def _device_items(
     kernel_ctx: list[Context],
     memory: list[tuple[TraceEvent, Position]],
     graph_corr: set[int],
+    kops: list[KernelOp],
 ) -> list[DeviceItem]:
-    """The window's kernels (with their contexts), copies and memsets, in device-time order."""
+    """The window's kernels (with their contexts and the CPU op whose shapes they ran), copies and memsets,
+    in device-time order."""
     items = [
-        DeviceItem(e, cx, not cl.is_graph_kernel(e, graph_corr))
-        for (e, _), cx in zip(kernels, kernel_ctx, strict=True)
+        DeviceItem(e, cx, not cl.is_graph_kernel(e, graph_corr), ko.shapes)
+        for (e, _), cx, ko in zip(kernels, kernel_ctx, kops[: len(kernels)], strict=True)
     ]
     items += [DeviceItem(e, Context(), True) for e, _ in memory]
     return sorted(items, key=lambda item: item.event.ts)
+
+
+def _live_keys(ranges: list[TraceEvent], inside: Callable[[float], bool]) -> list[tuple[float, int]]:
+    """The window's `lt.kv/<n>` markers in time order: live KV positions of each decode step's rows."""
+    marks = [(e.ts, e.name[len(KV_PREFIX) :]) for e in ranges if e.name.startswith(KV_PREFIX)]
+    marks = [(ts, n) for ts, n in marks if inside(ts)]
+    return sorted((ts, int(n)) for ts, n in marks if n.isdigit())
 
 
 def _has_marker(events: list[TraceEvent]) -> bool:

@@ -17,6 +17,13 @@ device busy time for the norm):
   (`EXACT_NORM_KERNELS`). A fused kernel makes one pass over its input: its time is estimated as the
   call's longest kernel (in an eager RMSNorm that is the mean, which reads the whole input once); the
   saving is the median call's (robust to one preempted CPU op), times the calls.
+- `dead_kv` (`findings_kv`): decode attention over a padded key length reads dead KV slots.
+- `fusable_launch`: ops outside the layers that run once per loop (more than once per token; with loop
+  indices, in more than one loop), each call a few short kernels (median ≤ `SHORT_KERNEL_US`): the
+  traversal metadata, the exit gate, the loop-closing norm, Huginn's adapter. Each launch costs its idle
+  gap before it plus its duration; fusing the op into a neighbouring kernel (or building it once per token)
+  keeps the work but removes, per launch, the gap and the fixed cost of a kernel, taken as the window's
+  shortest device event. Its cost may overlap `host_gaps` (an eager launch's gap counts in both).
 
 The GPU timeline is the union of the window's device events (as `counters._timeline`); a gap is the idle
 time between two busy intervals, charged to the event that ends it.
@@ -29,21 +36,35 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from looptrace.probes.classify import KERNEL_CAT, is_copy_kernel_name
 from looptrace.probes.context import NONE, Context
 from looptrace.probes.counters import Analysis
+from looptrace.probes.finding import MIN_SAVING_PCT, Finding
+from looptrace.probes.findings_kv import dead_kv
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
-MIN_SAVING_PCT = 5.0  # a finding whose saving is under this share of its base is left out
 # The engine's exact RMSNorm is at most three kernels (square, mean, fenced normalize; base-engine.md
 # "Exact fusion"); an eager RMSNorm is eight. More kernels per call than this is an unfused norm.
 EXACT_NORM_KERNELS = 3
 NORM_OPS = frozenset({"norm", "RMSNorm"})  # looptrace's lt.op kind; the op category of foreign traces
 LOOP_SYNC_OPS = frozenset({"gate", "readback"})  # looptrace's ops that read the gate back
 TOP_SITES = 3
+NOT_OPS = ("graph", "other")  # counters' names for kernels with no op range (graph replay, eager)
+SHORT_KERNEL_US = 5.0  # a kernel this short is dominated by its launch: fusing it away saves the launch
+# What removes each per-loop op's launches, by looptrace's op kind; other ops get the generic remedy.
+PER_LOOP_REMEDIES = {
+    "metadata": "build the traversal metadata once per token, not once per loop: looptrace's engine "
+    "scheduler.loop_fusion + scheduler.whole_token (one whole-token step; each loop's plane only swaps its "
+    "page table)",
+    "norm": "fuse the loop-closing norm into the kernel before it: looptrace's engine kernels.exact + "
+    "kernels.residual_norm (one exact kernel per norm)",
+    "gate": "fuse the exit gate (GEMV, sigmoid, copy) into the loop-closing norm's kernel, or read it once "
+    "per token: exit.policy=fixed where the depth is fixed",
+    "readback": "read the gate back once per token: scheduler.whole_token with scheduler.async_decode",
+    "adapter": "fuse the adapter's concat into its GEMM (two GEMMs summed into one output)",
+}
 
 # PyTorch's eager RMSNorm, by kernel (GPU) or leaf op (CPU) name: [cast] pow mean add rsqrt mul [cast mul].
 _POW = re.compile(r"pow_tensor_scalar|^aten::pow$")
@@ -52,27 +73,18 @@ _NORM_TAIL = re.compile(r"elementwise_kernel|^aten::(mul|copy_|_to_copy|add)$")
 _CPU_CAST = re.compile(r"^aten::(copy_|_to_copy)$")
 
 
-@dataclass
-class Finding:
-    kind: str  # host_gaps | loop_sync | unfused_norm
-    cost: str  # what it costs, in words with the measured figures
-    cost_us_per_token: float
-    cost_pct_of_wall: float
-    where: str
-    evidence: str
-    remedy: str
-    saving_us_per_token: float
-    saving_pct_of_wall: float
-    estimate: str  # how the saving was estimated
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def find(analysis: Analysis) -> list[Finding]:
     """The findings of one analysed window, largest saving first."""
     found = [
-        f for f in (_host_gaps(analysis), _loop_sync(analysis), _unfused_norm(analysis)) if f is not None
+        f
+        for f in (
+            _host_gaps(analysis),
+            _loop_sync(analysis),
+            _unfused_norm(analysis),
+            _fusable_launch(analysis),
+            dead_kv(analysis),
+        )
+        if f is not None
     ]
     return sorted(found, key=lambda f: -f.saving_us_per_token)
 
@@ -423,3 +435,100 @@ def _norm_places(calls: Sequence[list[DeviceItem]], tokens: int) -> str:
     if layers:
         text += f" over {len(layers)} layers"
     return text if loops or layers else text + " (no stage, layer or loop in the trace: per-op counts)"
+
+
+# --- small per-loop launches → fused into a neighbouring kernel -----------------------------------------
+
+
+@dataclass(frozen=True)
+class PerLoopOp:
+    """An op outside the layers that runs once per loop, with its kernels and the idle gap before each."""
+
+    stage: str
+    op: str
+    calls: int
+    kernels: list[DeviceItem]
+    gaps_us: list[float]  # idle time before each kernel (0 where the GPU or CPU was busy)
+
+    @property
+    def launch_us(self) -> float:
+        """What its launches cost: gaps before them plus their durations."""
+        return sum(self.gaps_us) + sum(k.event.dur for k in self.kernels)
+
+
+def per_loop_ops(items: Sequence[DeviceItem], tokens: int) -> list[PerLoopOp]:
+    """Ops outside every layer that run more than once per token (in more than one loop where the contexts
+    carry loops), each call of short kernels (median ≤ SHORT_KERNEL_US): what a loop launches on its own."""
+    gap_before = {id(g.after): g.us for g in gaps(items)}
+    by_op: dict[tuple[str, str], list[DeviceItem]] = defaultdict(list)
+    calls_of: Counter[tuple[str, str]] = Counter()
+    previous: Context | None = None
+    for i in items:
+        cx = i.context
+        if i.event.cat not in (KERNEL_CAT, "cpu_op"):
+            continue
+        if cx.op not in (None, *NOT_OPS) and cx.layer is None:
+            by_op[(cx.stage, cx.op)].append(i)
+            # a call: its op range (looptrace's traces), else a run of kernels of the op in one loop
+            same_call = previous is not None and previous.op_range is cx.op_range
+            calls_of[(cx.stage, cx.op)] += not (
+                same_call and (previous.op, previous.loop) == (cx.op, cx.loop)
+            )
+        previous = cx
+    out = []
+    for (stage, op), kernels in by_op.items():
+        calls = calls_of[(stage, op)]
+        loops = {k.context.loop for k in kernels if k.context.loop is not None}
+        per_loop = calls > tokens and (not loops or len(loops) > 1)
+        if per_loop and statistics.median(k.event.dur for k in kernels) <= SHORT_KERNEL_US:
+            out.append(PerLoopOp(stage, op, calls, kernels, [gap_before.get(id(k), 0.0) for k in kernels]))
+    return sorted(out, key=lambda o: -o.launch_us)
+
+
+def _fusable_launch(analysis: Analysis) -> Finding | None:
+    c = analysis.counters
+    tokens, wall = c.tokens, _wall(analysis)
+    ops = per_loop_ops(analysis.device_items, tokens)
+    if not ops or not analysis.device_items:
+        return None
+    # The fixed cost of one kernel: the window's shortest device event (a kernel that does almost nothing).
+    floor = min(i.event.dur for i in analysis.device_items)
+    saved = {o.op: sum(o.gaps_us) + sum(min(k.event.dur, floor) for k in o.kernels) for o in ops}
+    saving = sum(saved.values())
+    if _pct(saving, wall) < MIN_SAVING_PCT:
+        return None
+    launches = sum(len(o.kernels) for o in ops)
+    cost = sum(o.launch_us for o in ops)
+    word = "kernels" if c.mode == "gpu" else "CPU ops"
+    remedies = [PER_LOOP_REMEDIES.get(o.op) for o in ops]
+    generic = (
+        "fuse the op's kernels into the neighbouring kernel of the loop (one launch fewer per loop each)"
+    )
+    return Finding(
+        kind="fusable_launch",
+        cost=(
+            f"{launches / tokens:,.1f} short {word}/token launched once per loop outside the layers: "
+            f"{cost / tokens:,.1f} µs/token in their launches (gap before + duration, "
+            f"{_pct(cost, wall):.0f} % of the wall)"
+        ),
+        cost_us_per_token=cost / tokens,
+        cost_pct_of_wall=_pct(cost, wall),
+        where="; ".join(
+            f"{_coarse(Context(stage=o.stage, op=o.op))} {o.calls / tokens:,.1f} calls/token × "
+            f"{len(o.kernels) / o.calls:,.1f} {word}"
+            for o in ops[:TOP_SITES]
+        ),
+        evidence="; ".join(
+            f"{o.op}: mean gap before {sum(o.gaps_us) / len(o.kernels):,.2f} µs, mean duration "
+            f"{statistics.fmean(k.event.dur for k in o.kernels):,.2f} µs"
+            for o in ops[:TOP_SITES]
+        ),
+        remedy="; ".join(dict.fromkeys(r or generic for r in remedies[:TOP_SITES])),
+        saving_us_per_token=saving / tokens,
+        saving_pct_of_wall=_pct(saving, wall),
+        estimate=(
+            f"per launch, the idle gap before it plus the fixed cost of a kernel, taken as the window's "
+            f"shortest device event ({floor:,.2f} µs); the work itself stays (it moves into the neighbouring "
+            "kernel): " + ", ".join(f"{op} {us / tokens:,.1f} µs/token" for op, us in saved.items())
+        ),
+    )

@@ -3,7 +3,8 @@
 Kineto does not record NVTX, so every range is emitted twice: an NVTX push/pop (seen by Nsight Systems)
 and a `torch.profiler.record_function` (a `user_annotation` in Kineto traces, what `counters.py` reads).
 Names follow the convention in `counters.py`: `lt.step#N`, `lt.stage/<stage>`, `lt.loop/<i>`,
-`lt.layer/<role><i>`, `lt.op/<kind>`.
+`lt.layer/<role><i>`, `lt.op/<kind>`, and inside each decode step an `lt.kv/<n>` marker (the live KV
+positions its rows attend to).
 
 Levels: `step` (step + stage), `loop` (+ loop), `layer` (+ layer), `op` (+ op). Steps, stages and loops
 come from the engine's observer hooks; layers and ops from PyTorch module hooks on modules that carry an
@@ -97,6 +98,17 @@ class RangeProbe(Observer):
     def on_step_begin(self, info: StepInfo) -> None:
         self.push(names.step_name(info.step))
         self.push(names.stage_name(info.stage))
+        if info.stage != "prefill" and self.engine is not None:
+            self._mark_live_keys(info.request_ids)
+
+    def _mark_live_keys(self, request_ids: list[str]) -> None:
+        """An `lt.kv/<n>` marker: the KV positions the step's decode rows attend to (each row's context,
+        prompt + tokens so far), what attention over a padded key length is measured against."""
+        requests = self.engine.requests
+        live = sum(requests[r].num_tokens for r in request_ids if r in requests)
+        if live:
+            self.push(names.kv_name(live))
+            self.pop()
 
     def on_step_end(self, result: StepResult) -> None:
         self.pop()

@@ -49,6 +49,9 @@ class ProfileConfig:
     warmup_tokens: int = 2
     level: str = "op"
     seed: int = 0
+    # Record every op's input shapes (torch.profiler record_shapes): the attention's key length, what the
+    # dead_kv finding compares with the live context. Off by default: it adds host time to every op.
+    record_shapes: bool = False
 
 
 @dataclass
@@ -287,7 +290,9 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
     _sync(engine)
     windows: dict[str, WindowRun] = {}
     interrupted = False
-    prof = torch.profiler.profile(**_activities(engine))
+    activities = _activities(engine)
+    activities.setdefault("record_shapes", cfg.record_shapes)
+    prof = torch.profiler.profile(**activities)
     with _quiet_native_stderr():
         prof.start()
     try:

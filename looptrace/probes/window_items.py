@@ -19,6 +19,7 @@ class DeviceItem:
     event: TraceEvent
     context: Context  # where it ran (kernels; copies and memsets get an empty one)
     eager: bool  # launched by its own call (cudaLaunchKernel, cudaMemcpyAsync, ...), not a graph replay
+    shapes: TraceEvent | None = None  # the CPU op that launched it, with its recorded input shapes
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from looptrace.cli.main import app as looptrace_app
 from looptrace.cli.trace_cmd import trace_app
 from looptrace.probes.context import Context
 from looptrace.probes.counters import Analysis, analyze
@@ -25,8 +26,10 @@ from looptrace.probes.findings import (
     gaps,
     loop_syncs,
     norm_calls,
+    per_loop_ops,
     sync_drains,
 )
+from looptrace.probes.findings_kv import attention_calls
 from looptrace.probes.window_items import DeviceItem, SyncItem
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -146,9 +149,55 @@ def test_unfused_norm_fires_with_the_eager_norm_and_not_with_the_exact_norm(anal
         assert _kind(find(analyses[name]), "unfused_norm") is None
 
 
+# --- small per-loop launches → fused into a neighbouring kernel -----------------------------------------
+
+
+def test_fusable_launch_fires_on_per_loop_metadata_and_not_with_whole_token_steps(analyses) -> None:
+    a = analyses["async-gate"]
+    found = _kind(find(a), "fusable_launch")
+    assert found is not None
+    tokens = a.counters.tokens
+    ops = {o.op: o for o in per_loop_ops(a.device_items, tokens)}
+    # ouro-tiny per loop: metadata 7 kernels, eager 8-kernel norm, gate 3 (GEMV dot, reduce, copy), readback 1
+    assert {op: (o.calls / tokens, len(o.kernels) / o.calls) for op, o in ops.items()} == {
+        "metadata": (OURO_LOOPS, 7),
+        "norm": (OURO_LOOPS, 8),
+        "gate": (OURO_LOOPS, 3),
+        "readback": (OURO_LOOPS, 1),
+    }
+    launches = OURO_LOOPS * (7 + 8 + 3 + 1)
+    assert found.cost.startswith(f"{launches:.1f} short kernels/token launched once per loop")
+    assert found.where.startswith("recurrent / metadata 4.0 calls/token × 7.0 kernels")
+    cost = sum(o.launch_us for o in ops.values())
+    assert found.cost_us_per_token == pytest.approx(cost / tokens)
+    floor = min(i.event.dur for i in a.device_items)
+    saving = sum(sum(o.gaps_us) + sum(min(k.event.dur, floor) for k in o.kernels) for o in ops.values())
+    assert found.saving_us_per_token == pytest.approx(saving / tokens)
+    assert 0 < found.saving_us_per_token < found.cost_us_per_token
+    assert "scheduler.whole_token" in found.remedy
+    # the toggle: whole-token steps (exactloop) build the metadata once per token; the per-loop norm and gate
+    # left are graph nodes whose launches cost too little to reach the threshold
+    exact = analyses["exactloop"]
+    left = {o.op for o in per_loop_ops(exact.device_items, exact.counters.tokens)}
+    assert left == {"norm", "gate"}
+    assert _kind(find(exact), "fusable_launch") is None
+
+
+def test_per_loop_ops_are_outside_the_layers_in_more_than_one_loop() -> None:
+    def cx(loop: int | None, op: str, layer: str | None = None) -> Context:
+        return Context(stage="recurrent", loop=loop, layer=layer, op=op)
+
+    items = [_item(0, 1, context=cx(0, "gate")), _item(10, 1, context=cx(1, "gate"))]  # 2 loops: per loop
+    items += [_item(20, 1, context=cx(0, "head")), _item(30, 1, context=cx(0, "head"))]  # one loop only
+    items += [_item(40, 1, context=cx(0, "mlp", "core0")), _item(50, 1, context=cx(1, "mlp", "core0"))]
+    items += [_item(60, 9, context=cx(0, "norm")), _item(80, 9, context=cx(1, "norm"))]  # not short
+    found = per_loop_ops(items, tokens=1)
+    assert [(o.op, o.calls, o.gaps_us) for o in found] == [("gate", 2, [0.0, 9.0])]
+
+
 def test_findings_are_ranked_by_saving(analyses) -> None:
     found = find(analyses["eager"])
-    assert {f.kind for f in found} == {"host_gaps", "loop_sync", "unfused_norm"}
+    assert {f.kind for f in found} == {"host_gaps", "loop_sync", "unfused_norm", "fusable_launch"}
     savings = [f.saving_us_per_token for f in found]
     assert savings == sorted(savings, reverse=True)
     assert find(analyses["exactloop"]) == []
@@ -163,6 +212,54 @@ def test_eager_rmsnorm_pattern_in_a_trace_without_ranges() -> None:
     assert len(calls) == 4 * (2 * 4 * 4 + 4)
     found = _kind(find(a), "unfused_norm")
     assert found is not None and "CPU op time" in found.cost
+
+
+# --- attention over dead KV slots → exact-length attention ---------------------------------------------
+
+OURO_ATTENTION_PER_TOKEN = 4 * OURO_LOOPS  # ouro-tiny: one attention per layer and loop
+
+
+@pytest.fixture(scope="module")
+def kv_traces(tmp_path_factory) -> dict[int, Analysis]:
+    """ouro-tiny on CPU, torch attention path, prompts of 2 tokens, shapes recorded: KV pages of 16 slots
+    (the row's last page is read whole) against pages of one slot (exactly the live keys)."""
+    out = {}
+    for block_size in (16, 1):
+        path = tmp_path_factory.mktemp("kv") / f"bs{block_size}.json"
+        args = ["profile", "--model", "ouro-tiny", "--prompt-len", "2", "--decode-steps", "12", "--shapes"]
+        args += ["--set", f"kv.block_size={block_size}", "--trace", str(path), "--device", "cpu"]
+        result = CliRunner().invoke(looptrace_app, args)
+        assert result.exit_code == 0, result.output
+        out[block_size] = analyze(load_chrome_trace(path), window="decode")
+    return out
+
+
+def test_dead_kv_fires_on_whole_pages_and_not_on_exact_length_keys(kv_traces) -> None:
+    exact = kv_traces[1]
+    calls = attention_calls(exact.device_items, exact.live_keys)
+    tokens = exact.counters.tokens
+    assert len(calls) == OURO_ATTENTION_PER_TOKEN * tokens
+    # one-slot pages: the recorded key length is each row's live context (prompt + tokens so far)
+    assert all(c.rows == 1 and c.keys_read == c.live for c in calls)
+    assert {c.live for c in calls} == {5, 6}
+    assert _kind(find(exact), "dead_kv") is None
+    paged = kv_traces[16]
+    calls = attention_calls(paged.device_items, paged.live_keys)
+    assert len(calls) == OURO_ATTENTION_PER_TOKEN * paged.counters.tokens
+    assert {(c.keys_read, c.live) for c in calls} == {(16, 5), (16, 6)}  # the row's one page, read whole
+    found = _kind(find(paged), "dead_kv")
+    assert found is not None
+    assert found.cost.startswith("decode attention reads 16.0 keys per call where 5.5 are live (66 % dead)")
+    dead_us = sum(c.us * (16 - c.live) / 16 for c in calls)
+    assert found.saving_us_per_token == pytest.approx(dead_us / paged.counters.tokens)
+    assert "kernels.attention=triton" in found.remedy
+
+
+def test_dead_kv_is_silent_without_live_key_markers() -> None:
+    """The public Huginn code's dynamic cache: shapes but no lt.kv markers (and key length = context)."""
+    a = analyze(load_chrome_trace(FIXTURES / "huginn-tiny_cpu_public_decode.json.gz"), window="all")
+    assert a.live_keys == [] and attention_calls(a.device_items, a.live_keys) == []
+    assert _kind(find(a), "dead_kv") is None
 
 
 # --- the timeline ---------------------------------------------------------------------------------------
@@ -195,7 +292,7 @@ def test_trace_analyze_shows_findings_in_text_and_json() -> None:
     as_json = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "json"])
     assert as_json.exit_code == 0, as_json.output
     found = json.loads(as_json.stdout)["findings"]
-    assert [f["kind"] for f in found] == ["loop_sync", "host_gaps", "unfused_norm"]
+    assert [f["kind"] for f in found] == ["loop_sync", "fusable_launch", "host_gaps", "unfused_norm"]
     assert set(found[0]) >= {"cost", "where", "evidence", "remedy", "saving_us_per_token", "estimate"}
     as_csv = runner.invoke(app, ["trace", "analyze", str(path), "--window", "decode", "--format", "csv"])
     assert as_csv.exit_code == 0, as_csv.output
