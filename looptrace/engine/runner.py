@@ -50,6 +50,7 @@ from looptrace.engine.runner_parts import (  # PendingRead, Row: re-exported (ol
     StateInit,
 )
 from looptrace.engine.sampling import record_logprobs
+from looptrace.engine.scoring import score_coda_hidden, score_prefill_state
 
 
 class ModelRunner:
@@ -258,13 +259,19 @@ class ModelRunner:
             state = self.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
 
         p_loops = self.prefill_depth.loops  # LoopDuet split depth (S, P); None: uniform S
-        full = [i for i, r in enumerate(rows) if (r.request.request_id, r.pos) in self._endpoints]
+        full = [  # chunk endpoints, and the rows of prompts scored teacher-forced (full depth)
+            i
+            for i, r in enumerate(rows)
+            if (r.request.request_id, r.pos) in self._endpoints
+            or r.request.params.prompt_logprobs is not None
+        ]
         if p_loops is None or p_loops >= self.max_loops or len(full) == len(rows):
             state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
         else:
             state = self._split_loops(rows, full, state, inject, raw_of, ctx_of, core_planes, p_loops)
 
         last_rows = self._last_rows(spans)
+        score_prefill_state(self.model, rows, state)  # rows whose request asks for prompt logprobs
         if self.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
         self._hand_off(rows, last_rows, state, inject)
@@ -304,6 +311,7 @@ class ModelRunner:
         for plane in core_planes:
             self.host_meta.mark(rows, plane, "core")
         last_rows = self._last_rows(spans)
+        score_prefill_state(self.model, rows, state)  # rows whose request asks for prompt logprobs
         if self.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
         self._hand_off(rows, last_rows, state, inject)
@@ -424,7 +432,7 @@ class ModelRunner:
         )[0]
         ctx = self.metadata(raw, self.model.rope, self.dtype, self.pool.k_cache, self.pool.v_cache)
         part = state if len(keep) == len(rows) else state.index_select(0, self._index(keep))
-        self.model.coda_hidden(part, ctx)
+        score_coda_hidden(self.model, sub, self.model.coda_hidden(part, ctx))
         self.host_meta.mark(sub, plane, "coda")
 
     def prelude(self, requests: list[Request]) -> None:
