@@ -113,15 +113,20 @@ def judge_divergence(ref: Reference, prompt: list[int], a: list[int], b: list[in
     sa, sb = _score(ref.engine, prompt, a[: fd + 1]), _score(ref.engine, prompt, b[: fd + 1])
     pa, pb = sa[fd], sb[fd]
     margin = pa.logprob - pb.logprob
-    blame = NEAR_TIE if abs(margin) <= noise else ("arm A" if margin < 0 else "arm B")
     return {
         "ref_logprob_a": pa.logprob,
         "ref_logprob_b": pb.logprob,
         "ref_argmax": pa.argmax_id,
         "ref_argmax_logprob": pa.argmax_logprob,
         "ref_margin": margin,  # reference logprob of A's token minus B's
-        "blame": blame,
+        "blame": blame(margin, noise),
     }
+
+
+def blame(margin: float, noise: float) -> str:
+    """`margin`: the reference's logprob of A's token minus B's. Within the noise nobody is to blame;
+    else the arm whose token the reference ranks lower."""
+    return NEAR_TIE if abs(margin) <= noise else ("arm A" if margin < 0 else "arm B")
 
 
 def judge_all(ref: Reference, prompts: dict[str, list[int]], served: dict[str, list], diffs: list) -> dict:
