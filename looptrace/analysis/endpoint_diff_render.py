@@ -144,6 +144,13 @@ def _reference_part(ref: dict[str, Any], rows: list[dict]) -> list:
         f"q99 {n['q99_abs_dlogprob']:.3g}, {n['argmax_flips']} argmax flip(s) (smallest margin {flip}); "
         f"near tie: |margin| <= {n['margin']:.3g} nats"
     )
+    for arm, agree in ref["agreement"].items():
+        if agree["positions"]:
+            head += (
+                f"\narm {arm.upper()}: served token = reference argmax at {agree['argmax_agree']}/"
+                f"{agree['positions']} positions; max |served - reference logprob| "
+                f"{_num(agree['max_abs_dlogprob'])}"
+            )
     judged = [r for r in rows if r.get("judge")]
     if not judged:
         return [head + "; no divergence to judge"]

@@ -101,6 +101,28 @@ def measure_noise(ref: Reference, streams: list[tuple[list[int], list[int]]]) ->
     }
 
 
+def agreement(ref: Reference, prompts: dict[str, list[int]], served: list) -> dict[str, Any]:
+    """One arm's served streams against the reference, position by position: how often the served token
+    is the reference's argmax, and how far the served logprobs are from the reference's."""
+    positions = equal = 0
+    deltas: list[float] = []
+    for s in served:
+        if s.error:
+            continue
+        for pos, scored in zip(s.positions, _score(ref.engine, prompts[s.id], s.token_ids)):
+            positions += 1
+            equal += scored.argmax_id == pos.token_id
+            if pos.logprob is not None:
+                deltas.append(abs(pos.logprob - scored.logprob))
+    return {
+        "positions": positions,
+        "argmax_agree": equal,
+        "fraction": equal / positions if positions else None,
+        "max_abs_dlogprob": max(deltas, default=None),
+        "q99_abs_dlogprob": _quantile(deltas, 0.99) if deltas else None,
+    }
+
+
 def _quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -150,6 +172,7 @@ def judge_all(ref: Reference, prompts: dict[str, list[int]], served: dict[str, l
             "device": ref.spec.device,
             "noise": noise,
             "blame_counts": {k: blames.count(k) for k in ("arm A", "arm B", NEAR_TIE)},
+            "agreement": {arm.lower(): agreement(ref, prompts, served[arm]) for arm in ("A", "B")},
         },
         "per_request": verdicts,
     }

@@ -258,6 +258,9 @@ def test_reference_finds_nothing_to_blame_when_base_and_exactloop_agree(urls) ->
     )
     assert ok and data["summary"]["identical"] == 4
     assert [r["judge"] for r in data["requests"]] == [None] * 4
+    # Both arms are the reference's own model in float32 on this CPU: every served token is its argmax.
+    for agree in data["reference"]["agreement"].values():
+        assert agree["positions"] == 24 and agree["argmax_agree"] == 24 and agree["max_abs_dlogprob"] <= 1e-5
     assert data["reference"]["blame_counts"] == {"arm A": 0, "arm B": 0, "near tie": 0}
     assert data["reference"]["noise"]["positions"] == 4 * 6
 
