@@ -47,6 +47,12 @@ def start_server(model: str, weights: str | None, device: str) -> tuple[subproce
     raise SystemExit(f"looptrace serve did not come up (exit {proc.poll()})")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -78,6 +84,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.device == "cuda" and not _cuda():
+        print("bench/reference_judge.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     proc, url = start_server(args.model, args.weights, args.device)
     report_path = args.out / "reference_judge.json"
