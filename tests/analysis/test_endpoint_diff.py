@@ -270,3 +270,12 @@ def test_blame_rule_on_the_reference_margin() -> None:
 
     assert [blame(m, 0.05) for m in (0.02, -0.05, 0.0)] == [NEAR_TIE] * 3
     assert blame(0.051, 0.05) == "arm B" and blame(-0.051, 0.05) == "arm A"  # B's / A's token ranked lower
+
+
+def test_a_one_ulp_perturbation_gives_the_judge_nothing_to_blame(urls) -> None:
+    """One ulp in a decode op moves logprobs by ~1e-7 to 1e-6 and no token: the reference (whose own
+    prefill-vs-decode difference is of the same size) sees every served token as its argmax on both arms."""
+    data, ok = run(urls["base"], urls["recurrent"], expect="identical", reference="ouro")
+    assert ok and data["reference"]["blame_counts"] == {"arm A": 0, "arm B": 0, "near tie": 0}
+    for agree in data["reference"]["agreement"].values():
+        assert agree["argmax_agree"] == agree["positions"] == 24 and agree["max_abs_dlogprob"] <= 1e-5
