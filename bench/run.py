@@ -140,6 +140,11 @@ MODES: dict[str, Mode] = {
         "any",
         script("serve_load.py", "--robustness -o {out}/serve_robustness.json"),
     ),
+    "reference-judge": Mode(
+        "`looptrace serve` Ouro-1.4B in bfloat16 judged by our float32 engine: agreement and noise figure",
+        "cuda",
+        script("reference_judge.py", "--out {out} --model ouro-1.4b"),
+    ),
     "house": Mode(
         "the house's figures: import floors, upward arrows, circles, lines per package",
         "any",

@@ -56,6 +56,9 @@ class EndpointDiffRequest:
     weights: Path | None = None
     threads: int = 1
     api_key: str | None = None  # sent to URL arms as a bearer token (never printed)
+    reference: str | None = None  # a preset or checkpoint directory: our engine judges each divergence
+    reference_dtype: str = "float32"
+    reference_device: str = "cpu"
 
 
 @dataclass
@@ -83,6 +86,11 @@ def check(req: EndpointDiffRequest) -> None:
         raise EndpointDiffInputError(f"--expect {req.expect}: expected one of {', '.join(sd.CLAIMS)}")
     if not 0 <= req.seed < 2**64:
         raise EndpointDiffInputError(f"--seed must be in [0, 2**64), got {req.seed}")
+    if req.reference_dtype not in sd.NOISE_MARGIN or req.reference_device not in ("cpu", "cuda"):
+        raise EndpointDiffInputError(
+            f"--reference-dtype {req.reference_dtype} / --reference-device {req.reference_device}: "
+            f"expected one of {', '.join(sd.NOISE_MARGIN)} / cpu or cuda"
+        )
     if req.noise_margin is not None and not req.noise_margin >= 0:
         raise EndpointDiffInputError(f"--noise-margin must be >= 0 nats, got {req.noise_margin}")
     if req.served_dtype is not None and req.served_dtype not in sd.NOISE_MARGIN:
@@ -99,6 +107,7 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     """Both arms on the same prompts; (report data, the claim holds)."""
     check(req)
     t0 = time.perf_counter()
+    ref = _open_reference(req)  # before any server: a bad --reference is one line, at once
     with ExitStack() as stack:
         arm_a = _open_arm(stack, "A", req.arm_a, req.a_sets, req)
         arm_b = _open_arm(stack, "B", req.arm_b or req.arm_a, req.b_sets, req)
@@ -117,6 +126,8 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     acc_ok = acc is None or acc["holds"]
     ok = not viol and acc_ok
     data = _report(req, (arm_a, arm_b), items, diffs, probe, acc, noise_info, time.perf_counter() - t0)
+    if ref is not None:
+        _add_judge(data, ref, items, served, diffs)
     data["verdict"] = {
         "ok": ok,
         "expect": req.expect,
@@ -126,6 +137,31 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
         "accuracy_holds": None if acc is None else acc["holds"],
     }
     return data, ok
+
+
+def _open_reference(req: EndpointDiffRequest):
+    if req.reference is None:
+        return None
+    from looptrace.analysis import reference_judge as rj
+
+    spec = rj.ReferenceSpec(req.reference, req.reference_dtype, req.reference_device)
+    try:
+        return rj.open_reference(spec)
+    except rj.ReferenceError as exc:
+        raise EndpointDiffInputError(str(exc)) from None
+
+
+def _add_judge(data: dict[str, Any], ref, items, served, diffs) -> None:
+    """The reference's scores of both arms' streams: its noise figure and, per divergence, its blame."""
+    from looptrace.analysis import reference_judge as rj
+
+    try:
+        judged = rj.judge_all(ref, {it.id: it.prompt for it in items}, served, diffs)
+    except rj.ReferenceError as exc:
+        raise EndpointDiffInputError(str(exc)) from None
+    data["reference"] = judged["reference"]
+    for row in data["requests"]:
+        row["judge"] = judged["per_request"].get(row["id"])
 
 
 def _noise(arms, req: EndpointDiffRequest) -> dict[str, Any]:

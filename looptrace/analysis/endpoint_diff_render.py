@@ -67,6 +67,8 @@ def renderables(data: dict[str, Any]) -> list:
         )
         if probe["overall"] != "identical":
             out.append(_requests_table(probe["requests"], f"Arm {arm.upper()}: alone vs in the crowd"))
+    if data.get("reference") is not None:
+        out += _reference_part(data["reference"], data["requests"])
     if data.get("accuracy") is not None:
         out.append(_accuracy_line(data["accuracy"]))
     out.append(_verdict_line(data["verdict"]))
@@ -131,6 +133,48 @@ def _requests_table(rows: list[dict], title: str) -> Table:
     if hidden:
         t.caption = f"{hidden} more request(s) not shown (identical tokens and logprobs, or past the limit)"
     return t
+
+
+def _reference_part(ref: dict[str, Any], rows: list[dict]) -> list:
+    n = ref["noise"]
+    flip = "none" if n["min_flip_margin"] is None else f"{n['min_flip_margin']:.3g}"
+    head = (
+        f"reference {escape(ref['preset'])} ({ref['dtype']}, {ref['device']}): noise {n['dtype']} vs "
+        f"{ref['dtype']} over {n['positions']} positions: max |dlogprob| {n['max_abs_dlogprob']:.3g}, "
+        f"q99 {n['q99_abs_dlogprob']:.3g}, {n['argmax_flips']} argmax flip(s) (smallest margin {flip}); "
+        f"near tie: |margin| <= {n['margin']:.3g} nats"
+    )
+    for arm, agree in ref["agreement"].items():
+        if agree["positions"]:
+            head += (
+                f"\narm {arm.upper()}: served token = reference argmax at {agree['argmax_agree']}/"
+                f"{agree['positions']} positions; max |served - reference logprob| "
+                f"{_num(agree['max_abs_dlogprob'])}"
+            )
+    judged = [r for r in rows if r.get("judge")]
+    if not judged:
+        return [head + "; no divergence to judge"]
+    t = Table(title="Reference judge (first divergence)", title_justify="left")
+    for col in ("req", "pos", "A token", "B token", "ref argmax"):
+        t.add_column(col, no_wrap=True)
+    for col in ("ref logprob A", "ref logprob B", "margin A - B"):
+        t.add_column(col, justify="right")
+    t.add_column("blame", no_wrap=True)
+    for r in judged[:MAX_REQUEST_ROWS]:
+        j = r["judge"]
+        blame = j["blame"] if j["blame"] == "near tie" else f"[bold red]{j['blame']}[/]"
+        t.add_row(
+            r["id"],
+            str(r["first_divergence"]),
+            _tok(r["token_a"], r["text_a"]),
+            _tok(r["token_b"], r["text_b"]),
+            str(j["ref_argmax"]),
+            f"{j['ref_logprob_a']:.4g}",
+            f"{j['ref_logprob_b']:.4g}",
+            f"{j['ref_margin']:+.4g}",
+            blame,
+        )
+    return [head, t]
 
 
 def _styled(verdict: str) -> str:

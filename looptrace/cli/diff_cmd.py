@@ -26,6 +26,7 @@ EPILOG = """\
   looptrace diff base --b-set exit.threshold=0.5 --accuracy eval.jsonl --weights ./tiny-ouro
   looptrace diff http://host:8000 http://host:8001 --expect noise  # two served deployments
   looptrace diff exactloop http://host:8000 --model ouro --batch-probe  # our recipe vs a server
+  looptrace diff http://host:8000 http://host:8001 --reference ouro-1.4b --reference-device cuda
 
 [bold]GRADING[/]  R0 must give identical tokens batched and at batch 1; R1 identical at batch 1; R2 is
 reported; R3 is graded by the one-point rule on --accuracy (exact match; the built-in evaluation set of the
@@ -43,6 +44,9 @@ gives per request the first divergent position, both tokens, their logprobs and 
 A divergence is "changed-within-noise" when both margins are within --noise-margin (default: a rule of
 thumb for --served-dtype), else "changed-beyond-noise"; sampled streams (--temperature > 0) that agree in
 their top-k logprobs are "same-distribution". --expect identical|noise states the claim (exit 1 if broken).
+--reference MODEL_OR_WEIGHTS scores both arms' streams with our engine (float32 on the CPU by default) and
+names per divergence the arm whose token the reference ranks lower, or a near tie within the bfloat16 noise
+it measures on the same streams; the claim and the exit code do not change.
 """ + c.EXIT_CODES_HELP.replace("0 ok,", "0 ok (every claim holds), 1 a claim is violated,")
 
 RecipeAArg = o.arg(str, help="Recipe A (name in recipes/ or a YAML path) or an endpoint URL.")
@@ -81,6 +85,12 @@ ApiKeyOpt = o.opt(
     help="Endpoints: bearer token (or $OPENAI_API_KEY).",
 )
 BatchProbeOpt = o.opt(bool, "--batch-probe", help="Endpoints: also send each prompt alone and in a crowd.")
+ReferenceOpt = o.opt(
+    str | None,
+    help="Endpoints: a model preset or checkpoint directory that judges each divergence (teacher-forced).",
+)
+ReferenceDtypeOpt = o.opt(str, help="Endpoints: the reference's dtype (float32, float16, bfloat16).")
+ReferenceDeviceOpt = o.opt(str, help="Endpoints: where the reference runs (cpu or cuda).")
 
 
 def diff(
@@ -108,6 +118,9 @@ def diff(
     retries: RetriesOpt = 1,
     batch_probe: BatchProbeOpt = False,
     api_key: ApiKeyOpt = None,
+    reference: ReferenceOpt = None,
+    reference_dtype: ReferenceDtypeOpt = "float32",
+    reference_device: ReferenceDeviceOpt = "cpu",
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     weights: o.WeightsOpt = None,
@@ -186,6 +199,9 @@ ENDPOINT_DEFAULTS = {
     "timeout": 60.0,
     "retries": 1,
     "batch_probe": False,
+    "reference": None,
+    "reference_dtype": "float32",
+    "reference_device": "cpu",
 }
 
 

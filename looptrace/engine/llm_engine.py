@@ -52,6 +52,7 @@ from looptrace.engine.request_events import (  # EngineStats, PENDING_TOKEN: re-
 )
 from looptrace.engine.runner import ModelRunner
 from looptrace.engine.scheduler import ADMIT, Scheduler
+from looptrace.engine.scoring import fresh_prefix_salt
 from looptrace.engine.snapshot import EngineSnapshot, snapshot_engine
 from looptrace.engine.weights import create_model, init_random
 
@@ -236,6 +237,7 @@ class LLMEngine:
             # signed encoding for every seed it could take before (seeds >= 2**63 used to overflow it).
             req.noise_seed = reduce_seed(params.seed if params.seed is not None else self.seed)
             req.prefix_salt = req.noise_seed.to_bytes(8, "little")
+        req.prefix_salt = fresh_prefix_salt(req)  # a scored prompt needs every position computed
         self._next_seq += 1
         self.requests[req.request_id] = req
         self.scheduler.add(req)

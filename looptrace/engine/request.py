@@ -89,6 +89,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     stop_token_ids: list[int] | None = None  # finish ("stop") on any of these, whatever ignore_eos says
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob and the top k
+    # None = off; k >= 0: per prompt position after the first, the prompt token's logprob given the
+    # positions before it, the argmax and the top k (teacher-forced scoring, `scoring.py`)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -140,6 +143,8 @@ class SamplingParams:
             integer("stop_token_ids", tok, 0)
         if self.logprobs is not None:
             integer("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS + 1)
 
 
 @dataclass
@@ -150,6 +155,32 @@ class LogprobRecord:
     chosen: torch.Tensor  # [] the sampled token's logprob
     top_values: torch.Tensor  # [k] descending
     top_ids: torch.Tensor  # [k]
+
+
+@dataclass
+class PromptLogprobRecord:
+    """The scores of one prompt token given the positions before it, still on the logits' device."""
+
+    token: torch.Tensor  # [] the prompt token's logprob
+    argmax_id: torch.Tensor  # [] the most likely token there
+    argmax: torch.Tensor  # [] its logprob
+    rank: torch.Tensor  # [] 1 + the number of tokens more likely than the prompt token
+    top_values: torch.Tensor  # [k] descending
+    top_ids: torch.Tensor  # [k]
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token scored teacher-forced: its logprob given the earlier prompt, the argmax there and
+    its logprob, and the top k (log-softmax of the raw float32 logits, as the sampled tokens' logprobs)."""
+
+    position: int  # prompt position of the token
+    token_id: int
+    logprob: float
+    argmax_id: int
+    argmax_logprob: float
+    rank: int  # 1 + the number of tokens more likely than this one (vLLM's rank)
+    top_logprobs: list[tuple[int, float]]
 
 
 _ids = itertools.count()
@@ -174,6 +205,8 @@ class Request:
     noise_seed: int | None = None  # position-keyed noise: params.seed, else the engine's seed
     prefix_salt: bytes = b""  # starts the prefix-cache key chain (KV that depends on the noise seed)
     logprob_records: list[LogprobRecord] = field(default_factory=list)  # params.logprobs: one per token
+    # params.prompt_logprobs: prompt position -> the record of the prompt token that follows it
+    prompt_logprob_records: dict[int, PromptLogprobRecord] = field(default_factory=dict)
     seq: int = field(default_factory=lambda: next(_ids))  # FCFS tie-break; the engine numbers its own
 
     def __post_init__(self) -> None:
@@ -209,6 +242,8 @@ class TokenOutput:
     exit_depth: int
     logprob: float | None = None  # params.logprobs: the token's log-softmax of the raw logits
     top_logprobs: list[tuple[int, float]] | None = None  # params.logprobs = k: the k most likely, descending
+    # params.prompt_logprobs, on the first output only: prompt positions 1.. (position 0 has no context)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass

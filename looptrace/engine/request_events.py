@@ -31,6 +31,7 @@ from looptrace.engine.plan import EnginePlan
 from looptrace.engine.request import Event, Request, Stage, TokenOutput, reduce_seed
 from looptrace.engine.runner import ModelRunner
 from looptrace.engine.scheduler import Admission, Scheduler
+from looptrace.engine.scoring import read_prompt_logprobs
 
 PENDING_TOKEN = -1  # async decode: an output whose token the host has not read yet
 
@@ -170,6 +171,7 @@ class RequestLifecycle:
             rec = req.logprob_records.pop(0)
             logprob = float(rec.chosen)
             top = list(zip(rec.top_ids.tolist(), rec.top_values.tolist()))
+        prompt = read_prompt_logprobs(req) if index == 0 and req.params.prompt_logprobs is not None else None
         if self.hooks.active:
             kind = "first_token" if index == 0 else "token"
             now = time.perf_counter()
@@ -179,7 +181,7 @@ class RequestLifecycle:
             self.finish(req, reason)
         elif requeue:
             self.move(req, self.plan.decode_entry)
-        return TokenOutput(req.request_id, token, reason is not None, reason, depth, logprob, top)
+        return TokenOutput(req.request_id, token, reason is not None, reason, depth, logprob, top, prompt)
 
     def _stop_reason(self, req: Request, token: int, index: int) -> str | None:
         stops = req.params.stop_token_ids or ()  # stop whatever ignore_eos says (vLLM)

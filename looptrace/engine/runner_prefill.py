@@ -16,6 +16,7 @@ from looptrace.engine.layers import META_TOKEN, PackedRows
 from looptrace.engine.request import PrefillSpan
 from looptrace.engine.runner_graphs import one_loop_range
 from looptrace.engine.runner_parts import Row
+from looptrace.engine.scoring import score_coda_hidden, score_prefill_state
 
 
 class PrefillPaths:
@@ -70,13 +71,19 @@ class PrefillPaths:
             state = r.ops.state_init(embedded, [(s.request, s.start, s.length) for s in spans])
 
         p_loops = r.prefill_depth.loops  # LoopDuet split depth (S, P); None: uniform S
-        full = [i for i, row in enumerate(rows) if (row.request.request_id, row.pos) in self.endpoints]
+        full = [  # chunk endpoints, and the rows of prompts scored teacher-forced (full depth)
+            i
+            for i, row in enumerate(rows)
+            if (row.request.request_id, row.pos) in self.endpoints
+            or row.request.params.prompt_logprobs is not None
+        ]
         if p_loops is None or p_loops >= r.max_loops or len(full) == len(rows):
             state = self._core_loops(rows, state, inject, [ctx_of[p] for p in core_planes], core_planes)
         else:
             state = self._split_loops(rows, full, state, inject, raw_of, ctx_of, core_planes, p_loops)
 
         last_rows = self._last_rows(spans)
+        score_prefill_state(r.model, rows, state)  # rows whose request asks for prompt logprobs
         if r.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
         self._hand_off(rows, last_rows, state, inject)
@@ -118,6 +125,7 @@ class PrefillPaths:
         for plane in core_planes:
             r.host_meta.mark(rows, plane, "core")
         last_rows = self._last_rows(spans)
+        score_prefill_state(r.model, rows, state)  # rows whose request asks for prompt logprobs
         if r.model.has_coda_layers:
             self._fill_coda(rows, state, last_rows, boundary)
         self._hand_off(rows, last_rows, state, inject)
@@ -221,5 +229,5 @@ class PrefillPaths:
         raw = r.staging.to_device(r.host_meta.raw(sub, [[plane] * len(sub)], r.host_meta.width(sub)))[0]
         ctx = r.passes.context(raw)
         part = state if len(keep) == len(rows) else state.index_select(0, r.index(keep))
-        r.model.coda_hidden(part, ctx)
+        score_coda_hidden(r.model, sub, r.model.coda_hidden(part, ctx))
         r.host_meta.mark(sub, plane, "coda")

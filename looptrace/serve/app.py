@@ -31,7 +31,7 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from looptrace.engine.request import SamplingParams, SamplingParamsError, derive_seed
+from looptrace.engine.request import PromptLogprob, SamplingParams, SamplingParamsError, derive_seed
 from looptrace.serve import openai_schema as oa
 from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, TokenEvent
 from looptrace.serve.metrics import ServerMetrics
@@ -121,6 +121,7 @@ class _Delta:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]]
     offsets: list[int]
     finish_reason: str | None = None  # set on the choice's last delta
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the choice's first delta, when asked
 
 
 JSON_SLICE = 50_000  # token ids serialized per slice (the GIL is released between slices)
@@ -159,6 +160,7 @@ class _Job:
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.offsets: list[int] = []
+        self.prompt_logprobs: list[PromptLogprob] | None = None
 
         def sink(event) -> None:
             aloop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -187,6 +189,8 @@ class _Job:
         assert isinstance(event, TokenEvent)
         offset = len(self.text.text)
         self.token_ids.append(event.token_id)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         lps = []
         if event.logprob is not None:
             lps = [(event.token_id, event.logprob, event.top_logprobs or [])]
@@ -199,9 +203,8 @@ class _Job:
         elif event.finished:
             self.done, self.finish_reason = True, event.finish_reason or "length"
             text += self.text.flush()
-        return _Delta(
-            text, [event.token_id], lps, [offset] if lps else [], self.finish_reason if self.done else None
-        )
+        reason = self.finish_reason if self.done else None
+        return _Delta(text, [event.token_id], lps, [offset] if lps else [], reason, event.prompt_logprobs)
 
     def cancel(self) -> None:
         if self.request_id and not self.done:
@@ -229,6 +232,7 @@ def sampling_params(
         logit_bias=body.token_bias(),
         stop_token_ids=stop_ids,
         logprobs=body.logprobs_k(),
+        prompt_logprobs=body.prompt_logprobs_k(),
     )
 
 
@@ -424,6 +428,44 @@ def create_app(
             out.text_offset.append(base + off)
         return out
 
+    def prompt_logprobs_out(scored: list[PromptLogprob]) -> list[dict[str, oa.PromptTokenLogprob] | None]:
+        """vLLM's shape: None for position 0, then token id -> {logprob, rank, decoded_token}."""
+        out: list[dict[str, oa.PromptTokenLogprob] | None] = [None]
+        for p in scored:
+            entry = {
+                str(p.token_id): oa.PromptTokenLogprob(
+                    logprob=p.logprob, rank=p.rank, decoded_token=token_text(p.token_id)
+                )
+            }
+            for rank, (t, v) in enumerate(p.top_logprobs, 1):
+                entry.setdefault(
+                    str(t), oa.PromptTokenLogprob(logprob=v, rank=rank, decoded_token=token_text(t))
+                )
+            out.append(entry)
+        return out
+
+    def echoed_logprobs(ids: list[int], scored: list[PromptLogprob], k: int) -> oa.CompletionLogprobs:
+        """The prompt's part of the legacy logprobs with echo: no value for the first token (OpenAI)."""
+        out = oa.CompletionLogprobs(tokens=[token_text(ids[0])], token_logprobs=[None], top_logprobs=[None])
+        out.text_offset.append(0)
+        for p in scored:
+            out.text_offset.append(out.text_offset[-1] + len(out.tokens[-1]))
+            out.tokens.append(token_text(p.token_id))
+            out.token_logprobs.append(p.logprob)
+            alts: dict[str, float] = {}
+            for t, v in [*p.top_logprobs[:k], (p.token_id, p.logprob)]:  # as `completion_logprobs`
+                alts.setdefault(token_text(t), v)
+            out.top_logprobs.append(alts)
+        return out
+
+    def merged_logprobs(first: oa.CompletionLogprobs, then: oa.CompletionLogprobs) -> oa.CompletionLogprobs:
+        return oa.CompletionLogprobs(
+            tokens=first.tokens + then.tokens,
+            token_logprobs=first.token_logprobs + then.token_logprobs,
+            top_logprobs=first.top_logprobs + then.top_logprobs,
+            text_offset=first.text_offset + then.text_offset,
+        )
+
     def chat_logprobs(d: _Delta | _Job) -> oa.ChatLogprobs:
         def entry(t: int, lp: float) -> dict:
             text = token_text(t)
@@ -560,12 +602,19 @@ def create_app(
         want_ids, want_lp = body.return_token_ids, body.logprobs is not None
 
         def choice(job: _Job, text: str, d: _Delta | _Job, reason: str | None) -> oa.CompletionChoice:
+            scored, prompt = d.prompt_logprobs, prompts[job.index // body.n]
+            lp = completion_logprobs(d, len(echo[job.index // body.n])) if want_lp else None
+            if lp is not None and body.echo and scored is not None:  # the prompt's entries first
+                lp = merged_logprobs(echoed_logprobs(prompt, scored, body.logprobs or 0), lp)
             return oa.CompletionChoice(
                 index=job.index,
                 text=text,
                 finish_reason=reason,
-                logprobs=completion_logprobs(d) if want_lp else None,
+                logprobs=lp,
                 token_ids=d.token_ids if want_ids else None,
+                prompt_logprobs=prompt_logprobs_out(scored)
+                if body.prompt_logprobs is not None and scored is not None
+                else None,
             )
 
         if body.stream:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from looptrace.engine.request import SamplingParams
+from looptrace.engine.request import PromptLogprob, SamplingParams
 
 if TYPE_CHECKING:
     from looptrace.engine.llm_engine import LLMEngine
@@ -87,6 +87,7 @@ class TokenEvent:
     finish_reason: str | None
     logprob: float | None = None  # SamplingParams.logprobs: see TokenOutput
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # SamplingParams.prompt_logprobs: the first event
 
 
 @dataclass
@@ -612,7 +613,9 @@ class EngineLoop:
             if m is not None:
                 m.itl.observe(now - track.last)
         track.last = now
-        event = TokenEvent(out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs)
+        event = TokenEvent(
+            out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs, out.prompt_logprobs
+        )
         _send(track.sink, event)
         if out.finished:
             self._untrack(out.request_id)

@@ -99,6 +99,10 @@ class _Request(BaseModel):
         """Top logprobs per token, or None when logprobs are off."""
         return None
 
+    def prompt_logprobs_k(self) -> int | None:
+        """Top logprobs per prompt position, or None when prompt logprobs are off."""
+        return None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something this server does not do, else None."""
         if self.best_of is not None and self.best_of != self.n:
@@ -127,6 +131,8 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Extension (vLLM): per prompt position after the first, the prompt token's logprob and the top k.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("logprobs", mode="before")
@@ -140,9 +146,18 @@ class CompletionRequest(_Request):
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs (prompt logprobs) is not supported"
         return super().unsupported()
+
+    def prompt_logprobs_k(self) -> int | None:
+        """Top logprobs per prompt position: `prompt_logprobs`, else `logprobs` when the prompt is echoed
+        (OpenAI's legacy echo lists the prompt tokens' logprobs first), else None."""
+        if self.prompt_logprobs is not None:
+            return (
+                self.prompt_logprobs
+                if not self.echo or self.logprobs is None
+                else max(self.prompt_logprobs, self.logprobs)
+            )
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -266,12 +281,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None  # known for the prompt token itself
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    # Extension (vLLM, `prompt_logprobs`): None for position 0, then per position token id -> its
+    # {logprob, rank, decoded_token}, the prompt token and the top k
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -226,3 +226,54 @@ def test_claims_and_overall() -> None:
     assert sd.violations(diffs, "noise") == [] and sd.violations(diffs, "identical") == ["r1"]
     assert sd.violations(diffs, None) == [] and sd.overall(diffs) == sd.WITHIN_NOISE
     assert sd.overall([sd.StreamDiff("r0", sd.FAILED)]) == sd.FAILED
+
+
+# The reference as judge ----------------------------------------------------------------------------------
+def test_reference_blames_the_early_exit_arm_at_each_divergence(urls) -> None:
+    """Arm A is the base engine in float32 on this CPU, the same model as the reference: its token is the
+    reference's argmax, with the logprob A served; arm B (early exit) leaves it, and is blamed."""
+    data, _ = run(urls["base"], urls["early_exit"], reference="ouro")
+    ref = data["reference"]
+    assert (ref["preset"], ref["dtype"], ref["device"]) == ("ouro-tiny", "float32", "cpu")
+    noise = ref["noise"]
+    assert noise["positions"] == 4 * 6 and noise["margin"] == 2 * noise["max_abs_dlogprob"] > 0
+    changed = [r for r in data["requests"] if r["first_divergence"] is not None]
+    assert changed and ref["blame_counts"] == {"arm A": 0, "arm B": len(changed), "near tie": 0}
+    for r in data["requests"]:
+        j = r["judge"]
+        if r["first_divergence"] is None:
+            assert j is None
+            continue
+        assert j["ref_argmax"] == r["token_a"] and j["ref_argmax_logprob"] == j["ref_logprob_a"]
+        assert abs(j["ref_logprob_a"] - r["logprob_a"]) <= 1e-5
+        assert j["ref_margin"] == j["ref_logprob_a"] - j["ref_logprob_b"] > noise["margin"]
+        assert j["blame"] == "arm B"
+
+
+def test_reference_finds_nothing_to_blame_when_base_and_exactloop_agree(urls) -> None:
+    data, ok = run(
+        urls["base"], "exactloop", model="ouro", device="cpu", expect="identical", reference="ouro"
+    )
+    assert ok and data["summary"]["identical"] == 4
+    assert [r["judge"] for r in data["requests"]] == [None] * 4
+    # Both arms are the reference's own model in float32 on this CPU: every served token is its argmax.
+    for agree in data["reference"]["agreement"].values():
+        assert agree["positions"] == 24 and agree["argmax_agree"] == 24 and agree["max_abs_dlogprob"] <= 1e-5
+    assert data["reference"]["blame_counts"] == {"arm A": 0, "arm B": 0, "near tie": 0}
+    assert data["reference"]["noise"]["positions"] == 4 * 6
+
+
+def test_blame_rule_on_the_reference_margin() -> None:
+    from looptrace.analysis.reference_judge import NEAR_TIE, blame
+
+    assert [blame(m, 0.05) for m in (0.02, -0.05, 0.0)] == [NEAR_TIE] * 3
+    assert blame(0.051, 0.05) == "arm B" and blame(-0.051, 0.05) == "arm A"  # B's / A's token ranked lower
+
+
+def test_a_one_ulp_perturbation_gives_the_judge_nothing_to_blame(urls) -> None:
+    """One ulp in a decode op moves logprobs by ~1e-7 to 1e-6 and no token: the reference (whose own
+    prefill-vs-decode difference is of the same size) sees every served token as its argmax on both arms."""
+    data, ok = run(urls["base"], urls["recurrent"], expect="identical", reference="ouro")
+    assert ok and data["reference"]["blame_counts"] == {"arm A": 0, "arm B": 0, "near tie": 0}
+    for agree in data["reference"]["agreement"].values():
+        assert agree["argmax_agree"] == agree["positions"] == 24 and agree["max_abs_dlogprob"] <= 1e-5

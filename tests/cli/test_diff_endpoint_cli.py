@@ -91,3 +91,14 @@ def test_bad_inputs_are_one_line_exit_2(urls) -> None:
     one_line_error(invoke("base", "exactloop", "--temperature", "0.7"), "--temperature applies when an arm")
     one_line_error(invoke(urls["base"], "--prompts", "/nonexistent/p.jsonl"), "--prompts", "no such file")
     one_line_error(invoke(urls["base"], "nosuchrecipe"), "nosuchrecipe")
+
+
+def test_reference_judge_in_the_table_and_bad_references(urls, tmp_path) -> None:
+    r = invoke(urls["base"], urls["early_exit"], "--reference", "ouro")
+    assert r.exit_code == 0, r.output
+    assert "reference ouro-tiny (float32, cpu): noise bfloat16 vs float32 over 12 positions" in r.stdout
+    assert "Reference judge (first divergence)" in r.stdout and "arm B" in r.stdout
+    one_line_error(invoke(urls["base"], "--reference", "llama"), "--reference llama", "unknown model")
+    missing = tmp_path / "no-such-checkpoint"
+    one_line_error(invoke(urls["base"], "--reference", str(missing)), "no such checkpoint directory")
+    one_line_error(invoke(urls["base"], "--reference-device", "tpu"), "--reference-device tpu")

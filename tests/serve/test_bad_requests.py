@@ -240,7 +240,9 @@ COMMON_FIELDS = [
     "stream", "stream_options", "n", "best_of", "ignore_eos", "return_token_ids", "user", "metadata",
 ]  # fmt: skip
 ENDPOINTS = {
-    "/v1/completions": (COMPLETION, [*COMMON_FIELDS, "prompt", "echo", "logprobs", "suffix"]),
+    "/v1/completions": (
+        COMPLETION, [*COMMON_FIELDS, "prompt", "echo", "logprobs", "prompt_logprobs", "suffix"]
+    ),
     "/v1/chat/completions": (
         CHAT,
         [*COMMON_FIELDS, "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",

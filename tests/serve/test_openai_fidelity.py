@@ -144,7 +144,7 @@ BAD = [
     # unsupported: a 400 naming the field, never a silent 200
     ("completions", dict(best_of=3), "best_of"),
     ("completions", dict(suffix="tail"), "suffix"),
-    ("completions", dict(echo=True, logprobs=1), "echo"),
+    ("completions", dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
     ("chat", dict(response_format={"type": "json_object"}), "response_format"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     ("chat", dict(tool_choice="required"), "tool_choice"),
