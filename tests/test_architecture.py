@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -264,6 +265,43 @@ def test_the_construction_rule_catches_an_engine_built_outside_build(tmp_path):
     )
     hits = [(h["where"], h["reason"]) for h in hm.engine_constructions(hm.load_modules(tmp_path))]
     assert hits == [("looptrace/serve/app.py:5", "LLMEngine("), ("looptrace/serve/app.py:5", ".from_preset(")]
+
+
+# The engine package and its torch-free modules: what a command's option parsing may import.
+TORCH_FREE_ENGINE_MODULES = (
+    "looptrace.engine",
+    "looptrace.engine.config",
+    "looptrace.engine.model_config",
+    "looptrace.engine.request",
+    "looptrace.engine.hooks",
+    "looptrace.engine.tokenizer",
+    "looptrace.engine.budget",
+)
+_LOADED_HEAVY = "import sys, {module}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+
+
+def _heavy_modules_after(statement: str) -> str:
+    """The heavy packages loaded by `statement` in a fresh interpreter on this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", statement], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize("module", TORCH_FREE_ENGINE_MODULES)
+def test_importing_a_torch_free_engine_module_loads_no_torch(module):
+    assert _heavy_modules_after(_LOADED_HEAVY.format(module=module)) == "[]"
+
+
+def test_the_engine_package_loads_torch_only_for_the_names_that_need_it():
+    """`from looptrace.engine import SamplingParams` stays light; `LLMEngine` brings torch in."""
+    light = (
+        "import sys; from looptrace.engine import SamplingParams, EngineConfig; print('torch' in sys.modules)"
+    )
+    heavy = "import sys; from looptrace.engine import LLMEngine; print('torch' in sys.modules)"
+    assert (_heavy_modules_after(light), _heavy_modules_after(heavy)) == ("False", "True")
 
 
 def test_the_engine_rules_catch_what_they_name(tmp_path):
