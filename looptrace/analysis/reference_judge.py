@@ -45,7 +45,7 @@ class Reference:
 
 def open_reference(spec: ReferenceSpec) -> Reference:
     """Both engines (base recipe) for a preset name or a checkpoint directory."""
-    from looptrace.build import BuildInputError, build_engine, resolve_model
+    from looptrace.build import BuildInputError, BuildRequest, build, resolve_model
     from looptrace.engine.model_config import UnknownModelError
 
     path = Path(spec.model_or_weights)
@@ -55,11 +55,11 @@ def open_reference(spec: ReferenceSpec) -> Reference:
     try:
         resolved = resolve_model(None if weights else spec.model_or_weights, spec.device, weights)
 
-        def build(dtype: str):
-            kw = dict(recipe="base", sets=[], device=spec.device, dtype=dtype, seed=0, threads=1)
-            return build_engine(resolved, **kw).engine
+        def reference_engine(dtype: str):
+            request = BuildRequest(weights=weights, device=spec.device, dtype=dtype, seed=0, threads=1)
+            return build(request, resolved).engine
 
-        engine, noise_engine = build(spec.dtype), build(NOISE_DTYPE)
+        engine, noise_engine = reference_engine(spec.dtype), reference_engine(NOISE_DTYPE)
     except (UnknownModelError, BuildInputError, OSError, ValueError) as exc:
         raise ReferenceError(f"--reference {spec.model_or_weights}: {exc}") from None
     shown = str(resolved.weights) if resolved.weights is not None else None
