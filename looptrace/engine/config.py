@@ -282,6 +282,9 @@ class DebugConfig:
     # Test aid for `looptrace diff --localize`: add one ulp to the output of one op, named
     # "stage:loop:layer:op" (e.g. "prefill:1:0:mlp"). Changes arithmetic on purpose (R3).
     perturb: str | None = field(default=None, metadata=_meta("R3"))
+    # The size of that change in ulps of each element: 1 moves logprobs by ~1e-7 and no token; a large
+    # value (e.g. 65536, about 0.4 % of each value in float32) plants a fault that changes tokens.
+    perturb_ulps: int = field(default=1, metadata=_meta("R3", ge=1, le=1 << 22))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

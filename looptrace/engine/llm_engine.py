@@ -172,7 +172,9 @@ class LLMEngine:
             Stage.RECURRENT: self.decode,
         }
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
-        self.perturbation = install_perturbation(self, cfg.debug.perturb)  # debug.perturb (test aid)
+        self.perturbation = install_perturbation(
+            self, cfg.debug.perturb, cfg.debug.perturb_ulps
+        )  # debug.perturb (test aid)
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod

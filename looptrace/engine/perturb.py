@@ -10,10 +10,11 @@ A place is `stage:loop:layer:op`, e.g. `prefill:1:core0:mlp`:
   name outside layers (`model.norm`, `lm_head`), or its `op_kind` when that names one op of the layer
   (`mlp`, `attention`, `rope`).
 
-The matching output gets `torch.nextafter(x, +inf)` on every floating element (in a recurrent step whose
-rows sit at different loops, only the rows at the named loop). `OpTracker` is the shared machinery: an
-engine Observer that knows the current stage and loop, plus PyTorch module hooks that know the current layer
-and call back on every op output; `looptrace diff --localize` uses it to capture per-op outputs.
+The matching output gets `torch.nextafter(x, +inf)` on every floating element, or `debug.perturb_ulps`
+times that step (in a recurrent step whose rows sit at different loops, only the rows at the named loop).
+`OpTracker` is the shared machinery: an engine Observer that knows the current stage and loop, plus PyTorch
+module hooks that know the current layer and call back on every op output; `looptrace diff --localize`
+uses it to capture per-op outputs.
 
 The engine installs a perturbation when built with the setting (`LLMEngine.__init__`); nothing is
 registered otherwise. On CUDA it needs `cuda_graphs.enabled=false` (a captured graph would bake in the
@@ -191,9 +192,11 @@ def float_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def bump(t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """One ulp toward +inf on every element (or on the selected rows only)."""
+def bump(t: torch.Tensor, rows: torch.Tensor | None = None, ulps: int = 1) -> torch.Tensor:
+    """`ulps` ulps toward +inf on every element (or on the selected rows only)."""
     up = torch.nextafter(t, torch.full_like(t, math.inf))
+    if ulps > 1:  # each element's own ulp, scaled: the change stays relative to the value's size
+        up = t + (up - t) * ulps
     if rows is None:
         return up
     mask = rows.view(-1, *([1] * (t.dim() - 1)))
@@ -203,8 +206,8 @@ def bump(t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
 class Perturbation:
     """The installed `debug.perturb`: an OpTracker whose callback bumps the named op's output."""
 
-    def __init__(self, engine, place: Place) -> None:
-        self.place, self.hits = place, 0  # hits: outputs bumped (0 after a run: the place never fired)
+    def __init__(self, engine, place: Place, ulps: int = 1) -> None:
+        self.place, self.ulps, self.hits = place, ulps, 0  # hits: outputs bumped (0: the place never fired)
         self._check_op(engine)
         self._check_reachable(engine)
         self.tracker = OpTracker(self._maybe_bump).attach(engine)
@@ -273,10 +276,11 @@ class Perturbation:
                 return None
         self.hits += 1
         if isinstance(out, torch.Tensor):
-            return bump(out, rows) if out.is_floating_point() else None
+            return bump(out, rows, self.ulps) if out.is_floating_point() else None
         if isinstance(out, tuple):
             return tuple(
-                bump(t, rows) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out
+                bump(t, rows, self.ulps) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in out
             )
         return None
 
@@ -289,13 +293,13 @@ def _device(out: Any) -> torch.device:
     return ts[0].device if ts else torch.device("cpu")
 
 
-def install_perturbation(engine, spec: str | None) -> Perturbation | None:
+def install_perturbation(engine, spec: str | None, ulps: int = 1) -> Perturbation | None:
     """Called by `LLMEngine.__init__`; raises the engine's one-line input error for a bad place."""
     if not spec:
         return None
     try:
         if engine.device.type == "cuda" and engine.cfg.cuda_graphs.enabled:
             raise PerturbSpecError("debug.perturb needs cuda_graphs.enabled=false on CUDA")
-        return Perturbation(engine, parse_place(spec))
+        return Perturbation(engine, parse_place(spec), ulps)
     except PerturbSpecError as exc:
         raise EngineInputError(str(exc)) from None

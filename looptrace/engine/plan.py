@@ -196,6 +196,8 @@ def _inactive_settings(cfg: EngineConfig, cuda: bool, async_decode: bool) -> dic
         out["cuda_graphs"] = "CUDA graphs run only on CUDA"
     if cfg.scheduler.async_decode and not async_decode:
         out["scheduler.async_decode"] = "needs whole-token decode at a fixed depth"
+    if cfg.debug.perturb_ulps != 1 and not cfg.debug.perturb:
+        out["debug.perturb_ulps"] = "needs debug.perturb (the place it sizes)"
     return out
 
 

@@ -30,6 +30,8 @@ ARMS = {
     "recurrent": [f"debug.perturb={RECURRENT_PLACE}"],
     "prefill": [f"debug.perturb={PREFILL_PLACE}"],
     "early_exit": ["exit.threshold=0.5"],  # R3: changes tokens
+    # A planted fault: every decode step's MLP outputs 2**20 ulps (about 12 %) too large, prefill untouched
+    "planted": ["debug.perturb=recurrent:*:*:mlp", "debug.perturb_ulps=1048576"],
 }
 SMALL = dict(num_requests=4, prompt_len=12, max_tokens=6, concurrency=1)
 
@@ -268,6 +270,20 @@ def test_blame_rule_on_the_reference_margin() -> None:
 
     assert [blame(m, 0.05) for m in (0.02, -0.05, 0.0)] == [NEAR_TIE] * 3
     assert blame(0.051, 0.05) == "arm B" and blame(-0.051, 0.05) == "arm A"  # B's / A's token ranked lower
+
+
+def test_a_planted_decode_fault_is_found_after_the_prefill_and_blamed_on_its_arm(urls) -> None:
+    """The planted arm changes tokens only where decode steps made them (position >= 1; position 0 is the
+    prefill's token), and the reference blames it, not the base arm, at every divergence."""
+    data, ok = run(urls["base"], urls["planted"], expect="identical", reference="ouro")
+    changed = [r for r in data["requests"] if r["first_divergence"] is not None]
+    assert changed and not ok and data["verdict"]["violations"] == [r["id"] for r in changed]
+    assert all(r["first_divergence"] >= 1 for r in changed)
+    assert data["reference"]["blame_counts"] == {"arm A": 0, "arm B": len(changed), "near tie": 0}
+    for r in changed:
+        j = r["judge"]
+        assert j["blame"] == "arm B" and j["ref_argmax"] == r["token_a"]
+        assert j["ref_margin"] > data["reference"]["noise"]["margin"]
 
 
 def test_a_one_ulp_perturbation_gives_the_judge_nothing_to_blame(urls) -> None:

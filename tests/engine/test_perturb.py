@@ -50,6 +50,22 @@ def test_bump_is_one_ulp_toward_plus_inf() -> None:
     assert torch.equal(rows[0], torch.ones(2)) and (rows[1] > 1).all()
 
 
+def test_bump_by_n_ulps_scales_each_elements_own_ulp() -> None:
+    x = torch.tensor([1.0, -1.0, 1024.0, 3.5e-3])
+    ulp = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
+    y = bump(x, ulps=1 << 20)
+    assert torch.equal(y - x, ulp * (1 << 20))
+    assert y[0] == 1.125 and y[2] == 1152.0  # 2**20 ulps of a power of two: one eighth of it
+
+
+def test_perturb_ulps_without_a_place_is_reported_inactive() -> None:
+    cfg = EngineConfig()
+    cfg.debug.perturb_ulps = 64
+    e = LLMEngine.from_preset("ouro", cfg, seed=0)
+    assert e.perturbation is None
+    assert e.plan.inactive_settings["debug.perturb_ulps"] == "needs debug.perturb (the place it sizes)"
+
+
 def test_no_setting_registers_nothing() -> None:
     e = make(None)
     assert e.perturbation is None
