@@ -9,8 +9,8 @@ asm and ptxas never fuses `.rn` instructions, so the products are never turned i
 `enable_fp_fusion` says. `rsqrt.approx.f32` is the instruction CUDA's `rsqrtf` (ATen's `torch.rsqrt`) emits.
 
 Under `TRITON_INTERPRET=1` inline PTX cannot run: the fences become plain numpy ops (IEEE, no FMA) so the
-reduction-order logic can be checked on a CPU; bf16 casts there round toward zero (exactness.md §4), so only
-the fp32 parts of an interpreted run are meaningful.
+reduction-order logic can be checked on a CPU; bf16 casts there round toward zero (exactness.md §4; subnormal
+values are not even truncated), so only the fp32 parts of an interpreted run are meaningful.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def div_rn(a, b):
 
 @triton.jit
 def neg(a):
-    """Sign flip (`neg.f32`); Triton's unary minus is `0 - x`, which turns -(+0) into +0, not -0."""
+    """Sign flip (`neg.f32`); Triton's unary minus is `0 - x`, which turns -(+0) into +0, not -0. Interpreted,
+    this is that unary minus, so there -(+0) is +0."""
     if FENCE:
         return tl.inline_asm_elementwise(
             "neg.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1
