@@ -1,7 +1,8 @@
-"""The kernel registry (kernels/registry.py), its resolution in the plan (plan.resolve_kernels) and the
-variants `assemble` installs. The plan is pure, so what an engine on CUDA would run is checked here on CPU
-by resolving it for a CUDA device; the variants are installed on CPU models, where every kernel falls back
-to the eager ops, so a model with them computes the plain model's bits."""
+"""The kernel registry's resolution in the plan (plan.resolve_kernels) and the variants `assemble` installs
+(the registry's own data: tests/engine/kernels/test_registry.py). The plan is pure, so what an engine on
+CUDA would run is checked here on CPU by resolving it for a CUDA device; the variants are installed on CPU
+models, where every kernel falls back to the eager ops, so a model with them computes the plain model's
+bits."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import torch
 
 from looptrace.engine import SamplingParams
 from looptrace.engine import kernels as K
-from looptrace.engine.assemble import VARIANTS, install_variants
-from looptrace.engine.config import KernelConfig
-from looptrace.engine.kernels import launch_mode, registry
+from looptrace.engine.assemble import install_variants
+from looptrace.engine.kernels import launch_mode
 from looptrace.engine.model_config import resolve_preset
 from looptrace.engine.models.ouro import (
     ChainedOuroForCausalLM,
@@ -29,23 +29,11 @@ from looptrace.recipes import load_recipe
 from tests.helpers import Recorder, build_engine
 
 CUDA = torch.device("cuda")  # only named: resolving a plan touches no device
-# Settings that install no module variant: a launch plan field, or a wrapper (l2_prefetch).
-NO_VARIANT = {"kernels.pdl", "kernels.gemv_preload", "kernels.attn_prefetch", "kernels.l2_prefetch"}
 
 
 def _cuda_plan(recipe: str, sets=(), model: str = "ouro-tiny", pdl: bool = True):
     cfg = load_recipe(recipe, list(sets)).config
     return resolve_plan(cfg, resolve_preset(model, "cpu"), CUDA, kernels_on=True, pdl_on=pdl)
-
-
-def test_every_kernel_setting_has_one_registry_entry_and_a_way_to_act():
-    fields = {f"kernels.{f.name}" for f in dataclasses.fields(KernelConfig)}
-    assert set(registry.BY_SETTING) == fields and len(registry.ENTRIES) == len(fields)
-    assert set(VARIANTS) | NO_VARIANT == fields
-    for entry in registry.ENTRIES:  # a required setting is resolved before the settings that need it
-        earlier = {e.setting for e in registry.ENTRIES[: registry.ENTRIES.index(entry)]}
-        needs = {r.name for r in entry.requires if r.name.startswith("kernels.")}
-        assert needs <= earlier, entry.setting
 
 
 def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
@@ -99,17 +87,6 @@ def test_inactive_settings_come_from_the_declared_requirements(model, recipe, se
     plan = _cuda_plan(recipe, sets, model, pdl)
     assert plan.inactive_settings == {k: v for k, v in expected.items() if v is not None}
     assert not set(plan.kernels.active) & set(expected)
-
-
-def test_the_launch_plan_is_entered_per_scope_and_restored():
-    plan = launch_mode.LaunchPlan(dependent=True, weight_preload=True, kv_prefetch=False)
-    assert launch_mode.current() == launch_mode.LaunchPlan()
-    with launch_mode.entered(plan):
-        assert launch_mode.weight_preload() and not launch_mode.kv_prefetch()
-        with launch_mode.entered(launch_mode.LaunchPlan(weight_preload=True)):
-            assert launch_mode.current() == launch_mode.LaunchPlan()  # no preload without PDL
-        assert launch_mode.current() == plan
-    assert launch_mode.current() == launch_mode.LaunchPlan()
 
 
 def test_variants_stack_on_one_module_in_method_order():

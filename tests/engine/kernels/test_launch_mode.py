@@ -43,6 +43,17 @@ def test_the_launch_mode_is_scoped_and_off_by_default():
     assert not launch_mode.supported("cpu")
 
 
+def test_the_launch_plan_is_entered_per_scope_and_restored():
+    plan = launch_mode.LaunchPlan(dependent=True, weight_preload=True, kv_prefetch=False)
+    assert launch_mode.current() == launch_mode.LaunchPlan()
+    with launch_mode.entered(plan):
+        assert launch_mode.weight_preload() and not launch_mode.kv_prefetch()
+        with launch_mode.entered(launch_mode.LaunchPlan(weight_preload=True)):
+            assert launch_mode.current() == launch_mode.LaunchPlan()  # no preload without PDL
+        assert launch_mode.current() == plan
+    assert launch_mode.current() == launch_mode.LaunchPlan()
+
+
 def _jit_kernels() -> list[tuple[Path, ast.FunctionDef]]:
     """Every `@triton.jit` function of the kernels package that is launched (its name ends in `_kernel`)."""
     out = []
