@@ -1,9 +1,12 @@
 """`kernels.rmsnorm` (ExactLoop R0): the exact RMSNorm, its strided OLMo q/k form, the residual norm and
 the one-kernel mean order, bitwise equal to the engine's eager ops on a GPU (every row bucket x model width x
-input kind, eager and replayed in a CUDA graph); on CPU the functions fall back to the eager math."""
+input kind, eager and replayed in a CUDA graph); on CPU the functions fall back to the eager math, and the
+residual norm (`residual_rms_norm`: post-norm, residual add and next pre-norm in one launch) runs in the
+Triton interpreter against the eager ops (its bf16 casts round toward zero, so only approximately)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -11,8 +14,10 @@ import torch
 
 from looptrace.engine.kernels import reduce_order
 from tests.engine.kernels.conftest import MODELS, ROWS, kernel_case_failures
+from tests.helpers import interpreted_checks
 
 CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
 
 
@@ -81,3 +86,52 @@ def test_functions_fall_back_to_eager_on_cpu():
     from looptrace.engine.kernels import rmsnorm
 
     assert torch.equal(rmsnorm.rms_norm(x, norm.weight.detach(), 1e-6), norm(x).detach())
+
+
+# ------------------------------------------------------------------------------ CPU (Triton interpreter)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference over the largest magnitude of b."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _cpu_checks() -> dict:
+    """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
+    from looptrace.engine.kernels import rmsnorm
+
+    # The wrapper takes CUDA tensors only; the interpreter runs the same kernel on CPU tensors.
+    rmsnorm.supported = lambda x, w: x.dtype == torch.bfloat16 and w.shape[0] == x.shape[-1]
+    gen = torch.Generator().manual_seed(7)
+    res = {}
+    for rows, n in ((1, 2048), (5, 2048), (3, 512)):
+        y = (torch.randn(rows, n, generator=gen) * 3).bfloat16()
+        h = (torch.randn(rows, n, generator=gen) * 2).bfloat16()
+        w1 = (1 + 0.5 * torch.randn(n, generator=gen)).bfloat16()
+        w2 = (1 + 0.5 * torch.randn(n, generator=gen)).bfloat16()
+
+        def norm(x, w):
+            f = x.float()
+            return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+        ref_h = h + norm(y, w1)
+        ref_out = norm(ref_h, w2)
+        got_h, got_out = rmsnorm.residual_rms_norm(y, w1, 1e-6, h, w2, 1e-6)
+        # Three bf16 roundings toward zero in a row: compare at the scale of the row (a wrong weight, a
+        # missing add or a norm of the wrong tensor is off by O(1) of it).
+        errs = [_rel(got_h, ref_h), _rel(got_out, ref_out), _rel(got_out, norm(got_h, w2))]
+        res[f"residual_{rows}x{n}"] = [max(errs) < 0.02, errs]
+    return res
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    return interpreted_checks("tests.engine.kernels.test_rmsnorm")
+
+
+@pytest.mark.parametrize("case", ["residual_1x2048", "residual_5x2048", "residual_3x512"])
+def test_interpreted_residual_norm_matches_eager(cpu_results, case):
+    ok, detail = cpu_results[case]
+    assert ok, detail
