@@ -180,14 +180,12 @@ def passed(res: dict[str, Any]) -> bool:
 
 
 def tiny_engine(max_num_seqs: int = 32, max_model_len: int = 256):
-    """Tiny Ouro on CPU, configured in code (no recipe file needed)."""
-    from looptrace.engine.config import EngineConfig
-    from looptrace.engine.llm_engine import LLMEngine
+    """Tiny Ouro on CPU with seeded random weights, built as `looptrace serve` builds its engine."""
+    from looptrace.build import BuildRequest, build
 
-    cfg = EngineConfig()
-    cfg.scheduler.max_num_seqs = max_num_seqs
-    cfg.scheduler.max_model_len = max_model_len
-    return LLMEngine.from_preset("ouro", cfg, device="cpu", seed=0)
+    sets = (f"scheduler.max_num_seqs={max_num_seqs}", f"scheduler.max_model_len={max_model_len}")
+    request = BuildRequest(model="ouro", random_weights=True, sets=sets, device="cpu", seed=0)
+    return build(request).engine
 
 
 # Robustness (subprocess servers) ---------------------------------------------------------------------------
