@@ -25,8 +25,10 @@ Static part (pure `ast`, nothing of the package is imported):
   attribute: an attribute, method or field that classes under `engine/` define and that no class or
   function outside `engine/` defines (so generic names like "config" do not count).
 - Reaches into engine internals outside `engine/`: attribute chains with `engine.runner`, `engine.blocks`,
-  `.scheduler.` (scheduler in the middle of a chain) or a private `._x` attribute after a part that
-  mentions the engine (ENGINE_WORDS as above).
+  `.scheduler.` (scheduler in the middle of a chain), `.cfg` or `.requests` right after a part that
+  mentions the engine (`engine.cfg.scheduler.max_num_seqs`, `setup.engine.requests[i]`: clients read
+  `snapshot()` and `request_view(id)`), or a private `._x` attribute after a part that mentions the engine
+  (ENGINE_WORDS as above).
 - Engines constructed outside `build.py` and `engine/`: calls of `LLMEngine(...)` or of its constructors
   (`.from_preset(`, `.from_spec(`, `.from_checkpoint(`); `build.build` is the one builder.
 - Branch sites on recipe settings in `engine/llm_engine.py` and `engine/runner.py`: tests of `if`, `while`,
@@ -434,11 +436,18 @@ def _where_key(where: str) -> tuple[str, int]:
     return path, int(line)
 
 
+# An engine's attributes that clients read through `snapshot()` / `request_view()` instead: its config
+# (`snapshot().limits`) and its request records (`request_view(id)`).
+ENGINE_PRIVATE_READS = ("cfg", "requests")
+
+
 def _reach_reason(chain: list[str]) -> str | None:
     for i, part in enumerate(chain[1:], 1):
         before = chain[i - 1]
         if before == "engine" and part in ("runner", "blocks"):
             return f"engine.{part}"
+        if part in ENGINE_PRIVATE_READS and mentions_engine([before]):
+            return f"{before}.{part} of an engine object"
         if part == "scheduler" and i < len(chain) - 1 and not _names_config(before):
             return ".scheduler."  # the Scheduler object; `cfg.scheduler.x` is a recipe setting
         private = part.startswith("_") and not part.startswith("__")
@@ -1181,6 +1190,9 @@ def summary(result: dict) -> dict[str, int]:
         "engine imports of client packages": len(result["engine_imports_clients"]),
         "getattr( into engine objects outside engine/": len(result["getattr_into_engine"]),
         "reaches into engine internals outside engine/": len(result["engine_reaches"]),
+        "  of them reads of an engine's .cfg / .requests": sum(
+            h["reason"].endswith(" of an engine object") for h in result["engine_reaches"]
+        ),
         "engines constructed outside build.py and engine/": len(result["engine_constructions"]),
         "cli functions over 40 lines": len(result["cli_functions_over_40"]),
         "duplicated regions (6+ lines)": result["duplicated_regions"],

@@ -351,7 +351,7 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
         "recipe": setup.recipe.name,
         "recipe_source": setup.recipe.source,
         "overrides": setup.recipe.overrides,
-        "config": config_to_dict(e.cfg),
+        "config": config_to_dict(setup.recipe.config),  # the config the engine was built from
         "versions": versions(),
         "command": " ".join(["looptrace", *sys.argv[1:]]),
         "preset_note": _preset_note(setup.model, e.spec, e.device.type),

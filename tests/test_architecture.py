@@ -71,6 +71,14 @@ def test_only_build_constructs_engines(house):
     assert hits == [], "engines constructed outside build.py and engine/:\n" + _listing(hits)
 
 
+def test_no_reaches_into_engine_internals_outside_engine(house):
+    """Clients read `engine.snapshot()` (limits, queues, requests) and `engine.request_view(id)`, not the
+    engine's config, request records, runner, block manager or private attributes."""
+    modules, _, _ = house
+    reaches = hm.engine_reaches(modules)
+    assert reaches == [], "reaches into engine internals:\n" + _listing(reaches)
+
+
 def test_engine_imports_no_client_package(house):
     modules, edges, _ = house
     imports = hm.client_imports_of_engine(modules, edges)
@@ -114,7 +122,8 @@ def test_the_kernels_package_forwards_nothing(house):
 
 
 # The engine reads as a loop: a short step over small parts (bench/house_metrics.py measured 59 methods and
-# a 33-line step before the lifecycle and the decode modes moved out).
+# a 33-line step before the lifecycle and the decode modes moved out; `request_view`, the public read of
+# one request's outputs, took the place of num_running/num_waiting, which `snapshot().queues` covers).
 MAX_ENGINE_METHODS = 25
 MAX_STEP_LINES = 25
 
@@ -265,6 +274,34 @@ def test_the_construction_rule_catches_an_engine_built_outside_build(tmp_path):
     )
     hits = [(h["where"], h["reason"]) for h in hm.engine_constructions(hm.load_modules(tmp_path))]
     assert hits == [("looptrace/serve/app.py:5", "LLMEngine("), ("looptrace/serve/app.py:5", ".from_preset(")]
+
+
+def test_the_reach_rule_catches_config_and_request_reads(tmp_path):
+    """On a made-up package: a client reading an engine's `cfg` (twice) and `requests` (two forms) is
+    caught; a run record's `requests`, a recipe config's `scheduler` and the engine's own reads are not."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/llm_engine.py": "def f(self):\n    return self.cfg.scheduler, self.requests['a']\n",
+            "probes/session.py": (
+                "def g(engine, setup, e, record, cfg):\n"
+                "    a = engine.cfg.scheduler.max_num_seqs\n"
+                "    b = setup.engine.requests['x'].outputs\n"
+                "    c = e.cfg\n"
+                "    d = 'x' in engine.requests\n"
+                "    return a, b, c, d, record.requests[0], cfg.scheduler.max_num_seqs\n"
+            ),
+        },
+    )
+    hits = [(h["where"], h["reason"]) for h in hm.engine_reaches(hm.load_modules(tmp_path))]
+    assert hits == [
+        ("looptrace/probes/session.py:2", "engine.cfg of an engine object"),
+        ("looptrace/probes/session.py:3", "engine.requests of an engine object"),
+        ("looptrace/probes/session.py:4", "e.cfg of an engine object"),
+        ("looptrace/probes/session.py:5", "engine.requests of an engine object"),
+    ]
 
 
 # The engine package and its torch-free modules: what a command's option parsing may import.

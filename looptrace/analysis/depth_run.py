@@ -253,7 +253,7 @@ def _layer_model(engine, replay: _Replay, s: int, p: int) -> dict[str, Any]:
     """R_layer (Eq. 3) and R_prefill at (S, P) for the measured lengths; Amdahl (Eq. 4) with f."""
     import numpy as np
 
-    spec, chunk = engine.spec, engine.cfg.scheduler.prefill_chunk_size
+    spec, chunk = engine.spec, engine.snapshot().limits.prefill_chunk_size
     L = float(np.mean([len(x) for x in replay.prompt_ids]))
     Dlen = float(np.mean([len(o) for o in replay.outputs]))
     M = float(np.mean([math.ceil(len(x) / chunk) for x in replay.prompt_ids]))
@@ -351,7 +351,7 @@ def _throughput(val: _Validation, best: dict[int, Any], setup: EngineSetup, shap
     ttft = {k: statistics.median(x.ttft for x in r.requests) for k, r in best.items()}
     pairs = zip(best[s].requests, best[p].requests)
     agree = [a == b for ra, rb in pairs for a, b in zip(ra.token_ids, rb.token_ids)]
-    spec, chunk = setup.engine.spec, setup.engine.cfg.scheduler.prefill_chunk_size
+    spec, chunk = setup.engine.spec, setup.engine.snapshot().limits.prefill_chunk_size
     abc = (spec.n_prelude, spec.n_core, spec.n_coda)
     chunks = math.ceil(shape.prompt_len / chunk)
     r_layer = D.r_layer(shape.prompt_len, shape.answer_len, s, p, *abc, chunks=chunks)

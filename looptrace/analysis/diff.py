@@ -127,7 +127,7 @@ def run_arm(
                 raise RuntimeError(f"the engine dropped request(s) {sorted(live)} without finishing them")
     finally:
         engine.detach(rec)
-    tokens = {it.id: list(engine.requests[it.id].outputs) for it in items}
+    tokens = {it.id: list(engine.request_view(it.id).outputs) for it in items}
     pert = engine.perturbation
     perturb = (str(pert.place), pert.hits) if pert is not None else None
     return ArmRun(tokens, rec.tops, rec.digests, time.perf_counter() - t0, engine.stats.steps, perturb)

@@ -61,7 +61,7 @@ def capture(engine, prompt: list[int], max_tokens: int, request_id: str) -> tupl
     finally:
         tracker.detach()
         engine.detach(cap)
-    return cap.records, list(engine.requests[request_id].outputs)
+    return cap.records, list(engine.request_view(request_id).outputs)
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:

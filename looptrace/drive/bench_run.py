@@ -289,7 +289,7 @@ class EngineBackend:
             "preset": e.spec.name,
             "weights": str(handle.weights) if handle.weights else "random (seeded)",
             "loops": e.max_loops,
-            "max_num_seqs": e.cfg.scheduler.max_num_seqs,
+            "max_num_seqs": e.snapshot().limits.max_num_seqs,
             "checked_rungs": dict(e.checked_rungs),
             "kv": {
                 k: kv[k] for k in ("layout", "num_blocks", "capacity_tokens", "pool_bytes", "max_model_len")

@@ -88,7 +88,7 @@ def prepare(request: RunRequest) -> RunSetup:
 
 def batch_note(run: RunSetup, request: RunRequest) -> str | None:
     """Why the burst will not be batched whole, when the engine holds fewer rows than it has requests."""
-    rows = run.setup.engine.cfg.scheduler.max_num_seqs
+    rows = run.setup.engine.snapshot().limits.max_num_seqs
     if request.concurrency <= rows:
         return None
     return (

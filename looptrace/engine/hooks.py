@@ -24,6 +24,8 @@ class StepInfo:
     request_ids: list[str]
     num_rows: int  # token rows in the batch (prefill: chunk tokens; others: one per request)
     loop_indices: list[int] = field(default_factory=list)  # recurrent: 0-based loop each row runs
+    # Tokens in context of each row's request (prompt + outputs so far): the KV positions its row attends to.
+    context_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass

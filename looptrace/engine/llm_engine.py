@@ -53,7 +53,7 @@ from looptrace.engine.request_events import (  # EngineStats, PENDING_TOKEN: re-
 from looptrace.engine.runner import ModelRunner
 from looptrace.engine.scheduler import ADMIT, Scheduler
 from looptrace.engine.scoring import fresh_prefix_salt
-from looptrace.engine.snapshot import EngineSnapshot, snapshot_engine
+from looptrace.engine.snapshot import EngineSnapshot, RequestOutputs, snapshot_engine, view_request
 from looptrace.engine.weights import create_model, init_random
 
 __all__ = [
@@ -269,18 +269,11 @@ class LLMEngine:
         out, self.lifecycle.failures = self.lifecycle.failures, []
         return out
 
-    def num_running(self) -> int:
-        """Admitted and not finished (at most scheduler.max_num_seqs)."""
-        return len(self.scheduler.running)
-
     @property
     def prefill_depth(self) -> int:
         """Core loops a prompt row runs now: P under split depth (`depth.*`), else every loop (S)."""
         p = self._depth.loops
         return self.max_loops if p is None else p
-
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
 
     # The step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
@@ -418,6 +411,11 @@ class LLMEngine:
         device sync): what clients may know of the engine (engine/snapshot.py)."""
         return snapshot_engine(self)
 
+    def request_view(self, request_id: str) -> RequestOutputs:
+        """One request the engine holds, with a copy of its output ids (costs what its outputs hold: read
+        it when a client needs them, not per step); KeyError for an id never added or forgotten."""
+        return view_request(self, request_id)
+
 
 # Construction ---------------------------------------------------------------------------------------------
 def build_kv(
@@ -519,7 +517,8 @@ def stage_label(plan: EnginePlan, batch: Batch) -> str:
 
 def step_info(step: int, label: str, batch: Batch) -> StepInfo:
     loops = [r.loops_done for r in batch.requests] if batch.stage == Stage.RECURRENT else []
-    return StepInfo(step, label, [r.request_id for r in batch.requests], batch.num_rows, loops)
+    ids, context = [r.request_id for r in batch.requests], [r.num_tokens for r in batch.requests]
+    return StepInfo(step, label, ids, batch.num_rows, loops, context)
 
 
 def step_result(engine: LLMEngine, batch: Batch, outputs: list[TokenOutput], elapsed: float) -> StepResult:

@@ -1,9 +1,14 @@
 """A typed, read-only view of an engine between steps: what clients (serve, probes, `run`) may know.
 
 Clients read an `EngineSnapshot` (`LLMEngine.snapshot()`) instead of reaching into the block manager, the
-layout, the runner's graph caches or request objects. Building one is cheap and safe on the engine thread
-between steps: it reads host-side counters and small Python structures only (no device sync, no tensor is
-touched or copied), and every value is copied, so a snapshot does not change when the engine steps on.
+layout, the runner's graph caches, the engine's config or request objects. Building one is cheap and safe on
+the engine thread between steps: it reads host-side counters and small Python structures only (no device
+sync, no tensor is touched or copied, no request's token list is copied), and every value is copied, so a
+snapshot does not change when the engine steps on.
+
+One request's tokens are read apart, through `LLMEngine.request_view(request_id)` (`view_request`): a
+`RequestOutputs` copies that request's output ids, so it costs what its outputs hold and is read when a
+client needs them (a finished request's tokens, a warm-up's progress), not on every step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from looptrace.engine.request import Request, Stage
 
 if TYPE_CHECKING:
+    from looptrace.engine.config import EngineConfig
     from looptrace.engine.cuda_graphs import GraphCache
     from looptrace.engine.kv_cache import BlockManager, KVLayout
     from looptrace.engine.plan import EnginePlan
@@ -27,6 +33,8 @@ class SnapshotSource(Protocol):
     the engine, which imports it."""
 
     requests: Mapping[str, Request]
+    cfg: EngineConfig
+    max_model_len: int
     stats: Any  # EngineStats: steps, submissions, output_tokens, steps_by_stage
     layout: KVLayout
     blocks: BlockManager
@@ -50,6 +58,38 @@ class RequestView:
     max_tokens: int
     prompt_tokens: int
     arrival_time: float  # time.perf_counter() at add_request (or as the caller gave it)
+
+
+@dataclass(frozen=True)
+class RequestOutputs:
+    """One request the engine still holds (unfinished, or finished and not yet `forget`-ed), with the
+    output token ids it has produced so far (a copy)."""
+
+    request_id: str
+    stage: str  # Stage value: waiting, prefill, prelude, recurrent, coda, finished
+    finish_reason: str | None  # None until finished; then "stop", "length", "abort" or "error"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+    outputs: tuple[int, ...]
+
+    @property
+    def finished(self) -> bool:
+        return self.stage == Stage.FINISHED.value
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in context: the prompt and every output so far."""
+        return self.prompt_tokens + len(self.outputs)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The scheduler's limits the engine runs under (recipe `scheduler.*`, `max_model_len` as resolved)."""
+
+    max_num_seqs: int  # requests admitted at once; also the rows of one batch
+    max_num_batched_tokens: int
+    prefill_chunk_size: int  # prompt tokens of one request per prefill step
+    max_model_len: int  # longest prompt + output: the setting, else the model's positions, capped by the pool
 
 
 @dataclass(frozen=True)
@@ -164,6 +204,7 @@ class EngineSnapshot:
     prefix: PrefixCacheSnapshot
     prefill_depth: int  # core loops a prompt row runs now (P under split depth, else every loop)
     decode: DecodeMode
+    limits: SchedulerLimits
 
     def by_stage(self) -> dict[str, int]:
         return dict(Counter(r.stage for r in self.requests))
@@ -185,6 +226,21 @@ def snapshot_engine(engine: SnapshotSource) -> EngineSnapshot:
         prefix=_prefix_snapshot(engine, kv.cached_blocks),
         prefill_depth=int(engine.prefill_depth),
         decode=_decode_mode(engine.plan),
+        limits=_scheduler_limits(engine),
+    )
+
+
+def view_request(engine: SnapshotSource, request_id: str) -> RequestOutputs:
+    """The request `request_id` with its outputs so far; KeyError if the engine does not hold it (never
+    added, or forgotten)."""
+    req = engine.requests[request_id]
+    return RequestOutputs(
+        request_id=req.request_id,
+        stage=req.stage.value,
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt),
+        cached_tokens=req.num_cached,
+        outputs=tuple(req.outputs),
     )
 
 
@@ -260,6 +316,16 @@ def _prefix_snapshot(engine: SnapshotSource, cached_blocks: int) -> PrefixCacheS
         query_tokens=blocks.stats["prefix_query_tokens"],
         evictions=blocks.stats["evictions"],
         cached_blocks=cached_blocks,
+    )
+
+
+def _scheduler_limits(engine: SnapshotSource) -> SchedulerLimits:
+    sched = engine.cfg.scheduler
+    return SchedulerLimits(
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        prefill_chunk_size=sched.prefill_chunk_size,
+        max_model_len=int(engine.max_model_len),
     )
 
 

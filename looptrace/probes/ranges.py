@@ -99,13 +99,12 @@ class RangeProbe(Observer):
         self.push(names.step_name(info.step))
         self.push(names.stage_name(info.stage))
         if info.stage != "prefill" and self.engine is not None:
-            self._mark_live_keys(info.request_ids)
+            self._mark_live_keys(info.context_tokens)
 
-    def _mark_live_keys(self, request_ids: list[str]) -> None:
+    def _mark_live_keys(self, context_tokens: list[int]) -> None:
         """An `lt.kv/<n>` marker: the KV positions the step's decode rows attend to (each row's context,
         prompt + tokens so far), what attention over a padded key length is measured against."""
-        requests = self.engine.requests
-        live = sum(requests[r].num_tokens for r in request_ids if r in requests)
+        live = sum(context_tokens)
         if live:
             self.push(names.kv_name(live))
             self.pop()

@@ -86,7 +86,7 @@ def steps_per_token(engine: LLMEngine) -> int:
 
 def default_decode_steps(engine: LLMEngine, concurrency: int) -> int:
     """~8 tokens per request: one token costs `steps_per_token` steps per batch of max_num_seqs rows."""
-    batches = -(-concurrency // engine.cfg.scheduler.max_num_seqs)
+    batches = -(-concurrency // engine.snapshot().limits.max_num_seqs)
     return 8 * steps_per_token(engine) * batches
 
 
@@ -187,7 +187,7 @@ def plan(engine: LLMEngine, cfg: ProfileConfig) -> tuple[int, int]:
     """(decode steps, max_tokens per request); ProfileInputError if a request would not fit the context."""
     decode_steps = cfg.decode_steps or default_decode_steps(engine, cfg.concurrency)
     # Enough output tokens that no request finishes inside the decode window.
-    per_token_steps = steps_per_token(engine) * -(-cfg.concurrency // engine.cfg.scheduler.max_num_seqs)
+    per_token_steps = steps_per_token(engine) * -(-cfg.concurrency // engine.snapshot().limits.max_num_seqs)
     max_tokens = cfg.warmup_tokens + decode_steps // max(1, per_token_steps // 2) + 4
     need = cfg.prompt_len + max_tokens - 1
     if need > engine.max_model_len:
@@ -223,8 +223,8 @@ def _mark_tokens(n: int) -> None:
 
 def _mean_context(engine: LLMEngine, ids: list[str]) -> float:
     """Mean tokens in context of the unfinished requests (what a decode row's attention reads)."""
-    reqs = [engine.requests[i] for i in ids if i in engine.requests]
-    lens = [r.num_tokens for r in reqs if not r.is_finished]
+    reqs = [engine.request_view(i) for i in ids]
+    lens = [r.context_tokens for r in reqs if not r.finished]
     return sum(lens) / len(lens) if lens else 0.0
 
 
@@ -257,12 +257,12 @@ def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
 
     say("prefill window: a fresh burst until every request has its first token")
     ids += _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed + 1)
-    fresh = [engine.requests[i] for i in ids]
     count = _Counting(engine)
     with torch.profiler.record_function(names.WINDOW_PREFILL):
-        while any(not r.outputs for r in fresh):
+        while any(not engine.request_view(i).outputs for i in ids):
             engine.step()
-        prompt_tokens = sum(len(r.prompt) - r.num_cached for r in fresh)
+        fresh = [engine.request_view(i) for i in ids]
+        prompt_tokens = sum(r.prompt_tokens - r.cached_tokens for r in fresh)
         _mark_tokens(prompt_tokens)
     windows["prefill"] = count.finish("prefill", prompt_tokens, "prompt token")
     _sync(engine)
@@ -284,8 +284,7 @@ def _close_open_ranges(probe: RangeProbe) -> None:
 def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> ProfileResult:
     say("warm-up: prefill and first decode tokens (graphs are captured here)")
     ids = _burst(engine, cfg.concurrency, cfg.prompt_len, max_tokens, cfg.seed)
-    reqs = [engine.requests[i] for i in ids]
-    while min(len(r.outputs) for r in reqs) < cfg.warmup_tokens:
+    while min(len(engine.request_view(i).outputs) for i in ids) < cfg.warmup_tokens:
         engine.step()
     _sync(engine)
     windows: dict[str, WindowRun] = {}

@@ -259,7 +259,7 @@ class EngineLoop:
         self._idle.set()
         self._tracks: dict[str, _Track] = {}
         self._backlog = _Backlog()  # only the engine thread touches it
-        slots = int(engine.cfg.scheduler.max_num_seqs)
+        slots = engine.snapshot().limits.max_num_seqs
         self._slots, self._group_cap = slots, max(1, int(slots * GROUP_SHARE))
         self._ids = itertools.count()
         self._windows = {k: _Window() for k in ("ttft", "tpot", "itl", "e2el")}

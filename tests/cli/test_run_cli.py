@@ -75,6 +75,17 @@ def test_table_output(family, preset) -> None:
     assert result.stderr == ""  # --no-progress, and -c 2 fits in max_num_seqs: no notes
 
 
+def test_a_burst_wider_than_the_batch_rows_gets_a_note() -> None:
+    """-c 2 over max_num_seqs 1: the note names the engine's row limit and the setting that lifts it."""
+    result = invoke("--model", "ouro", "--set", "scheduler.max_num_seqs=1")
+    assert result.exit_code == 0, result.output
+    note = (
+        "batches hold at most 1 rows (scheduler.max_num_seqs); "
+        "pass --set scheduler.max_num_seqs=2 to batch all 2 requests"
+    )
+    assert note in " ".join(result.stderr.split()), result.stderr
+
+
 def test_json_output_and_file(ouro_json) -> None:
     data, path = ouro_json
     assert data["schema"] == "looptrace.run/1"

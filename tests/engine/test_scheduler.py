@@ -48,6 +48,16 @@ def test_single_request_costs_depth_plus_two_steps_per_token(preset, depth):
     assert all(s.num_rows == 1 for s in rec.steps[1:])
 
 
+def test_each_step_reports_the_context_of_its_rows():
+    """StepInfo.context_tokens: per row, the prompt and the tokens sampled before the step began (what the
+    row's attention reads; the probes' `lt.kv` marker sums it)."""
+    engine, rec = make_engine()
+    engine.add_request(prompt(5), SamplingParams(max_tokens=3), request_id="A")
+    drain(engine)
+    per_token = 1 + 4 + 1  # prelude, 4 recurrent loops, coda
+    assert [s.context_tokens for s in rec.steps] == [[5], [5]] + [[6]] * per_token + [[7]] * per_token
+
+
 def test_one_stage_per_batch_and_recurrent_mixes_depths():
     engine, rec = make_engine()
     engine.add_request(prompt(3), SamplingParams(max_tokens=3), request_id="A")
@@ -305,7 +315,7 @@ def test_active_requests_never_exceed_max_num_seqs(seats, lengths, aborts):
         if step in abort_at:
             engine.abort_request(abort_at[step])
         active = [r for r in engine.requests.values() if r.stage.value not in ("waiting", "finished")]
-        assert len(active) == engine.num_running() <= seats
+        assert len(active) == len(engine.scheduler.running) <= seats
         assert len(engine.runner.free_slots) == seats - len(active)
         if not engine.has_unfinished_requests():
             break

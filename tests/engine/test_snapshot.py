@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 
 from looptrace.engine import SamplingParams
-from looptrace.engine.snapshot import DecodeMode, GraphFamily, PlaneSlots, QueueCounts
+from looptrace.engine.snapshot import (
+    DecodeMode,
+    GraphFamily,
+    PlaneSlots,
+    QueueCounts,
+    RequestOutputs,
+    SchedulerLimits,
+)
 from tests.helpers import build_engine, stand_in_graphs
 
 PROMPT = list(range(1, 21))  # 20 tokens; with max_tokens 2, 21 KV positions: 2 pages of 16
@@ -36,7 +43,8 @@ def test_after_the_prefill_step_two_requests_run_with_their_pages(engine):
     engine.step()  # admits r0, r1 (max_num_seqs 2) and prefills both prompts through all 4 loops
     snap = engine.snapshot()
     assert snap.queues == QueueCounts(waiting=1, running=2)
-    assert (snap.queues.waiting, snap.queues.running) == (engine.num_waiting(), engine.num_running())
+    scheduler = engine.scheduler
+    assert (snap.queues.waiting, snap.queues.running) == (len(scheduler.waiting), len(scheduler.running))
     assert snap.by_stage() == {"coda": 2, "waiting": 1} and snap.by_loop() == {4: 2, 0: 1}
     r0 = snap.requests[0]
     assert (r0.stage, r0.loop, r0.tokens, r0.max_tokens, r0.prompt_tokens) == ("coda", 4, 0, 2, 20)
@@ -103,6 +111,38 @@ def test_a_snapshot_is_a_copy_that_later_steps_do_not_change(engine):
     engine.step()
     assert snap.stats.steps == 1 and dict(snap.stats.steps_by_stage) == {"prefill": 1}
     assert snap.requests[0].stage == "coda" and engine.snapshot().requests[0].stage == "prelude"
+
+
+def test_limits_are_the_scheduler_settings_and_the_resolved_context(engine):
+    # max_num_seqs and max_model_len as the fixture set them; the token budget and chunk size by default
+    assert engine.snapshot().limits == SchedulerLimits(
+        max_num_seqs=2, max_num_batched_tokens=128, prefill_chunk_size=128, max_model_len=128
+    )
+    small = build_engine("ouro", scheduler__prefill_chunk_size=8, scheduler__max_num_batched_tokens=16)
+    limits = small.snapshot().limits
+    assert (limits.max_num_seqs, limits.prefill_chunk_size, limits.max_num_batched_tokens) == (8, 8, 16)
+    assert limits.max_model_len == small.max_model_len
+
+
+def test_request_view_follows_one_request_to_its_finish_and_is_a_copy(engine):
+    waiting = engine.request_view("r0")
+    assert waiting == RequestOutputs("r0", "waiting", None, prompt_tokens=20, cached_tokens=0, outputs=())
+    assert (waiting.finished, waiting.context_tokens) == (False, 20)
+    emitted: dict[str, list[int]] = {}
+    for _ in range(8):  # prefill, coda, prelude, 4 loops, coda: r0 and r1 finish (max_tokens 2)
+        for out in engine.step():
+            emitted.setdefault(out.request_id, []).append(out.token_id)
+    done = engine.request_view("r0")
+    assert (done.stage, done.finish_reason, done.finished) == ("finished", "length", True)
+    assert list(done.outputs) == emitted["r0"] and len(done.outputs) == 2 and done.context_tokens == 22
+    engine.step()  # r2 is admitted with the cached page (16 of its 20 prompt tokens) and prefilled
+    r2 = engine.request_view("r2")
+    assert (r2.stage, r2.cached_tokens, r2.outputs) == ("coda", 16, ())
+    engine.step()  # r2's first token: the view taken before does not change
+    assert r2.outputs == () and len(engine.request_view("r2").outputs) == 1
+    engine.forget("r0")
+    with pytest.raises(KeyError):
+        engine.request_view("r0")
 
 
 @pytest.mark.parametrize(
