@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import looptrace
+from looptrace import assets
 
 if TYPE_CHECKING:  # the engine package imports torch: only at call time here
     from looptrace.engine.budget import PoolNeed
@@ -53,6 +54,7 @@ def check_seed(seed: int) -> None:
 
 def resolve_device(device: Any):
     """torch.device of a --device value (auto, cpu, cuda, cuda:N) or of a torch.device."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     if device == "auto":
@@ -70,6 +72,7 @@ def resolve_device(device: Any):
 
 def resolve_dtype(dtype: Any, device):
     """torch.dtype of a --dtype value (auto, bf16, fp16, fp32 or a long name) or of a torch.dtype."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     if isinstance(dtype, torch.dtype):
@@ -83,6 +86,7 @@ def resolve_dtype(dtype: Any, device):
 
 def set_threads(threads: int, device) -> None:
     """Validate --threads and apply it to torch on CPU (1 is fastest for tiny models)."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     if threads < 1:
@@ -93,6 +97,7 @@ def set_threads(threads: int, device) -> None:
 
 def model_family(model: str) -> str:
     """Family of a --model value (a family or a preset name); UnknownModelError otherwise."""
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.model_config import FAMILY_PRESETS, PRESETS, resolve_preset
 
     key = model.lower()
@@ -105,6 +110,7 @@ def model_family(model: str) -> str:
 
 def checkpoint_spec(model: str | None, weights: Path):
     """The checkpoint's spec; an explicit --model of another family is an error, not silently ignored."""
+    # deferred: loads torch
     from looptrace.engine.checkpoint import read_spec
 
     spec = read_spec(weights)
@@ -145,20 +151,21 @@ def preset_model(model: str | None, device_type: str, *, random_weights: bool = 
     """The preset --model names on `device_type`. A tiny preset with a packaged trained checkpoint
     (looptrace/assets/<preset>) loads it on any device unless `random_weights` asks for the
     seeded random init."""
-    from looptrace.assets import shipped_weights
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.model_config import resolve_preset
 
     spec = resolve_preset(model or DEFAULT_MODEL, device_type)
-    shipped = None if random_weights else shipped_weights(spec.name)
+    shipped = None if random_weights else assets.shipped_weights(spec.name)
     return ResolvedModel(spec, model, shipped, shipped=shipped is not None)
 
 
 def load_model(model: ResolvedModel, device, dtype, seed: int):
     """(spec, nn.Module) on `device`: the checkpoint's weights, else the preset's seeded random init."""
+    # deferred: loads torch
     from looptrace.engine.weights import create_model, init_random
 
     if model.weights is not None:
-        from looptrace.engine.checkpoint import load_checkpoint
+        from looptrace.engine.checkpoint import load_checkpoint  # deferred: loads torch
 
         name = model.spec.name if model.shipped else None  # a packaged checkpoint keeps the preset's name
         return load_checkpoint(model.weights, device, dtype, name=name)
@@ -177,6 +184,7 @@ def fit_max_model_len(config, tokens: int) -> None:
 
 def check_engine_memory(spec, config, device, dtype, *, context: str = "") -> None:
     """BudgetError (one line, exit 2) when the engine these settings build cannot fit in memory."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     from looptrace.engine.budget import check_memory, engine_needs
@@ -240,6 +248,7 @@ def build(request: BuildRequest, model: ResolvedModel | None = None) -> EngineSe
 
     `model`: the request's model, already resolved by a caller that needed its spec first (a workload's
     vocabulary, a context limit); None: resolved here."""
+    # deferred: pydantic and YAML (recipes, the engine's config): `looptrace --help` stays light
     from looptrace.recipes import load_recipe
 
     placement = place(request)
@@ -249,7 +258,7 @@ def build(request: BuildRequest, model: ResolvedModel | None = None) -> EngineSe
         fit_max_model_len(recipe.config, min(request.max_model_len, model.spec.max_position))
     check_engine_memory(model.spec, recipe.config, placement.device, placement.dtype)
     if model.weights is not None and not model.shipped:
-        from looptrace.engine.tokenizer import load_tokenizer
+        from looptrace.engine.tokenizer import load_tokenizer  # deferred: only for a checkpoint's tokenizer
 
         load_tokenizer(model.weights)  # a broken tokenizer.json (read later by serve, run) fails first
     _, net = load_model(model, placement.device, placement.dtype, request.seed)
@@ -258,6 +267,7 @@ def build(request: BuildRequest, model: ResolvedModel | None = None) -> EngineSe
 
 def new_engine(net, config, placement: Placement, seed: int):
     """The engine constructor every builder here ends in (the only LLMEngine call outside engine/)."""
+    # deferred: loads torch
     from looptrace.engine.llm_engine import LLMEngine
 
     return LLMEngine(net, config, device=placement.device, dtype=placement.dtype, seed=seed)
@@ -267,6 +277,7 @@ def free_memory() -> None:
     """Collect the engines just dropped and give their CUDA blocks back, so that one engine is alive at a
     time and the next one's KV pool is sized on what is really free. The collector is needed: a CUDA
     engine's graph caches hold bound methods of its runner (a reference cycle refcounting never frees)."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     gc.collect()
@@ -282,6 +293,7 @@ def engine_factory(
     and accuracy runs: configs that differ one setting at a time, on weights loaded once by `load`). On
     CUDA a pool the config does not size is sized on the memory alive when the engine is built, capped
     at `cap_tokens` positions; a `need` that does not fit is a BudgetError."""
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.budget import cuda_pool_blocks
 
     placement = Placement(device, dtype)
@@ -309,6 +321,7 @@ def load(request: BuildRequest, placement: Placement, model: ResolvedModel | Non
 
 
 def versions() -> dict[str, str]:
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     out = {
@@ -319,7 +332,7 @@ def versions() -> dict[str, str]:
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     try:
-        import triton
+        import triton  # deferred: Triton is optional (CUDA only)
 
         out["triton"] = triton.__version__
     except ImportError:
@@ -328,6 +341,7 @@ def versions() -> dict[str, str]:
 
 
 def device_name(device) -> str:
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     if device.type == "cuda":
@@ -337,6 +351,7 @@ def device_name(device) -> str:
 
 def run_header(setup: EngineSetup) -> dict[str, Any]:
     """Metadata every report carries: what ran, where, with which toggles, and how to pick another."""
+    # deferred: pydantic (the engine's config): `looptrace --help` stays light
     from looptrace.engine.config import config_to_dict
 
     e = setup.engine
@@ -361,17 +376,18 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
 def _other_weights(family: str) -> str:
     """What `--model FAMILY` without --weights gives: on CPU a family with a packaged tiny checkpoint
     loads it (trained weights, not random ones)."""
-    from looptrace.assets import shipped_weights
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.model_config import FAMILY_PRESETS
 
     cpu_preset = FAMILY_PRESETS.get(family, (None, None))[0]
-    if cpu_preset is not None and shipped_weights(cpu_preset) is not None:
+    if cpu_preset is not None and assets.shipped_weights(cpu_preset) is not None:
         return f"without --weights, --model {family} loads the packaged trained {cpu_preset} on CPU"
     return f"random weights: --model {family} without --weights"
 
 
 def _preset_note(model: ResolvedModel, spec, device_type: str) -> str:
     """How the model was picked and how to pick another."""
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.model_config import FAMILY_PRESETS
 
     family = (model.requested or DEFAULT_MODEL).lower()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from looptrace.engine.depth_control import queue_age_p
 from looptrace.engine.hooks import Observer, StepResult
 
 ROLES = ("prompt", "final_prefill", "decode")
@@ -190,8 +191,6 @@ def amdahl(f: float, r: float, eps: float = 0.0) -> float:
 def controller_p(q: float, p_max: int, p_min: int, q_lo: float = 0.25, q_hi: float = 1.00) -> int:
     """P = round(P_max - z (P_max - P_min)), z = clip((q - q_lo) / (q_hi - q_lo), 0, 1); q = age (s) of the
     oldest admitted request still waiting for its first token."""
-    from looptrace.engine.depth_control import queue_age_p
-
     try:
         return queue_age_p(q, p_max, p_min, q_lo, q_hi)
     except ValueError as exc:

@@ -72,6 +72,7 @@ def _split_text(rec: dict) -> str:
 
 
 def _q90_plot(report: dict) -> str:
+    # deferred: optional plotting library
     import plotext as plt
 
     rows = report["q90_at_S"]
@@ -159,6 +160,7 @@ def _measured_lines(v: dict, ss: str, sp: str) -> list[str]:
 
 
 def _controller_plot(timeline: list) -> str:
+    # deferred: optional plotting library
     import plotext as plt
 
     plt.clear_figure()

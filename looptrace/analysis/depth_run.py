@@ -14,8 +14,34 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from looptrace import assets
 from looptrace.analysis import depth as D
-from looptrace.build import BuildRequest, EngineSetup, ResolvedModel, build, run_header
+from looptrace.build import (
+    BuildRequest,
+    EngineSetup,
+    ResolvedModel,
+    build,
+    resolve_device,
+    resolve_dtype,
+    run_header,
+)
+from looptrace.drive.workloads import BurstWorkload, WorkItem
+from looptrace.engine import budget
+from looptrace.engine.config import LOOPS_MAX
+from looptrace.engine.hooks import Observer
+from looptrace.engine.request import SamplingParams
+from looptrace.engine.tokenizer import load_tokenizer
+from looptrace.recipes import load_recipe
+from looptrace.train.evaluate import (
+    answer_budget,
+    encode_prompt,
+    exact_match,
+    generate_texts,
+    paired_difference,
+    read_items,
+)
 
 BATCH = 64  # rows per engine step: the whole evaluation set decodes together
 
@@ -77,8 +103,6 @@ class DepthRequest:
 
 def check_loops(tau: float, **loops: int | None) -> None:
     """tau in (0, 1); --s-ref / --s / --p are loop counts: named in the error, not as the exit.* setting."""
-    from looptrace.engine.config import LOOPS_MAX
-
     D.check_tau(tau)
     for name, value in loops.items():
         if value is not None and not 1 <= value <= LOOPS_MAX:
@@ -98,8 +122,6 @@ def check_sizes(limit: int, shape: ValidateShape) -> None:
 
 def parse_depths(text: str) -> list[int]:
     """--accuracy-by-depth: comma-separated loop counts."""
-    from looptrace.engine.config import LOOPS_MAX
-
     try:  # every item a number: `1,,2` is a typo, not a list of two
         out = [int(x) for x in text.split(",")]
     except ValueError:
@@ -111,12 +133,9 @@ def parse_depths(text: str) -> list[int]:
 
 def load_items(prompts: Path | None, limit: int, *, need_answer: bool) -> list:
     """The prompts file (default: the built-in evaluation set), its first `limit` items (0: all)."""
-    from looptrace.assets import default_eval_set
-    from looptrace.train.evaluate import read_items
-
     path = prompts
     if path is None:
-        path = default_eval_set()
+        path = assets.default_eval_set()
         if path is None:
             raise D.DepthInputError("no built-in evaluation set is installed; pass --prompts FILE.jsonl")
     items = read_items(path, need_answer=need_answer)
@@ -126,11 +145,8 @@ def load_items(prompts: Path | None, limit: int, *, need_answer: bool) -> list:
 def check_memory(engines: DepthEngines, depths: list[int], option: str, items: list) -> None:
     """Before any engine: the KV pool (one plane per loop) and, for the analysis, the captured loop states
     (float64, every position x loop) at each depth must fit; the error names `option`."""
+    # deferred: torch loads with the engine, not with this module
     import torch
-
-    from looptrace.build import resolve_device, resolve_dtype
-    from looptrace.engine.budget import Need, check_memory, engine_needs
-    from looptrace.recipes import load_recipe
 
     dev = resolve_device(engines.request.device)
     elt = torch.empty((), dtype=resolve_dtype(engines.request.dtype, dev)).element_size()
@@ -139,24 +155,22 @@ def check_memory(engines: DepthEngines, depths: list[int], option: str, items: l
     for d in depths or [spec.default_loops]:
         cfg = load_recipe(engines.request.recipe, engines.recipe_sets(d)).config
         needs = [
-            Need(n.what, n.nbytes, option, n.host) if n.what == "KV pool" else n
-            for n in engine_needs(spec, cfg, elt, dev)
+            budget.Need(n.what, n.nbytes, option, n.host) if n.what == "KV pool" else n
+            for n in budget.engine_needs(spec, cfg, elt, dev)
         ]
         if option == "--s-ref":
-            needs.append(Need("captured loop states", positions * d * spec.hidden_size * 8, "--s-ref", True))
-        check_memory(needs, dev, context=f"{option} {d}")
+            needs.append(
+                budget.Need("captured loop states", positions * d * spec.hidden_size * 8, "--s-ref", True)
+            )
+        budget.check_memory(needs, dev, context=f"{option} {d}")
 
 
 def _tokenizer(setup: EngineSetup):
-    from looptrace.engine.tokenizer import load_tokenizer
-
     return load_tokenizer(setup.weights)
 
 
 def run_accuracy(engines: DepthEngines, items: list, depths: list[int], report: dict, phases: Phases) -> None:
     """report["accuracy_by_depth"]: exact match at each depth, one engine per depth."""
-    from looptrace.train.evaluate import exact_match
-
     phases.plan(len(depths))
     rows = report.setdefault("accuracy_by_depth", [])
     for i, d in enumerate(depths):
@@ -218,9 +232,6 @@ def run_analysis(request: DepthRequest, phases: Phases) -> dict[str, Any]:
 def _generate_and_replay(setup: EngineSetup, request: DepthRequest, s_ref: int, phases: Phases) -> _Replay:
     """1. Generate at S_ref, timed by stage (the prefill fraction f of Eq. 4). 2. Replay prompt + answer
     once at S_ref, capturing every loop's state at every position."""
-    from looptrace.engine.request import SamplingParams
-    from looptrace.train.evaluate import answer_budget, encode_prompt, generate_texts
-
     engine, tok, items = setup.engine, _tokenizer(setup), request.items
     phases.start(f"generating at S_ref={s_ref} ({len(items)} prompts)", 0)
     timer = D.StepTimer()
@@ -251,8 +262,6 @@ def _generate_and_replay(setup: EngineSetup, request: DepthRequest, s_ref: int, 
 
 def _layer_model(engine, replay: _Replay, s: int, p: int) -> dict[str, Any]:
     """R_layer (Eq. 3) and R_prefill at (S, P) for the measured lengths; Amdahl (Eq. 4) with f."""
-    import numpy as np
-
     spec, chunk = engine.spec, engine.snapshot().limits.prefill_chunk_size
     L = float(np.mean([len(x) for x in replay.prompt_ids]))
     Dlen = float(np.mean([len(o) for o in replay.outputs]))
@@ -286,6 +295,7 @@ class _Validation:
 
     @staticmethod
     def timed(setup: EngineSetup, workload):
+        # deferred: loads torch
         from looptrace.drive.benchmark import run_workload
 
         rec = run_workload(setup.engine, workload)
@@ -319,8 +329,6 @@ def run_validation(engines: DepthEngines, items: list, report: dict, shape: Vali
 
 def _timed_runs(val: _Validation, shape: ValidateShape, v: dict, phases: Phases) -> dict[int, Any]:
     """Alternate timed runs at (S, S) and (S, P); the best run of each (v["timed_runs_s"]: all of them)."""
-    from looptrace.drive.workloads import BurstWorkload
-
     s, p = val.s, val.p
     wl = BurstWorkload(
         shape.requests,
@@ -367,8 +375,6 @@ def _throughput(val: _Validation, best: dict[int, Any], setup: EngineSetup, shap
 
 def _eval_accuracy(val: _Validation, setup: EngineSetup, items: list, done: int, phases: Phases) -> dict:
     """Exact match at (S, S) and (S, P) on the evaluation set, with the paired difference and its SE."""
-    from looptrace.train.evaluate import exact_match, paired_difference
-
     ss, sp = val.labels[val.s], val.labels[val.p]
     tok = _tokenizer(setup)
     phases.start(f"--validate: exact match at {ss} ({len(items)} prompts)", done)
@@ -389,10 +395,6 @@ class PoissonBurst:
     """Poisson background arrivals plus one burst (the controller demo); prompts of printable ASCII ids."""
 
     def __init__(self, rate, n, burst_at, burst_n, prompt_len, max_tokens, seed=0):
-        import numpy as np
-
-        from looptrace.drive.workloads import WorkItem
-
         rng = np.random.default_rng(seed)
         arrivals = [float(t) for t in np.cumsum(rng.exponential(1 / rate, n))] + [burst_at] * burst_n
         self.items = [
@@ -413,7 +415,6 @@ class PoissonBurst:
 
 def _controller(val: _Validation, answer_len: int) -> dict[str, Any]:
     """The queue-age controller under Poisson arrivals with a burst: P per step over time."""
-    from looptrace.engine.hooks import Observer
 
     class DepthLog(Observer):
         def __init__(self) -> None:

@@ -46,6 +46,7 @@ from looptrace.engine.config import (
 )
 from looptrace.engine.hooks import Observer
 from looptrace.engine.request import SamplingParams
+from looptrace.train.evaluate import exact_match, paired_difference
 
 BATCHED, SOLO = "batched", "solo"
 TOP_K = 5
@@ -687,8 +688,6 @@ def accuracy_check(
     Like the paper's full-split checks, the questions run batched: when the arms share their batch size
     (scheduler.max_num_seqs, R1), both run with at least EVAL_BATCH rows. `runs` caches the runs by
     configuration across calls (A is run once for every setting checked on its own)."""
-    from looptrace.train.evaluate import exact_match, paired_difference
-
     cfg_a, cfg_b = copy.deepcopy(cfg_a), copy.deepcopy(cfg_b)
     batch = cfg_a.scheduler.max_num_seqs
     if batch == cfg_b.scheduler.max_num_seqs:

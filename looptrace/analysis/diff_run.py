@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from looptrace import assets
 from looptrace.analysis import diff as d
+from looptrace.analysis.bisect import bisect
+from looptrace.analysis.localize import localize
 from looptrace.build import (
     POOL_CAP_TOKENS,
     BuildRequest,
@@ -24,7 +27,13 @@ from looptrace.build import (
     place,
     versions,
 )
+from looptrace.drive import workloads as w
 from looptrace.engine.budget import PoolNeed
+from looptrace.engine.config import config_to_dict
+from looptrace.engine.perturb import PerturbSpecError, parse_place
+from looptrace.engine.tokenizer import load_tokenizer
+from looptrace.recipes import RecipeError, load_recipe
+from looptrace.train.evaluate import EvalSetError, read_items
 
 SCHEMA = "looptrace.diff/1"
 Progress = Callable[[str, int, int], None]  # (what, done, total)
@@ -174,8 +183,6 @@ def _check_fits(items, spec) -> None:
 
 def _load(recipe: str, sets: list[str], flag: str):
     """The recipe with its overrides; an override error names the arm's option (--a-set, --b-set)."""
-    from looptrace.recipes import RecipeError, load_recipe
-
     try:
         return load_recipe(recipe, list(sets or []))
     except RecipeError as exc:
@@ -188,8 +195,6 @@ def arm_text(rec) -> str:
 
 
 def _check_perturb(*cfgs) -> None:
-    from looptrace.engine.perturb import PerturbSpecError, parse_place
-
     for cfg in cfgs:
         if cfg.debug.perturb:
             try:
@@ -223,11 +228,7 @@ def _preflight_arms(factory, arms) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _items(req: DiffRequest, weights: Path | None, spec) -> list:
-    from looptrace.drive import workloads as w
-
     if req.prompts is not None:
-        from looptrace.engine.tokenizer import load_tokenizer
-
         wl = w.JsonlWorkload(
             path=req.prompts, tokenizer=load_tokenizer(weights), default_max_tokens=req.max_tokens
         )
@@ -268,16 +269,13 @@ def find_item(items, request: str):
 
 def _accuracy_plan(accuracy: Path | None, toggles, spec, weights) -> dict[str, Any] | None:
     """Which evaluation set and weights the accuracy check uses, read and validated now."""
-    from looptrace.assets import default_eval_set, shipped_weights
-    from looptrace.train.evaluate import EvalSetError, read_items
-
     path = accuracy
-    eval_weights = weights if weights is not None else shipped_weights(spec.name)
+    eval_weights = weights if weights is not None else assets.shipped_weights(spec.name)
     if path is None:
         # The built-in set is for the trained tiny models: only with the preset's own (or given) weights.
         if not any(t.graded == "R3" for t in toggles) or eval_weights is None:
             return None
-        path = default_eval_set(spec.name)
+        path = assets.default_eval_set(spec.name)
         if path is None:
             return None
     try:
@@ -297,8 +295,6 @@ def execute(s: DiffSetup, req: DiffRequest, progress: Progress) -> tuple[dict[st
     extras: dict[str, Any] = {}
     result = d.diff(lab, strict=req.strict)
     if req.bisect:
-        from looptrace.analysis.bisect import bisect
-
         extras["bisect"] = bisect(lab).to_dict()
     if req.localize is not None:
         extras["localize"] = _localize(s, result, req.localize, progress)
@@ -328,8 +324,6 @@ def _never_fired(report: list[dict[str, Any]] | None) -> dict[str, str]:
 
 
 def _localize(s: DiffSetup, result, request: str, progress: Progress) -> dict[str, Any]:
-    from looptrace.analysis.localize import localize
-
     item = find_item(s.items, request)
     rows = [r for r in (*result.requests, *result.solo_requests) if r.id == item.id]
     if all(r.identical and r.logits_identical is not False for r in rows):
@@ -344,13 +338,12 @@ def _localize(s: DiffSetup, result, request: str, progress: Progress) -> dict[st
 
 
 def _accuracy(s: DiffSetup, seed: int):
-    from looptrace.engine.tokenizer import load_tokenizer
-
     plan = s.accuracy
     if plan["weights"] is not None and plan["weights"] == s.weights:
         net = s.net  # the diff's own checkpoint: no second copy on the device
         label = str(plan["weights"])
     elif plan["weights"] is not None:
+        # deferred: loads torch
         from looptrace.engine.checkpoint import load_checkpoint
 
         _, net = load_checkpoint(plan["weights"], s.device, s.dtype)
@@ -394,8 +387,6 @@ def report_data(s: DiffSetup, req: DiffRequest, result, extras: dict[str, Any]) 
 
 
 def _header(s: DiffSetup, req: DiffRequest, result) -> dict[str, Any]:
-    from looptrace.engine.config import config_to_dict
-
     arms = (("a", s.rec_a), ("b", s.rec_b))
     return {
         "tool": "looptrace",

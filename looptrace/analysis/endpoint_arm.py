@@ -22,6 +22,9 @@ from typing import Any
 
 import httpx
 
+from looptrace.build import BuildRequest, build, device_name
+from looptrace.engine.tokenizer import load_tokenizer
+
 DEFAULT_TIMEOUT_S = 60.0
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # worth a second try; other 4xx are our request
 
@@ -266,8 +269,7 @@ def served_recipe(
 ) -> Iterator[tuple[Endpoint, dict[str, Any]]]:
     """Our engine for `recipe` behind `looptrace serve`'s app on 127.0.0.1 (an OS-chosen port), for as
     long as the block runs: (the endpoint, facts about it: preset, device, dtype)."""
-    from looptrace.build import BuildRequest, build, device_name
-    from looptrace.engine.tokenizer import load_tokenizer
+    # deferred: FastAPI and uvicorn, only for a recipe arm served in-process
     from looptrace.serve.server import build_server
 
     request = BuildRequest(

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from looptrace.analysis import endpoint_arm as ea
+from looptrace.analysis import reference_judge as rj
 from looptrace.analysis import stream_diff as sd
+from looptrace.train.evaluate import Accuracy, EvalSetError, paired_difference, read_items
 
 SCHEMA = "looptrace.diff-endpoints/1"
 RANDOM_PROMPT_VOCAB = 256  # ids below 256 exist in every tokenizer we know; a recipe arm gives the real one
@@ -142,8 +144,6 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
 def _open_reference(req: EndpointDiffRequest):
     if req.reference is None:
         return None
-    from looptrace.analysis import reference_judge as rj
-
     spec = rj.ReferenceSpec(req.reference, req.reference_dtype, req.reference_device)
     try:
         return rj.open_reference(spec)
@@ -153,8 +153,6 @@ def _open_reference(req: EndpointDiffRequest):
 
 def _add_judge(data: dict[str, Any], ref, items, served, diffs) -> None:
     """The reference's scores of both arms' streams: its noise figure and, per divergence, its blame."""
-    from looptrace.analysis import reference_judge as rj
-
     try:
         judged = rj.judge_all(ref, {it.id: it.prompt for it in items}, served, diffs)
     except rj.ReferenceError as exc:
@@ -218,6 +216,7 @@ def _key(arm: Arm, req: EndpointDiffRequest) -> str | None:
 
 def _items(req: EndpointDiffRequest, arm_a: Arm) -> list[ea.PromptItem]:
     """The prompts, as token ids: random ones, or the --prompts file (text tokenized by arm A)."""
+    # deferred: numpy, only for workloads
     from looptrace.drive import workloads as w
 
     if req.prompts is not None:
@@ -265,8 +264,6 @@ def _batch_probe(arms, items, sampling, req, noise: float) -> dict[str, Any]:
 
 def _accuracy(arms, req: EndpointDiffRequest) -> dict[str, Any]:
     """Exact match per arm on the --accuracy set (greedy, stop at EOS), and the one-point rule on B - A."""
-    from looptrace.train.evaluate import Accuracy, EvalSetError, paired_difference, read_items
-
     try:
         evals = read_items(Path(req.accuracy), need_answer=True)
     except EvalSetError as exc:

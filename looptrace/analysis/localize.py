@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from looptrace.analysis.diff import with_engine
 from looptrace.engine.config import EngineConfig
 from looptrace.engine.hooks import Observer, RequestEvent
 from looptrace.engine.perturb import NONE, OpInfo, OpTracker, float_tensors
@@ -143,8 +144,6 @@ def localize(
     prompt: list[int],
     max_tokens: int,
 ) -> Localization:
-    from looptrace.analysis.diff import with_engine
-
     runs = [
         with_engine(factory, cfg, lambda engine: capture(engine, prompt, max_tokens, request_id))
         for cfg in (cfg_a, cfg_b)

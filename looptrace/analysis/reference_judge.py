@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from looptrace.build import BuildInputError, BuildRequest, build, resolve_model
+from looptrace.engine.model_config import UnknownModelError
+from looptrace.engine.request import EngineInputError
+
 NEAR_TIE = "near tie"
 NOISE_DTYPE = "bfloat16"  # what a served model commonly runs in; measured against the reference dtype
 
@@ -45,9 +49,6 @@ class Reference:
 
 def open_reference(spec: ReferenceSpec) -> Reference:
     """Both engines (base recipe) for a preset name or a checkpoint directory."""
-    from looptrace.build import BuildInputError, BuildRequest, build, resolve_model
-    from looptrace.engine.model_config import UnknownModelError
-
     path = Path(spec.model_or_weights)
     weights = path if path.is_dir() else None
     if weights is None and ("/" in spec.model_or_weights or path.exists()):
@@ -67,7 +68,7 @@ def open_reference(spec: ReferenceSpec) -> Reference:
 
 
 def _score(engine, prompt: list[int], tokens: list[int]) -> list:
-    from looptrace.engine.request import EngineInputError
+    # deferred: torch, only when a reference scores
     from looptrace.engine.scoring import score
 
     try:

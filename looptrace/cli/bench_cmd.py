@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from looptrace.build import DEFAULT_MODEL
 from looptrace.cli import common as c
 from looptrace.cli import options as o
-from looptrace.cli.output import infer_format, write_output
+from looptrace.cli.output import check_outputs, infer_format, write_output
 
 EPILOG = """\
 [bold]EXAMPLES[/]
@@ -131,6 +131,7 @@ def bench(
             raise c.fail(f"--from renders saved reports and runs nothing: leave out {' and '.join(given)}")
         _render_saved(from_json, infer_format(fmt, output), output, plot)
         return
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive.bench_run import BenchRequest
 
     with c.interrupt_exit():
@@ -138,6 +139,7 @@ def bench(
 
 
 def _bench(req, fmt: o.OutputFormat, progress: bool) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive import bench_run
 
     with _errors():
@@ -169,6 +171,7 @@ def _bench(req, fmt: o.OutputFormat, progress: bool) -> None:
 
 def _measure(plan, show: bool):
     """`bench_run.measure` under a transient progress bar, a line per completed cell on stderr."""
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive import bench_run
     from looptrace.drive.bench_report import cell_line
 
@@ -201,7 +204,7 @@ def _measure(plan, show: bool):
 
 def _render_saved(paths: list[Path], fmt: o.OutputFormat, output: Path | None, plot: Path | None) -> None:
     """`--from FILE...`: committed JSON of earlier runs, merged and rendered again (nothing is measured)."""
-    from looptrace.cli.output import check_outputs
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive.bench_report import check_plot
     from looptrace.drive.bench_run import render_saved
 
@@ -214,6 +217,7 @@ def _render_saved(paths: list[Path], fmt: o.OutputFormat, output: Path | None, p
 
 
 def _write(data: dict, fmt: o.OutputFormat, output: Path | None, plot: Path | None) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive.bench_report import render, write_plot
 
     with c.friendly_errors():
@@ -227,6 +231,7 @@ def _write(data: dict, fmt: o.OutputFormat, output: Path | None, plot: Path | No
 def _errors() -> Iterator[None]:
     """The bench's input errors (`BenchInputError`) and the engine's: one line, exit 2; a missing
     matplotlib for --plot or device: exit 3."""
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive.bench_report import PlotUnavailableError
     from looptrace.drive.paired import BenchInputError
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from looptrace.build import BuildRequest, NoDeviceError
@@ -127,8 +128,6 @@ def build_request(options: Any, **fields: Any) -> BuildRequest:
 
 def progress_bar(console: Console, *middle):
     """A transient Rich progress bar on `console`: the task's description, the bar, `middle`, elapsed time."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), *middle, TimeElapsedColumn())
     return Progress(*columns, console=console, transient=True)
 
@@ -151,6 +150,7 @@ def check_roofline_device(name: str | None, option: str) -> None:
     """An unknown roofline device name is bad input before any work."""
     if name is None:
         return
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.roofline import device_for
 
     try:

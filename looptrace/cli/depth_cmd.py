@@ -12,6 +12,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.progress import MofNCompleteColumn
+from rich.text import Text
 
 from looptrace.cli import options as o
 from looptrace.cli.common import (
@@ -126,6 +127,7 @@ def depth(
 
 
 def _depth(a: SimpleNamespace) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.analysis import depth_run as R
 
     fmt = infer_format(a.fmt, a.output)
@@ -160,8 +162,6 @@ def _depth(a: SimpleNamespace) -> None:
 
 def _interrupted(report: dict[str, Any], fmt: o.OutputFormat, output: Path | None, *, by_depth: bool):
     """Ctrl-C: write what was measured (the analysis, the --validate parts done, the depths), exit 130."""
-    from rich.text import Text
-
     done = report.get("accuracy_by_depth") if by_depth else report.get("q90")
     if done:
         report["interrupted"] = True
@@ -174,6 +174,7 @@ def _interrupted(report: dict[str, Any], fmt: o.OutputFormat, output: Path | Non
 
 
 def _emit(report: dict, fmt: o.OutputFormat, output: Path | None, *, by_depth: bool) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.analysis.depth_report import render
 
     with friendly_errors():  # an unwritable -o (a full disk): one line, exit 2

@@ -137,12 +137,14 @@ def diff(
             _endpoint_diff(locals(), infer_format(fmt, output), output, progress)
             return
         _no_endpoint_options(locals())
+        # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
         from looptrace.analysis.diff_run import DiffRequest
 
         _diff(DiffRequest(**c.fields_of(DiffRequest, locals())), infer_format(fmt, output), output, progress)
 
 
 def _diff(req, fmt: o.OutputFormat, output: Path | None, progress: bool) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.analysis.diff_render import render
     from looptrace.analysis.diff_run import execute, prepare
 
@@ -167,6 +169,7 @@ def _endpoint_diff(options: dict, fmt: o.OutputFormat, output: Path | None, prog
     for flag in ("bisect", "localize", "strict"):
         if options[flag]:
             raise c.fail(f"--{flag} needs two recipes (it replays our engine); an arm here is an endpoint")
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.analysis.endpoint_arm import EndpointError
     from looptrace.analysis.endpoint_diff import EndpointDiffInputError, EndpointDiffRequest, execute
     from looptrace.analysis.endpoint_diff_render import render
@@ -222,6 +225,7 @@ def _all_urls(options: dict) -> bool:
 @contextmanager
 def _memory_errors() -> Iterator[None]:
     """Out of device (or host) memory anywhere in the runs: one line naming what to change, exit 2."""
+    # deferred: torch: commands that build no engine never load it
     import torch
 
     try:

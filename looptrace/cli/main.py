@@ -12,6 +12,9 @@ from typer.core import TyperGroup, TyperOption
 
 import looptrace
 from looptrace.cli.common import fail
+from looptrace.cli.trace_cmd import trace_app
+from looptrace.cli.trace_compare_cmd import EPILOG as TRACE_COMPARE_EPILOG
+from looptrace.cli.trace_compare_cmd import compare as trace_compare
 
 try:  # Typer >= 0.20 vendors Click as typer._click; older releases use Click itself
     from typer._click.exceptions import ClickException
@@ -143,10 +146,6 @@ def _register() -> None:
     for name, module_name, function in COMMANDS:
         module = importlib.import_module(f"looptrace.cli.{module_name}")
         app.command(name, epilog=fit_epilog(module.EPILOG))(vars(module)[function])
-    from looptrace.cli.trace_cmd import trace_app
-    from looptrace.cli.trace_compare_cmd import EPILOG as TRACE_COMPARE_EPILOG
-    from looptrace.cli.trace_compare_cmd import compare as trace_compare
-
     trace_app.command("compare", epilog=fit_epilog(TRACE_COMPARE_EPILOG))(trace_compare)
     app.add_typer(trace_app, name="trace")
 

@@ -111,6 +111,7 @@ def _interrupted_line(written: list[str]) -> str:
 
 
 def _profile(a: SimpleNamespace) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.profile_report import render
     from looptrace.probes.profile_run import ProfileEngines, profile_sides, report_data, sides_to_run
     from looptrace.probes.session import ProfileConfig
@@ -153,6 +154,7 @@ def _profile(a: SimpleNamespace) -> None:
 
 def _check_options(a: SimpleNamespace) -> None:
     """The options, checked before anything is built."""
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.profile_run import check_options
 
     check_options(a.level, a.concurrency, a.prompt_len, a.decode_steps)

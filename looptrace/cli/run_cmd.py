@@ -95,6 +95,7 @@ def run(
 
 
 def _run(a: SimpleNamespace) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive import run_request as R
     from looptrace.drive.run_report import render
 
@@ -122,6 +123,7 @@ def _run(a: SimpleNamespace) -> None:
 
 def _request(a: SimpleNamespace):
     """The options as a RunRequest: the workload's kind resolved and the output checked before any work."""
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.drive.run_request import RunRequest
 
     with c.friendly_errors():

@@ -96,6 +96,7 @@ def _serve(a: SimpleNamespace) -> None:
     if a.tui and not sys.stdout.isatty():  # the dashboard would write escape codes into a pipe or file
         raise c.fail("--tui needs a terminal, but stdout is not one (serve without --tui; `looptrace top`)")
     c.require_extra("serve", "fastapi", "prometheus_client", "sse_starlette", "uvicorn")
+    # deferred: FastAPI, uvicorn and the engine load when the server starts: `looptrace --help` stays light
     from looptrace.serve.launch import ServeRequest, launch
 
     options = (
@@ -131,6 +132,7 @@ def _serve_headless(a: SimpleNamespace, server, setup, name: str) -> None:
 
 def _serve_with_dashboard(server) -> None:
     try:
+        # deferred: Textual, an optional extra, only for --tui
         from looptrace.tui.app import LooptraceTop
         from looptrace.tui.sources import InProcessSource
     except ImportError as exc:

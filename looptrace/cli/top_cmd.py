@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+
+from rich.console import Console
 
 from looptrace.cli.common import EXIT_NO_ENV, UsageError, fail, friendly_errors, require_extra
 from looptrace.cli.options import OutputFormat, arg, opt
@@ -92,6 +95,7 @@ def _check_numbers(interval: float, speed: float) -> None:
 def _load_diff(diff: Path | None):
     if diff is None:
         return None
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.tui.diff_data import DiffDataError, load_diff
 
     try:
@@ -102,6 +106,7 @@ def _load_diff(diff: Path | None):
 
 def _source(url: str | None, prometheus: str | None, replay: Path | None):
     """The source to watch and its first snapshot (unreachable or wrong endpoint: fail here, in one line)."""
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.tui.sources import (
         LooptraceSource,
         PrometheusSource,
@@ -123,8 +128,7 @@ def _source(url: str | None, prometheus: str | None, replay: Path | None):
 
 
 def _print_once(source, first: dict, interval: float, replayed: bool, record, fmt: OutputFormat) -> None:
-    from rich.console import Console
-
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.tui.once import snapshot_table
 
     with friendly_errors():
@@ -138,6 +142,7 @@ def _print_once(source, first: dict, interval: float, replayed: bool, record, fm
 
 def _dashboard(source, interval: float, speed: float, record, diff_requests, screenshot: Path | None) -> None:
     try:
+        # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
         from looptrace.tui.app import LooptraceTop
     except ImportError as exc:
         raise fail(
@@ -158,8 +163,7 @@ def _once(
     """The snapshot to print and the output tokens/s between two snapshots: the replay's last two frames,
     or a live source fetched again `interval` seconds after the first (one snapshot holds only totals).
     With --record, every snapshot read goes to the session file too."""
-    import time
-
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.tui.model import DashboardModel
     from looptrace.tui.sources import Recorder, SourceError
 

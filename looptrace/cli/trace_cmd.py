@@ -164,6 +164,7 @@ def analyze(
     stage/op/layer and top kernels; vLLM, SGLang, Hugging Face and looptrace traces (CUDA and ROCm)."""
     with interrupt_exit():
         # The analysis modules load here, not at import: `looptrace --help` and usage errors stay fast.
+        # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
         from looptrace.probes.capture import find_capture_dir
         from looptrace.probes.compare import analyze_file
         from looptrace.probes.events import TraceError
@@ -187,6 +188,7 @@ def analyze(
 
 
 def _render(result, header: dict, fmt: OutputFormat, output: Path | None) -> None:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.report import render_report, to_csv, to_json
 
     if fmt is OutputFormat.json:

@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from rich.console import Console
+
 from looptrace.cli.common import UsageError, check_roofline_device, dumps, fail, interrupt_exit
 from looptrace.cli.options import OutputFormat, arg, opt
+from looptrace.cli.output import OutputError, check_output, infer_format
 from looptrace.cli.trace_cmd import TraceOutputOpt, WindowChoice, emit
 
 EPILOG = """
@@ -84,7 +87,7 @@ def compare(
     output: TraceOutputOpt = None,
 ) -> None:
     """Two traces or reports side by side per op category and op, per token, with B/A ratios."""
-    from looptrace.cli.output import OutputError, check_output, infer_format
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.compare import compare_reports, load_side
     from looptrace.probes.events import TraceError
 
@@ -105,8 +108,7 @@ def compare(
 
 def _render(data: dict[str, Any], fmt: OutputFormat, output: Path | None) -> None:
     """JSON, CSV or the tables, to stdout (a terminal gets its own width and colours) or to OUTPUT."""
-    from rich.console import Console
-
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.probes.compare import render_tables, to_csv
 
     if fmt is OutputFormat.json:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+from looptrace import assets
 from looptrace.build import SEED_MAX
 from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
 from looptrace.cli.options import opt, thread_count
@@ -65,15 +66,13 @@ def train_tiny(
     threads: TrainThreadsOpt = 2,
 ) -> None:
     """Train ouro-tiny or huginn-tiny on the addition task and write a loadable checkpoint directory."""
-    from looptrace.assets import ASSETS_DIR
-
     with interrupt_exit("interrupted: no checkpoint written"), friendly_errors():
         preset = f"{family.value}-tiny"
         if steps is not None and steps < 1:
             raise UsageError(f"--steps must be >= 1, got {steps}")
         if not 0 <= seed <= TRAIN_SEED_MAX:
             raise UsageError(f"--seed {seed}: expected an integer from 0 to 2**64-2")
-        shipped = ASSETS_DIR / preset
+        shipped = assets.ASSETS_DIR / preset
         target = _target(out, replace_shipped, shipped, family.value)
         with output_dir(target, "--out", META_FILE, "train-tiny") as staging:  # checked before training
             meta = _train(family.value, staging, steps, seed, threads)  # swapped in whole when done
@@ -101,6 +100,7 @@ def _target(out: Path | None, replace_shipped: bool, shipped: Path, family: str)
 
 
 def _train(family: str, target: Path, steps: int | None, seed: int, threads: int) -> dict:
+    # deferred: the command's implementation loads when it runs: `looptrace --help` stays light
     from looptrace.train.trainer import DEFAULTS, train
 
     cfg = DEFAULTS[family]

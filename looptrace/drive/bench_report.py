@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+
+from looptrace.drive.paired import METRIC_NAMES, BenchInputError
+from looptrace.output_files import atomic_path
 
 PLOT_FORMATS = (".svg", ".png", ".pdf")
 
@@ -27,13 +31,12 @@ class PlotUnavailableError(RuntimeError):
 
 def check_plot(plot: Path) -> None:
     """--plot names a figure format and matplotlib is there (checked before anything runs)."""
-    from looptrace.drive.paired import BenchInputError
-
     if plot.suffix.lower() not in PLOT_FORMATS:
         raise BenchInputError(
             f"--plot {plot}: expected a {', '.join(PLOT_FORMATS)} file (the suffix picks the format)"
         )
     try:
+        # deferred: optional plotting library
         import matplotlib  # noqa: F401  (only checked here; drawn after the runs)
     except ImportError:
         raise PlotUnavailableError(
@@ -78,8 +81,6 @@ def arm_text(arm: dict) -> str:
 
 def table(data: dict[str, Any]) -> list:
     """The report as Rich renderables: the header panel, the cells' table, interrupted and failed lines."""
-    from rich.markup import escape
-
     h = data["header"]
     out: list = [Panel(_head(h), title="looptrace bench", expand=False)]
     if h["interrupted"]:
@@ -103,8 +104,6 @@ def table(data: dict[str, Any]) -> list:
 
 
 def _head(h: dict[str, Any]) -> str:
-    from rich.markup import escape
-
     kept = h["runs"] - h["dropped_runs_per_arm"]
     arm_a, arm_b = (escape(arm_text(h["arms"][arm])) for arm in ("a", "b"))
     return (
@@ -151,8 +150,6 @@ CSV_COLUMNS = (
 
 
 def csv_text(data: dict[str, Any]) -> str:
-    from looptrace.drive.paired import METRIC_NAMES
-
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -180,9 +177,8 @@ def write_plot(data: dict[str, Any], path: Path) -> None:
     has one, as hollow markers on a dashed line. matplotlib (not plotext, which draws only in the
     terminal): the file is a figure for the committed results. Figure() draws without pyplot's global
     state or a GUI backend."""
+    # deferred: optional plotting library
     from matplotlib.figure import Figure
-
-    from looptrace.output_files import atomic_path
 
     h = data["header"]
     series: dict[str, list[dict]] = {}

@@ -20,6 +20,7 @@ from looptrace.build import (
     DEFAULT_MODEL,
     BuildRequest,
     build,
+    check_engine_memory,
     check_seed,
     device_name,
     resolve_device,
@@ -27,8 +28,15 @@ from looptrace.build import (
     versions,
 )
 from looptrace.drive import paired
+from looptrace.drive.bench_report import arm_text, check_plot, csv_text, render, table
 from looptrace.drive.paired import ARMS, BenchInputError
+from looptrace.engine.budget import check_memory, pool_geometry, workload_needs
+from looptrace.engine.config import COUNT_MAX
+from looptrace.engine.model_config import FAMILY_PRESETS, PRESETS, UnknownModelError, resolve_preset
+from looptrace.engine.request import SamplingParams
 from looptrace.input_files import InputError, read_json, recipe_file
+from looptrace.output_files import check_outputs
+from looptrace.recipes import load_recipe
 
 SCHEMA = "looptrace.bench/1"
 TABLE2_SETS = ("cuda_graphs.max_graphs=64",)  # what `--cells table2` sets on both arms
@@ -76,8 +84,6 @@ class Plan:
 
 # Preparation: everything that can be wrong is found before an engine is built ------------------------
 def prepare(req: BenchRequest) -> Plan:
-    from looptrace.recipes import load_recipe
-
     _check_options(req)
     wanted = _wanted_cells(req)
     dev = resolve_device(req.device)
@@ -121,9 +127,6 @@ def prepare(req: BenchRequest) -> Plan:
 
 def _check_options(req: BenchRequest) -> None:
     """Seed, threads, output paths and --plot, in that order (before the cells)."""
-    from looptrace.drive.bench_report import check_plot
-    from looptrace.output_files import check_outputs
-
     check_seed(req.seed)
     if req.threads < 1:
         raise BenchInputError(f"--threads must be >= 1, got {req.threads}")
@@ -152,8 +155,6 @@ def _wanted_cells(req: BenchRequest) -> list:
 
 def _resolve_cells(wanted: list, device_type: str) -> list:
     """Each cell's model -> the preset it runs on this device; every cell within its model's positions."""
-    from looptrace.engine.model_config import UnknownModelError, resolve_preset
-
     resolved = []
     for c in wanted:
         try:
@@ -171,8 +172,6 @@ def _resolve_cells(wanted: list, device_type: str) -> list:
 
 
 def _cpu_notes(cells: list) -> list[str]:
-    from looptrace.engine.model_config import FAMILY_PRESETS
-
     real = sorted({c.model for c in cells} & {cuda for _, cuda in FAMILY_PRESETS.values()})
     return [f"real-shape preset(s) {', '.join(real)} on CPU: expect a long run"] if real else []
 
@@ -180,12 +179,6 @@ def _cpu_notes(cells: list) -> list[str]:
 def check_cell_memory(cell, plan: Plan) -> None:
     """Before any engine: C within the settings' range, and each arm's engine plus the burst's prompts
     within the memory the device has (a one-line error naming the cell, not a MemoryError mid-run)."""
-    from looptrace.build import check_engine_memory
-    from looptrace.engine.budget import check_memory, workload_needs
-    from looptrace.engine.config import COUNT_MAX
-    from looptrace.engine.model_config import PRESETS
-    from looptrace.recipes import load_recipe
-
     if cell.concurrency * max(cell.prompt_len, 1) > COUNT_MAX:
         raise BenchInputError(
             f"--cell {cell.label}: C x PROMPT = {cell.concurrency * cell.prompt_len} tokens in one burst; "
@@ -248,11 +241,8 @@ class EngineBackend:
         p = self.plan
         if p.device.type != "cuda":
             return {}
+        # deferred: torch loads with the engine, not with this module
         import torch
-
-        from looptrace.engine.budget import pool_geometry
-        from looptrace.engine.model_config import PRESETS
-        from looptrace.recipes import load_recipe
 
         user = {arm: p.shared + p.arm_sets[arm] for arm in ARMS}
         sized = [arm for arm in ARMS if not _sizes_own_pool(user[arm])]
@@ -297,10 +287,10 @@ class EngineBackend:
         }
 
     def run(self, handle: _Arm, cell, arm: str, round: int) -> dict[str, Any]:
+        # deferred: loads torch
         from looptrace.drive.benchmark import run_workload
         from looptrace.drive.metrics import summarize
         from looptrace.drive.workloads import make_workload
-        from looptrace.engine.request import SamplingParams
 
         e = handle.engine
         wl = make_workload(
@@ -320,6 +310,7 @@ class EngineBackend:
     def release(self) -> None:
         gc.collect()
         if self.plan.device.type == "cuda":
+            # deferred: torch loads with the engine, not with this module
             import torch
 
             torch.cuda.empty_cache()
@@ -332,6 +323,7 @@ def _sizes_own_pool(items: Sequence[str]) -> bool:
 def _weight_bytes(spec, dtype) -> int:
     """The model's parameter bytes, exactly (a meta-device model: shapes only, no memory). Not
     budget.weight_bytes, which leaves out the norms: the split would move by their bytes."""
+    # deferred: torch loads with the engine, not with this module
     import torch
 
     from looptrace.engine.weights import create_model
@@ -493,8 +485,6 @@ def load_saved(path: Path) -> dict[str, Any]:
 
 def _check_saved(data: dict[str, Any], path: Path) -> None:
     """Every part the table and the CSV read is there (so the error names the file that lacks it)."""
-    from looptrace.drive.bench_report import arm_text, csv_text, table
-
     try:
         for arm in data["header"]["arms"].values():
             arm_text(arm)
@@ -506,8 +496,6 @@ def _check_saved(data: dict[str, Any], path: Path) -> None:
 
 def render_saved(paths: Sequence[Path], fmt: str) -> tuple[dict[str, Any], str]:
     """`--from FILE...`: the saved reports, checked, merged and rendered as `fmt` (nothing is measured)."""
-    from looptrace.drive.bench_report import render
-
     reports = [load_saved(p) for p in paths]
     try:
         data = paired.merge_reports(reports, [str(p) for p in paths])

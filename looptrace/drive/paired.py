@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from looptrace.engine.budget import cuda_kv_budget
+
 ARMS: tuple[str, str] = ("a", "b")
 DROPPED_ROUNDS = 1  # round 0 of each arm is the warm-up
 MIN_RUNS = DROPPED_ROUNDS + 1
@@ -229,8 +231,6 @@ def kv_bytes_per_arm(
     packs more tokens into the same bytes (ExactLoop's `packed`) keeps that advantage. `free` is measured
     before any arm's weights are loaded. The engine's rule is `budget.cuda_kv_budget` (its own reserve
     taken here per arm, after the weights)."""
-    from looptrace.engine.budget import cuda_kv_budget
-
     budget = cuda_kv_budget(free, total, utilization, reserve=0) - weight_bytes - arms * reserve
     return max(0, int(budget // arms))
 

@@ -1,8 +1,8 @@
 """One `looptrace run`, start to end: draw the workload its options describe, build an engine sized to the
 workload's longest request, serve the workload on it and return the report data:
 `execute(prepare(request), request)`. No CLI here: bad input is a one-line error (`RunInputError`, the
-workload's `WorkloadError`, the build's own; the CLI: exit code 2). The serving loop, its metrics and the
-sampling types load inside the functions, so that importing this module stays cheap for `looptrace --help`.
+workload's `WorkloadError`, the build's own; the CLI: exit code 2). The serving loop and its metrics (torch)
+load inside the functions, so that `looptrace run`'s option checks fail before torch loads.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from looptrace.drive.run_workload import (
     make_workload,
     workload_max_len,
 )
+from looptrace.engine.request import SamplingParams
 
 SCHEMA = "looptrace.run/1"
 Progress = Callable[[int, int, int], None]  # (requests done, requests in all, tokens sampled)
@@ -129,9 +130,9 @@ class RunResult:
 
 def execute(run: RunSetup, request: RunRequest, on_progress: Progress | None = None) -> RunResult:
     """Serve the workload (a Ctrl-C stops it and keeps what was measured) and shape the report data."""
+    # deferred: torch (the serving loop, its metrics): bad options fail before it loads
     from looptrace.drive.benchmark import run_workload
     from looptrace.drive.metrics import summarize
-    from looptrace.engine.request import SamplingParams
 
     header = run_header(run.setup)
     header["workload"] = run.workload.describe()

@@ -21,6 +21,7 @@ class WorkloadKind(str, enum.Enum):
 def make_workload(kind: WorkloadKind, **options):
     """CLI options -> a Workload: `workloads.make_workload`, the one constructor (imported here when
     called, so that importing this module loads no numpy)."""
+    # deferred: numpy and YAML: `looptrace --help` stays light
     from looptrace.drive.workloads import make_workload as make
 
     return make(kind, **options)
@@ -31,6 +32,7 @@ def resolve_workload(
 ) -> WorkloadKind:
     """--prompts FILE alone implies --workload jsonl; an option of another workload than the one chosen
     is an error (it would be silently ignored)."""
+    # deferred: numpy and YAML: `looptrace --help` stays light
     from looptrace.drive.workloads import WorkloadError
 
     kind = kind or (WorkloadKind.jsonl if prompts is not None else WorkloadKind.burst)
@@ -44,6 +46,7 @@ def resolve_workload(
 
 def check_workload_memory(kind: WorkloadKind, wl) -> None:
     """The prompts a synthetic workload draws, within host memory (before they are drawn)."""
+    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
     from looptrace.engine.budget import check_memory, workload_needs
 
     if kind == WorkloadKind.burst:
@@ -71,6 +74,7 @@ def workload_max_len(workload) -> int:
 def check_fits(workload, max_len: int) -> None:
     """Every request must fit the context: the ones known up front, and a session's last turn (its
     prompt holds every earlier turn), which would otherwise be rejected only after the others ran."""
+    # deferred: numpy and YAML: `looptrace --help` stays light
     from looptrace.drive.workloads import WorkloadError
 
     if hasattr(workload, "max_prompt_len"):

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from looptrace.engine.tokenizer import load_tokenizer
 from looptrace.input_files import InputError, iter_jsonl
 
 
@@ -347,8 +348,6 @@ def make_workload(
 
 
 def _jsonl_workload(prompts: Path | None, tokenizer_dir: Path | None, max_tokens: int, vocab_size: int):
-    from looptrace.engine.tokenizer import load_tokenizer
-
     if prompts is None:
         raise WorkloadError("--workload jsonl needs --prompts FILE")
     return JsonlWorkload(

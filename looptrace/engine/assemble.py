@@ -151,6 +151,7 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
             exact = fused_gemm_is_exact(model.spec, device, dtype)
             checked_rungs[setting] = "R0" if exact else "R3"
         if setting == "kernels.l2_prefetch":
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import l2_prefetch  # imports Triton: the plan checked it runs
 
             l2_prefetch.apply_l2_prefetch(model, device)

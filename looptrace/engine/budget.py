@@ -89,6 +89,7 @@ def device_available(device: Any) -> int | None:
     """Free memory of `device` (a torch.device or a string): the host for CPU, mem_get_info for CUDA."""
     if _kind(device) != "cuda":
         return host_available()
+    # deferred: torch: the budget is checked from option parsing, before torch loads
     import torch
 
     try:
@@ -159,6 +160,7 @@ class PoolGeometry:
 
 def pool_geometry(spec: Any, cfg: Any, elt: int) -> PoolGeometry:
     """The pool geometry of `cfg`'s layout for `spec` in a dtype of `elt` bytes (no memory allocated)."""
+    # deferred: loads torch
     from looptrace.engine.kv_cache import LAYOUTS
 
     kv = cfg.kv
@@ -187,6 +189,7 @@ def cuda_pool_blocks(
 ) -> int:
     """The engine's rule measured on what is alive now, capped at `cap_tokens` positions; a `need` that
     does not fit is a BudgetError naming the settings to change."""
+    # deferred: torch: the budget is checked from option parsing, before torch loads
     import torch
 
     kv = cfg.kv

@@ -111,6 +111,7 @@ def _weight(n, kind, gen, device):
 def rmsnorm_case(spec: ModelSpec, rows, kind, gen, device, form="auto", qk=False) -> Case:
     """form: 'auto' (one kernel where replayable) | 'three' | 'one:desc' | 'one:asc' (forced mean order).
     qk: OLMo's q_norm input, a strided [rows, H*D] slice of the fused Wqkv output."""
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import rmsnorm
 
     n = spec.num_heads * spec.head_dim if qk else spec.hidden_size
@@ -140,6 +141,7 @@ def rmsnorm_case(spec: ModelSpec, rows, kind, gen, device, form="auto", qk=False
 
 
 def rope_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import rope
 
     h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -179,6 +181,7 @@ def rope_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
 def residual_norm_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
     """Ouro's post-norm + residual add + next pre-norm: `h = res + post(y); (h, nxt(h))` eagerly, against
     `rmsnorm.residual_rms_norm` (one launch)."""
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import rmsnorm
 
     n = spec.hidden_size
@@ -206,6 +209,7 @@ def rope_write_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
     """Rotate-half RoPE then the Triton K/V write (the base path) against `rope.rope_half_write_kv`: the
     rotated q and both caches (each side writes its own zeroed pool; the last row is a padding row with
     write_entry -1 when rows > 1, which must write nothing)."""
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import paged_attention as pa
     from looptrace.engine.kernels import rope
 
@@ -240,6 +244,7 @@ def rope_write_case(spec: ModelSpec, rows, kind, gen, device) -> Case:
 
 
 def silu_case(spec: ModelSpec, rows, kind, gen, device, options: dict | None = None, label="") -> Case:
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     import looptrace.engine.kernels.silu_mul as silu
 
     n = spec.intermediate_size
@@ -285,6 +290,7 @@ def in_graph(fn: Callable[[], tuple[torch.Tensor, ...]]):
 def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
     """Median µs per call of `fn`, replayed from one CUDA graph of `reps` calls (host launch cost left
     out), measured with `triton.testing.do_bench`."""
+    # deferred: Triton is optional (CUDA only)
     from triton.testing import do_bench
 
     g, _ = _capture(fn, reps)

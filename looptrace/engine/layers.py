@@ -47,6 +47,7 @@ class ExactRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(x.numel() // x.shape[-1]):
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import rmsnorm  # imports Triton: only where a kernel runs
 
             return rmsnorm.rms_norm(x, self.weight, self.eps)
@@ -62,6 +63,7 @@ class ResidualRMSNorm(nn.Module):
     op_kind = "residual_norm"
 
     def forward(self, y, residual, post: RMSNorm, nxt: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import rmsnorm  # imports Triton: only where a kernel runs
 
         return rmsnorm.residual_rms_norm(y, post.weight, post.eps, residual, nxt.weight, nxt.eps)
@@ -119,6 +121,7 @@ class ResidualTail:
         """(h', x') of y = proj(a)."""
         residual, w_post, w_next = self.residual, self.post.weight, self.nxt.weight
         if self.in_gemv:
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
             if gemv_forms.linear_norm_fusable(a, proj.weight, residual, w_post, w_next):
@@ -144,6 +147,7 @@ def project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, linear) -> torc
     form applies (one routed row: `gemv.forms.residual_norm_fusable`), else the norm's own launch first."""
     if not isinstance(x, PendingNorm):
         return linear(x, weight)
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
     if gemv_forms.residual_norm_fusable(x.y, x.residual, x.post.weight, x.nxt.weight, weight):
@@ -161,6 +165,7 @@ class GemvLinear(nn.Linear):
     Adapter included, which keep their op_kind)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         return gemv_forms.linear(x, self.weight, self.bias)
@@ -219,6 +224,7 @@ class ExactRotaryHalf(RotaryHalf):
 
     def forward(self, q, k, cos, sin):
         if exact_kernels_on(q.shape[0]):
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
 
             return rope.rope_half(q, k, cos, sin)
@@ -460,6 +466,7 @@ class TritonPagedAttention(PagedAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # write every row's K/V first: a prompt row attends to the rows before it
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import paged_attention  # imports Triton: only where a kernel runs
 
         paged_attention.write_kv(
@@ -470,6 +477,7 @@ class TritonPagedAttention(PagedAttention):
     def attend_written(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """After this layer's K/V of every row are in the cache (by `write_kv`, or by a kernel that fused
         the write, `kernels.rope_kv_write`)."""
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import (  # imports Triton: only where a kernel runs
             packed_attention,
             paged_attention,

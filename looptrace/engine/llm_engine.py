@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from looptrace.engine import kernels
 from looptrace.engine.assemble import assemble
@@ -73,8 +74,6 @@ def attention_backend(device: torch.device):
     4/4 with this backend or the math backend; `git show 050bfe4:bench/determinism_probe.py`)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 

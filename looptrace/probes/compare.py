@@ -23,8 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+from rich.table import Table
+
+import looptrace
 from looptrace.input_files import InputError, check_regular_file, read_json
+from looptrace.probes import events
+from looptrace.probes.capture import find_capture_dir, load_captures
+from looptrace.probes.counters import analyze
 from looptrace.probes.events import TraceError
+from looptrace.probes.report import to_dict
 
 SCHEMA = "looptrace.trace_compare/1"
 REPORT_SCHEMA_PREFIX = "looptrace.profile/"
@@ -86,8 +94,6 @@ def load_side(
         raise TraceError(str(exc)) from None
     if REPORT_SCHEMA_PREFIX in _peek(path):  # a saved report names its schema in its first line
         return _load_report(path), "report"
-    from looptrace.probes.report import to_dict
-
     result, header, _ = analyze_file(path, capture, window=window, device=device)
     return to_dict(result, header), "trace"
 
@@ -95,11 +101,8 @@ def load_side(
 def analyze_file(path: Path, capture: Path | None, **options: Any) -> tuple[Any, dict[str, Any], list | None]:
     """`trace analyze` of the trace at `path` (`options`: looptrace.probes.counters.analyze's): the
     analysis, its header and the capture graphs used (None: none); raises TraceError."""
-    from looptrace.probes.counters import analyze
-    from looptrace.probes.events import load_chrome_trace
-
     with _collector_paused():
-        trace = load_chrome_trace(path)
+        trace = events.load_chrome_trace(path)  # a module attribute: tests swap it
         if not trace.events:
             raise TraceError(f"{path}: no complete ('ph': 'X') events in the trace")
         captures = trace_captures(path, capture)
@@ -126,8 +129,6 @@ def _collector_paused() -> Iterator[None]:
 def trace_captures(path: Path, folder: Path | None) -> list[Any] | None:
     """Graphs of the given capture folder, else of the one beside the trace (a broken one is an error
     either way: it was meant for this trace)."""
-    from looptrace.probes.capture import find_capture_dir, load_captures
-
     folder = folder or find_capture_dir(path)
     return load_captures(folder) if folder is not None else None
 
@@ -375,8 +376,6 @@ def compare_reports(
     sources: tuple[str, str] = ("report", "report"),
     by_layer: bool = False,
 ) -> dict[str, Any]:
-    import looptrace
-
     notes = []
     for label, report in zip(labels, (a, b)):
         if not isinstance(report.get("categories"), list):
@@ -423,8 +422,6 @@ def _v(x: float | None, decimals: int = 2) -> str:
 
 def render_tables(data: dict[str, Any], console: Any) -> None:
     """The comparison as Rich tables: runs, totals, op categories and ops, then the notes."""
-    from rich.markup import escape
-
     la, lb = data["labels"]
     console.print(_runs_table(data["runs"]))
     console.print(_totals_table(data["totals"], la, lb, data.get("same_unit", True)))
@@ -438,8 +435,6 @@ def render_tables(data: dict[str, Any], console: Any) -> None:
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
     table = Table(title="runs", title_justify="left")
     for col in ("", "path", "tokens", "per", "tokens from", "window", "device"):
         table.add_column(col)
@@ -457,8 +452,6 @@ def _runs_table(runs: list[dict[str, Any]]) -> Any:
 
 
 def _totals_table(rows: list[dict[str, Any]], la: str, lb: str, same_unit: bool = True) -> Any:
-    from rich.table import Table
-
     units = "" if same_unit else " (per-token units differ: see the note)"
     table = Table(title=f"{lb} vs {la}: totals per token{units}", title_justify="left")
     for col, just in (
@@ -474,8 +467,6 @@ def _totals_table(rows: list[dict[str, Any]], la: str, lb: str, same_unit: bool 
 
 
 def _categories_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
-    from rich.table import Table
-
     table = Table(title=f"{lb} vs {la}: GPU time per token by op category", title_justify="left")
     for col in ("category", f"{la} µs/tok", f"{la} %", f"{lb} µs/tok", f"{lb} %", "B/A"):
         table.add_column(col, justify="left" if col == "category" else "right")
@@ -492,8 +483,6 @@ def _categories_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
 
 
 def _phases_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
-    from rich.table import Table
-
     table = Table(title=f"{lb} vs {la}: engine phases, like with like", title_justify="left")
     for col in ("phase", "per", f"{la} µs/tok", f"{lb} µs/tok", "B/A"):
         table.add_column(col, justify="left" if col in ("phase", "per") else "right")
@@ -505,8 +494,6 @@ def _phases_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
 
 
 def _ops_table(rows: list[dict[str, Any]], la: str, lb: str) -> Any:
-    from rich.table import Table
-
     table = Table(title=f"{lb} vs {la}: ops per token (by GPU time)", title_justify="left")
     for col in ("category", "op", "layer"):
         table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=60 if col == "op" else None)

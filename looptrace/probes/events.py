@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
 from looptrace.input_files import InputError, check_regular_file, parse_json
 from looptrace.probes import runtime as rt
 
@@ -151,9 +154,6 @@ def _progress(path: Path, size: int) -> Iterator[Callable[[int], None]]:
     if size < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
         yield lambda done: None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
     columns = (TextColumn("reading {task.description}"), BarColumn(), DownloadColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(path.name, total=size)

@@ -19,6 +19,7 @@ from typing import Any
 
 from looptrace.probes import categories as cats
 from looptrace.probes import collectives as comms
+from looptrace.probes import roofline
 from looptrace.probes.classify import CPU_OP_CAT
 from looptrace.probes.events import TraceError, TraceEvent, enclosing_chains
 
@@ -152,21 +153,9 @@ def category_rows(durations: Sequence[float], ops: Sequence[KernelOp], tokens: i
     return sorted(rows, key=lambda r: (-r.gpu_us, r.category))
 
 
-def _roofline() -> ModuleType | None:
-    """Helper module for FLOPs/bytes and device peaks; optional (rows keep None without it)."""
-    try:
-        from looptrace.probes import roofline
-    except ImportError:
-        return None
-    return roofline
-
-
 def device_peak(device_properties: list[dict[str, Any]] | None, override: str | None = None) -> Any:
     """The roofline's device (peaks) from the trace's `deviceProperties` or a name; None if unknown.
     TraceError for a name the device table does not know."""
-    roofline = _roofline()
-    if roofline is None:
-        return None
     try:
         return roofline.device_for(device_properties, override)
     except ValueError as exc:
@@ -179,7 +168,6 @@ def op_rows(
     """One row per (category, op, layer): calls, kernels, time, and the calls' summed cost and roofline
     position (against `peak`, a `roofline.DevicePeak`) where `roofline` knows the op; communication rows
     get their collective's bytes and bandwidths instead (`collectives`, with `comm`)."""
-    roofline = _roofline()
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
         groups[(op.category, op.op, op.layer, _shape(roofline, op))].append(i)
@@ -191,7 +179,7 @@ def op_rows(
         if category == cats.COMM:
             comm_calls = list(calls.values()) or [ops[i] for i in idx]  # kernel-named only: each kernel
             _add_comm(row, comm_calls, comm or CommContext(None))
-        elif roofline is not None and calls:
+        elif calls:
             _add_cost(row, roofline, list(calls.values()), peak)
         rows.append(row)
     return sorted(rows, key=lambda r: (-r.gpu_us, r.category, r.op, str(r.layer), r.shape or ""))

@@ -11,7 +11,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from looptrace.analysis.diff import inactive_reason
-from looptrace.probes.profile_run import comparison
+from looptrace.probes.profile_run import comparison, is_comparison
+from looptrace.probes.report import (
+    compare_table,
+    counters_table,
+    group_table,
+    header_table,
+    kernels_table,
+    op_compare_table,
+    report_renderables,
+    timeline_table,
+    to_csv,
+)
+from looptrace.probes.roofline_report import roofline_table
 
 # Printed under every profile report: its host time sits beside `run`'s and `bench`'s TPOT in the README.
 PROFILER_OVERHEAD_NOTE = (
@@ -60,14 +72,10 @@ def _engine_table(side: dict[str, Any]) -> Table:
 
 def render(sides: list[dict[str, Any]], fmt: str, compare: bool) -> str:
     """The text report (a --compare cut short before side B's decode window finished: side A alone)."""
-    from looptrace.probes.profile_run import is_comparison
-
     return render_compare(sides, fmt) if is_comparison(sides, compare) else render_single(sides[0], fmt)
 
 
 def render_single(side: dict[str, Any], fmt: str) -> str:
-    from looptrace.probes.report import counters_table, group_table, report_renderables, to_csv
-
     if fmt == "csv":
         return "\n".join(
             to_csv(w["analysis"], {"window": name, **_flat(side["header"])})
@@ -121,8 +129,6 @@ def _display_header(side: dict[str, Any], recipe: str | None = None) -> dict[str
 
 
 def render_compare(sides: list[dict[str, Any]], fmt: str) -> str:
-    from looptrace.probes.report import header_table
-
     if fmt == "json":
         return ""
     labels = tuple(escape(s["header"]["label"]) for s in sides)
@@ -188,14 +194,6 @@ def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _print_window_comparison(
     console: Console, sides, labels: tuple[str, ...], window: str, unit: str
 ) -> None:
-    from looptrace.probes.report import (
-        compare_table,
-        counters_table,
-        kernels_table,
-        op_compare_table,
-        timeline_table,
-    )
-
     xa, xb = (s["windows"][window]["analysis"] for s in sides)
     a, b = xa.counters, xb.counters
     title = f"{window.capitalize()} window, per {unit} token"
@@ -217,6 +215,4 @@ def _print_window_comparison(
 def _print_roofline(console: Console, side: dict[str, Any], title: str = "Decode roofline per op") -> None:
     block = side["windows"].get("decode", {}).get("report", {}).get("roofline")
     if block:
-        from looptrace.probes.roofline_report import roofline_table
-
         console.print(roofline_table(block, title))

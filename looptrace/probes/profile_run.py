@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from looptrace.build import BuildRequest, ResolvedModel, build, run_header
+from looptrace.engine.budget import check_memory, workload_needs
+from looptrace.output_files import OutputError, atomic_path
+from looptrace.probes.events import TraceError
+from looptrace.probes.report import compare_rows, label_time_keys, to_dict
+from looptrace.probes.roofline_report import profile_roofline
+from looptrace.recipes import load_recipe
 
 # A status line for `label` while a side profiles: yields a callback for progress messages, or None.
 Status = Callable[[str], AbstractContextManager]
@@ -33,6 +39,7 @@ class ProfileEngines:
 
 def check_options(level: str, concurrency: int, prompt_len: int, decode_steps: int | None) -> None:
     """The window options and the windows' prompts within host memory, before anything is built."""
+    # deferred: loads torch: the options are checked before it
     from looptrace.probes.ranges import LEVELS
     from looptrace.probes.session import ProfileInputError
 
@@ -46,8 +53,6 @@ def check_options(level: str, concurrency: int, prompt_len: int, decode_steps: i
 def sides_to_run(recipe: str | None, sets, compare, a_set, b_set) -> list[tuple[str, list[str]]]:
     """The (recipe, overrides) of each side (--compare A B: both), each loaded once to fail before any
     profiling."""
-    from looptrace.recipes import load_recipe
-
     if compare is None:
         return [(recipe or "base", list(sets or []))]
     runs = [(name, list(sets or []) + list(extra or [])) for name, extra in zip(compare, (a_set, b_set))]
@@ -58,8 +63,6 @@ def sides_to_run(recipe: str | None, sets, compare, a_set, b_set) -> list[tuple[
 
 def check_prompts_memory(concurrency: int, prompt_len: int) -> None:
     """The windows' random prompts within host memory, before any engine (a huge -c used to hang)."""
-    from looptrace.engine.budget import check_memory, workload_needs
-
     check_memory(workload_needs(concurrency, prompt_len, "--concurrency / --prompt-len"), "cpu")
 
 
@@ -73,7 +76,7 @@ def profile_side(
     status: Status,
 ) -> dict[str, Any]:
     """Profile one (recipe, overrides) side; `trace`: where to write its Chrome trace."""
-    from looptrace.probes.roofline_report import profile_roofline
+    # deferred: loads torch: the options are checked before it
     from looptrace.probes.session import plan, profile_engine
 
     max_len = cfg.prompt_len + 64 + (cfg.decode_steps or 0)
@@ -102,8 +105,6 @@ def profile_sides(
 ) -> tuple[list[dict[str, Any]], bool]:
     """Profile each (recipe, overrides); the first side writes --trace. A Ctrl-C keeps the sides (and
     windows) that finished and skips the rest; with nothing finished it propagates."""
-    from looptrace.output_files import atomic_path
-
     sides: list[dict[str, Any]] = []
     for i, (name, overrides) in enumerate(runs):
         try:
@@ -127,9 +128,6 @@ def profile_sides(
 def _trace_written(trace: Path) -> Iterator[None]:
     """torch's profiler reports no error when it cannot write its trace (a full disk): the trace read
     back is then cut short. That is an OutputError naming --trace, not a broken trace of ours."""
-    from looptrace.output_files import OutputError
-    from looptrace.probes.events import TraceError
-
     try:
         yield
     except TraceError as exc:
@@ -139,8 +137,6 @@ def _trace_written(trace: Path) -> Iterator[None]:
 
 
 def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, Any]:
-    from looptrace.probes.report import label_time_keys, to_dict
-
     windows = {}
     for name, run in result.windows.items():
         analysis = result.analyses[name]
@@ -159,6 +155,7 @@ def _side(header: dict[str, Any], result, roofline: dict | None) -> dict[str, An
 
 def _release(setup) -> None:
     """Free the engine's KV pool before the next side of a --compare sizes its own from free memory."""
+    # deferred: torch loads with the engine, not with this module
     import torch
 
     setup.engine = None
@@ -193,8 +190,6 @@ def _jsonable(side: dict[str, Any]) -> dict[str, Any]:
 
 def comparison(sides: list[dict[str, Any]], window: str = "decode") -> list[dict[str, Any]] | None:
     """Per-counter B vs A rows of one window (None: a side lacks it, e.g. after a Ctrl-C there)."""
-    from looptrace.probes.report import compare_rows
-
     if not all(window in s["windows"] for s in sides):
         return None
     a, b = (s["windows"][window]["analysis"].counters for s in sides)

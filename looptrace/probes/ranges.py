@@ -47,6 +47,7 @@ class _Nvtx:
         self.domain = None
         self.torch_nvtx = None
         try:
+            # deferred: optional (NVTX ranges on CUDA)
             import nvtx
 
             self.domain = nvtx.get_domain("looptrace")

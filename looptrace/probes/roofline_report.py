@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import bisect
 import re
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from rich.table import Table
 
 from looptrace.probes import counters as names
 from looptrace.probes.events import Trace, TraceEvent
@@ -207,6 +210,7 @@ def rows_per_call(window: dict[str, Any]) -> float:
 
 
 def shapes_of(engine: Any, window: dict[str, Any]) -> Shapes:
+    # deferred: torch loads with the engine, not with this module
     import torch
 
     spec = engine.spec
@@ -307,6 +311,7 @@ def token_total(
 
 
 def _dtype_name(engine: Any) -> str | None:
+    # deferred: torch loads with the engine, not with this module
     import torch
 
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(engine.dtype)
@@ -347,6 +352,7 @@ def _device(trace: Trace, engine: Any, override: str | None) -> DevicePeak | Non
     """The trace's deviceProperties (Kineto writes them on CUDA), else torch's name of the engine's GPU."""
     found = device_for(trace.device_properties, override)
     if found is None and engine.device.type == "cuda":
+        # deferred: torch loads with the engine, not with this module
         import torch
 
         props = torch.cuda.get_device_properties(engine.device)
@@ -363,8 +369,6 @@ def profile_roofline(engine: Any, result: Any, override: str | None = None) -> d
     try:
         return decode_roofline(engine, result.trace, window, result.analyses["decode"], device)
     except Exception as exc:  # noqa: BLE001 - a pricing bug must not cost the measured report
-        import sys
-
         print(f"warning: roofline rows not computed ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
 
@@ -374,8 +378,6 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def roofline_table(block: dict[str, Any], title: str = "Decode roofline per op") -> Any:
-    from rich.table import Table
-
     dev = block.get("device")
     where = f"{dev['name']}: {dev['peak_tbps']} TB/s" if dev else "device peaks n/a"
     rows_ctx = f"{block['rows_per_call']:.0f} rows/call, KV {block['context_tokens']:.0f} tokens/row"

@@ -31,6 +31,7 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from looptrace import __version__
 from looptrace.engine.request import PromptLogprob, SamplingParams, SamplingParamsError, derive_seed
 from looptrace.serve import openai_schema as oa
 from looptrace.serve.engine_loop import Accepted, EngineLoop, Failed, TokenEvent
@@ -529,8 +530,6 @@ def create_app(
 
     @app.get("/version")
     async def version():
-        from looptrace import __version__
-
         return oa.VersionResponse(version=__version__).model_dump()
 
     @app.post("/tokenize")

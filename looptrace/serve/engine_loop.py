@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from looptrace.engine.request import PromptLogprob, SamplingParams
+from looptrace.engine.request import EngineInputError, PromptLogprob, SamplingParams
 
 if TYPE_CHECKING:
     from looptrace.engine.llm_engine import LLMEngine
@@ -464,8 +464,6 @@ class EngineLoop:
             _send(cmd.sink, event)
 
     def _add(self, cmd: _Submit) -> None:
-        from looptrace.engine.llm_engine import EngineInputError
-
         try:
             rid = self.engine.add_request(
                 cmd.prompt, cmd.params, request_id=cmd.request_id, arrival_time=None
@@ -552,6 +550,7 @@ class EngineLoop:
             self.engine.forget(rid)
 
     def _step(self) -> None:
+        # deferred: loads torch
         from looptrace.engine.llm_engine import StepError
 
         probe = self.probe

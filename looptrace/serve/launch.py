@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from looptrace.build import BuildRequest, EngineSetup, build
+from looptrace.engine.tokenizer import load_tokenizer
 from looptrace.serve.plumbing import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from looptrace.serve.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -85,8 +86,6 @@ def _engine(request: BuildRequest) -> EngineSetup:
 
 
 def _server(request: ServeRequest, setup: EngineSetup, sock: Any, name: str) -> Server:
-    from looptrace.engine.tokenizer import load_tokenizer
-
     engine = setup.engine
     aliases = tuple(x for x in (engine.spec.name,) if x != name)
     info = {"recipe": setup.recipe.name, "preset": engine.spec.name, "device": str(engine.device)}

@@ -23,6 +23,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from looptrace.probes.counters import analyze
+from looptrace.probes.events import trace_from_profiler
+
 if TYPE_CHECKING:
     from looptrace.engine.llm_engine import LLMEngine
     from looptrace.engine.snapshot import GraphFamily
@@ -46,6 +49,7 @@ def _quiet():
     """Some torch builds print `USDT: profiler_start/stop` from C++ on every start and stop: reuse the
     profiler session's filter (captures native stderr around the call, passes other lines on)."""
     try:
+        # deferred: loads torch
         from looptrace.probes.session import _quiet_native_stderr
 
         return _quiet_native_stderr()
@@ -55,6 +59,7 @@ def _quiet():
 
 def warm_up_profiler() -> None:
     """The first torch.profiler session imports a lot (seconds); pay that before serving, not mid-request."""
+    # deferred: torch loads with the engine, not with this module
     import torch
 
     with _quiet():
@@ -121,6 +126,7 @@ class LiveProbe:
             self._worker.join(10.0)
 
     def _start(self) -> None:
+        # deferred: torch loads with the engine, not with this module
         import torch
 
         from looptrace.probes.ranges import RangeProbe
@@ -178,9 +184,6 @@ class LiveProbe:
 
     # Helper-thread side -----------------------------------------------------------------------------
     def _analyse(self, prof: Any, window: dict, graphs: dict, reasons: dict) -> None:
-        from looptrace.probes.counters import analyze
-        from looptrace.probes.events import trace_from_profiler
-
         t0 = time.perf_counter()
         try:
             trace = trace_from_profiler(prof)

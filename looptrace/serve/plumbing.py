@@ -14,6 +14,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, get_origin
 
+import h11
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -59,8 +60,6 @@ class JsonErrorH11Protocol(H11Protocol):
     The connection is closed after it, as uvicorn closes it."""
 
     def send_400_response(self, msg: str) -> None:
-        import h11
-
         body = error_bytes(f"malformed HTTP request: {msg}", "invalid_request_error", "bad_http_request")
         headers = [
             (b"content-type", b"application/json"),

@@ -29,8 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
+
+from looptrace.engine.tokenizer import ByteTokenizer
 from looptrace.serve.engine_loop import EngineLoop
-from looptrace.serve.plumbing import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from looptrace.serve.live_probe import LiveProbe
+from looptrace.serve.plumbing import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonErrorH11Protocol
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 DRAIN_GRACE_S = 5.0  # past the drain deadline: time to send the final error events before uvicorn cancels
@@ -153,10 +157,6 @@ class Server:
         return f"http://{host}:{self.port}"
 
     def _config(self):
-        import uvicorn
-
-        from looptrace.serve.plumbing import JsonErrorH11Protocol
-
         config = uvicorn.Config(
             self.app,
             http=JsonErrorH11Protocol,  # malformed HTTP answered with the JSON error shape
@@ -234,8 +234,6 @@ class Server:
 
 
 def _uvicorn_server(config: Any, on_signal: Callable[[int], None]) -> Any:
-    import uvicorn
-
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
@@ -275,11 +273,10 @@ def build_server(
     exit_on_dead: bool = True,
 ) -> Server:
     """Everything but the serving itself; the engine thread is started. Raises BindError."""
+    # deferred: sse-starlette and prometheus_client load when a server is built, not for its option checks
     from sse_starlette.sse import AppStatus
 
-    from looptrace.engine.tokenizer import ByteTokenizer
     from looptrace.serve.app import create_app
-    from looptrace.serve.live_probe import LiveProbe
     from looptrace.serve.metrics import ServerMetrics
 
     # Our drain ends every stream with its final events; sse-starlette's would cancel them mid-flight.

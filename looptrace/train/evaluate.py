@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from looptrace.engine.request import SamplingParams
 from looptrace.input_files import InputError, iter_jsonl
 
 
@@ -54,8 +55,6 @@ def generate_texts(
     engine, tokenizer, prompts: list[str], max_tokens: int
 ) -> tuple[list[str], list[list[int]]]:
     """Greedy generation through the engine, stopping at EOS; returns decoded texts and token ids."""
-    from looptrace.engine.request import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=False, seed=0)
     outs = engine.generate([encode_prompt(tokenizer, p) for p in prompts], params)
     return [tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs], outs

@@ -95,6 +95,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 def add_bos(tok) -> None:
     """The models are trained on BOS-first prompts: encoding with special tokens (as vLLM and `looptrace
     serve` do for a completion prompt) puts BOS first."""
+    # deferred: the tokenizers library, only when a tokenizer is built
     from tokenizers import processors
 
     bos = SPECIAL_NAMES[BOS]
@@ -103,6 +104,7 @@ def add_bos(tok) -> None:
 
 def write_tokenizer(directory: Path) -> None:
     """tokenizer.json (+ tokenizer_config.json): one token per character, id = its byte value."""
+    # deferred: the tokenizers library, only when a tokenizer is built
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {chr(i): i for i in range(32, 127)}

@@ -166,6 +166,7 @@ def dense_exact_by_depth(model: LoopedModel, cfg: TrainConfig, items, depths=(1,
 def save_trained(
     model: LoopedModel, cfg: TrainConfig, out: Path, items, wall: float, loss, acc, extra: dict
 ) -> dict:
+    # deferred: loads torch
     from looptrace.engine.checkpoint import save_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)

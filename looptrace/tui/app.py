@@ -23,7 +23,7 @@ from textual.binding import Binding
 from textual.css.query import NoMatches
 from textual.worker import get_current_worker
 
-from looptrace.tui.diff_data import DiffRequest
+from looptrace.tui.diff_data import DiffRequest, load_diff
 from looptrace.tui.messages import SnapshotReceived, SourceFailed, SourceFinished
 from looptrace.tui.model import DashboardModel
 from looptrace.tui.screens.dashboard import DashboardScreen
@@ -245,6 +245,4 @@ class LooptraceTop(App[None]):
 
 def run_diff(source: str | Path | dict) -> None:
     """Open the diff screen alone on a diff result (`{"requests": [...]}` file or dict); for `diff --tui`."""
-    from looptrace.tui.diff_data import load_diff
-
     LooptraceTop(diff=load_diff(source), start="diff").run()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from looptrace.engine.tokenizer import TokenizerError, load_tokenizer
 from looptrace.input_files import InputError, read_json
 
 
@@ -73,8 +74,6 @@ def parse_diff(data: Any, source: str = "diff data") -> list[DiffRequest]:
 
 def _decode_pieces(requests: list[DiffRequest], header: Any) -> None:
     """Fill in each token's text where the result has none, so the diff screen shows words, not ids."""
-    from looptrace.engine.tokenizer import TokenizerError, load_tokenizer
-
     if not isinstance(header, dict):
         return  # not a `looptrace diff` result: which model's ids these are is unknown
     weights = header.get("weights")

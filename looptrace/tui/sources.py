@@ -52,6 +52,7 @@ def auth_headers() -> dict[str, str]:
 
 
 def _get(url: str, timeout: float) -> Any:
+    # deferred: HTTP client and parser, only for a remote source
     import httpx
 
     try:
@@ -105,6 +106,7 @@ class LooptraceSource:
 
     def stream(self, interval: float, stopped: Callable[[], bool]) -> Iterator[dict[str, Any]]:
         """Snapshots from the SSE stats stream until `stopped()` (checked at every event)."""
+        # deferred: HTTP client and parser, only for a remote source
         import httpx
         from httpx_sse import connect_sse
 
@@ -165,6 +167,7 @@ class _Scrape:
 
 
 def parse_prometheus(text: str) -> _Scrape:
+    # deferred: HTTP client and parser, only for a remote source
     from prometheus_client.parser import text_string_to_metric_families
 
     out = _Scrape()

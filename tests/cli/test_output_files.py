@@ -34,7 +34,7 @@ def no_work(monkeypatch):
     """Every command fails loudly (exit 1, WorkStarted) if it gets past its argument checks."""
     monkeypatch.setattr("looptrace.drive.run_request.make_workload", _boom)
     monkeypatch.setattr("looptrace.probes.profile_run.build", _boom)
-    monkeypatch.setattr("looptrace.probes.events.load_chrome_trace", _boom)  # imported at call time
+    monkeypatch.setattr("looptrace.probes.events.load_chrome_trace", _boom)  # read as events.X
 
 
 def command(writer: str, target: Path, trace_in: Path) -> list[str]:

@@ -99,6 +99,7 @@ def calibrate(
     every (width, bucket) with random data of wide dynamic range; if none does, disables the one-kernel
     form (RMSNorm then uses the three-kernel form, exact by construction). Returns what it chose.
     """
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import reduce_order, rmsnorm
 
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -135,6 +136,7 @@ def warmup(device: torch.device | str = "cuda", specs=()) -> None:
     specs: iterable of dicts with keys `hidden`, `heads`, `kv_heads`, `head_dim`, `intermediate`,
     `rope` ('half' | 'interleaved'), `qk_bias` (bool), `rows` (iterable of row counts to cover).
     """
+    # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
     from looptrace.engine.kernels import reduce_order, rmsnorm, rope, silu_mul
 
     for spec in specs:

@@ -85,6 +85,7 @@ class GemvFusedLinear:
 
     @staticmethod
     def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         return gemv_forms.linear(x, weight, bias)
@@ -97,6 +98,7 @@ class RopeWriteOuroAttention(OuroAttention):
     def attend(self, q, k, v, ctx: AttnContext) -> torch.Tensor:
         if not exact_kernels_on(q.shape[0]):
             return super().attend(q, k, v, ctx)
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
 
         q = rope.rope_half_write_kv(
@@ -112,6 +114,7 @@ class GemvRopeOuroAttention(RopeWriteOuroAttention):
 
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
         if exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import gemv_rope  # imports Triton: only where a kernel runs
 
             x = materialized(x)
@@ -171,6 +174,7 @@ class ExactOuroMLP(OuroMLP):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(gate.shape[0]):
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import silu_mul  # imports Triton: only where a kernel runs
 
             return silu_mul.silu_mul(gate, up)
@@ -182,6 +186,7 @@ class GemvSiluOuroMLP(OuroMLP):
     the residual norm's own forms need the projection's output)."""
 
     def down(self, gate: torch.Tensor, up: torch.Tensor, tail: ResidualTail | None):
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         if tail is None and gemv_forms.silu_mul_fusable(gate, up, self.down_proj.weight):
@@ -194,6 +199,7 @@ class GemvSiluOutOuroMLP(OuroMLP):
     """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself."""
 
     def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         x = materialized(x)

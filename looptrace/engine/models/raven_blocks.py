@@ -43,6 +43,7 @@ class ExactRavenMLP(RavenMLP):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if exact_kernels_on(gate.shape[0]):
+            # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import silu_mul  # imports Triton: only where a kernel runs
 
             return silu_mul.silu_mul(gate, up)
@@ -95,6 +96,7 @@ class ExactRavenAttention(RavenAttention):
         if not exact_kernels_on(q.shape[0]):
             return super().rotate(q, k, ctx)
         bias = self.qk_bias if self.has_qk_bias else None  # the kernel adds it with the same rounding
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import rope  # imports Triton: only where a kernel runs
 
         return rope.rope_interleaved(q, k, ctx.cos, ctx.sin, bias)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from looptrace.engine.kernels import rmsnorm
 from looptrace.engine.kernels.gemv import tiles
 from looptrace.engine.kernels.gemv.kernel import (
     NORM_OUT,
@@ -51,8 +52,6 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) 
 def residual_norm_fusable(y: torch.Tensor, residual: torch.Tensor, w_post, w_next, weight) -> bool:
     """`residual_norm_linear` runs as one fused GEMV: where `rmsnorm.residual_rms_norm` takes its one-kernel
     form and the projection is one routed row through the CUDA-core GEMV."""
-    from looptrace.engine.kernels import rmsnorm
-
     return (
         routes(y, weight)
         and y.stride(-1) == residual.stride(-1) == 1
@@ -67,8 +66,6 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
     in one launch (`kernels.gemv_norm`): every program computes both row norms itself (PyTorch's mean
     order, rmsnorm's helpers) and its K slice of x; program (0, 0) stores h. Bitwise the two launches'.
     Call only where `residual_norm_fusable`."""
-    from looptrace.engine.kernels import rmsnorm
-
     k = y.shape[-1]
     check_weight(weight, k)
     shape = reduce_shape(1, k)
@@ -122,8 +119,6 @@ def linear_norm_fusable(
 ) -> bool:
     """`linear_residual_norm` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV whose
     output row `[1, N]` the one-kernel residual norm takes (`rmsnorm.residual_supported`)."""
-    from looptrace.engine.kernels import rmsnorm
-
     return (
         routes(a, weight)
         and weight.shape[1] == a.shape[-1]
@@ -141,8 +136,6 @@ def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, e
     norm over the whole row with the exact kernel's code (`rmsnorm.residual_norm_row`), so h and x are
     bitwise the two launches'. Returns (h, x), each shaped like `residual`. Call only where
     `linear_norm_fusable`."""
-    from looptrace.engine.kernels import rmsnorm
-
     k, n = a.shape[-1], weight.shape[0]
     check_weight(weight, k)
     shape = reduce_shape(1, n)
