@@ -43,6 +43,9 @@ Static part (pure `ast`, nothing of the package is imported):
   than `__init__` assigns), apart from a variant's fallback (a test calling `exact_kernels_on` or a
   `*_fusable` check); module globals rebound through `global` in `engine/`; methods and lines of
   `LLMEngine` and `ModelRunner`, lines of `LLMEngine.step`; function-level imports (lazy edges).
+- Function-level import statements of any package (not only looptrace's), each with its `# deferred: why`
+  comment (on the import, or on a comment line of the run of imports right above it); one that names no
+  reason is listed as such.
 - The kernel wing (`engine/kernels/`): lines per file; private cross-imports (a kernel file importing a
   sibling's private name, `from .x import _y`, a private sibling module `_x`, or reading `x._y` of a sibling
   module it imported); the functions of `kernels/__init__.py` and, of them, the forwarders (a body of
@@ -739,6 +742,65 @@ def class_sizes(modules: dict[str, Module]) -> dict[str, dict]:
     return out
 
 
+# ---------------------------------------------------------------------------------- function-level imports
+
+DEFERRED_MARK = "# deferred:"
+
+
+def _function_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(tree, False)
+    return found
+
+
+def _deferred_reason(module: Module, node: ast.stmt, import_lines: set[int]) -> str | None:
+    """The `# deferred: why` on the import's own lines, or on a comment line of the run of imports,
+    comments and blank lines right above it (one reason covers a group of imports)."""
+    lines = module.lines
+    for number in range(node.lineno, node.end_lineno + 1):
+        if DEFERRED_MARK in lines[number - 1]:
+            return lines[number - 1].split(DEFERRED_MARK, 1)[1].strip()
+    number = node.lineno - 1
+    while number >= 1 and _in_import_run(lines[number - 1], number, import_lines):
+        if DEFERRED_MARK in lines[number - 1]:
+            return lines[number - 1].split(DEFERRED_MARK, 1)[1].strip()
+        number -= 1
+    return None
+
+
+def _in_import_run(text: str, number: int, import_lines: set[int]) -> bool:
+    """An import, a comment or a blank line (isort parts a group of imports by package kind)."""
+    return number in import_lines or not text.strip() or text.strip().startswith("#")
+
+
+def function_level_imports(modules: dict[str, Module]) -> list[dict]:
+    """Every `import` / `from ... import` statement inside a function (of any package, not only looptrace's)
+    with the reason it is deferred (`# deferred: ...`, None if it gives none)."""
+    out = []
+    for module in modules.values():
+        nodes = _function_imports(module.tree)
+        import_lines = {n for node in nodes for n in range(node.lineno, node.end_lineno + 1)}
+        for node in nodes:
+            target = (
+                node.names[0].name if isinstance(node, ast.Import) else "." * node.level + (node.module or "")
+            )
+            out.append(
+                {
+                    "where": f"{module.rel}:{node.lineno}",
+                    "module": target,
+                    "reason": _deferred_reason(module, node, import_lines),
+                }
+            )
+    return sorted(out, key=lambda h: _where_key(h["where"]))
+
+
 # ------------------------------------------------------------------------------------ the kernel wing
 
 KERNELS = "looptrace.engine.kernels"
@@ -972,6 +1034,7 @@ def analyse(root: Path) -> dict:
         "kernel_wing": kernel_wing(modules),
         "class_sizes": class_sizes(modules),
         "event_switches": event_switches(modules),
+        "function_level_imports": function_level_imports(modules),
         "cli_functions_over_40": [
             f for f in all_functions if f["package"] == "cli" and f["lines"] > LONG_FUNCTION_LINES
         ],
@@ -1224,6 +1287,9 @@ def summary(result: dict) -> dict[str, int]:
     switches = result["event_switches"]
     figures["largest branch on request events (events)"] = max((h["events"] for h in switches), default=0)
     figures["function-level imports (lazy edges)"] = result["import_edges"]["lazy"]
+    deferred = result["function_level_imports"]
+    figures["function-level import statements (any package)"] = len(deferred)
+    figures["  of them without a # deferred: reason"] = sum(h["reason"] is None for h in deferred)
     wing = result["kernel_wing"]
     figures["lines engine/kernels (all files)"] = sum(wing["lines"].values())
     figures["files in engine/kernels"] = len(wing["lines"])
@@ -1290,6 +1356,13 @@ def render_text(result: dict) -> str:
     duplicates = [f"{d['lines']} lines: {d['first']} = {d['copy']}" for d in result["largest_duplicates"]]
     lines += _section(f"largest of {result['duplicated_regions']} duplicated regions", duplicates)
     lines += _section("lazy imports", [_edge_row(e) for e in result["lazy_imports"]])
+    lines += _section(
+        "function-level imports and why they are deferred",
+        [
+            f"{h['where']}: {h['module']}  | {h['reason'] or 'NO REASON GIVEN'}"
+            for h in result["function_level_imports"]
+        ],
+    )
     for kind, trace in result.get("trace", {}).items():
         lines += _trace_rows(kind, trace)
     if "fast_step" in result:

@@ -1,9 +1,11 @@
 """The house's rules, checked on the source with `ast` (bench/house_metrics.py): no import circles, no
-upward arrows between floors, no `getattr(` into engine objects outside engine/, an engine that imports no
-client package, no engine built outside build.py and engine/; and in the engine: the plan is the only
-reader of the `kernels` settings, model forwards test no kernel switches (only their variants' fallbacks),
-and no launch flag is a module global; in the kernel wing: no kernel file takes a private name of another,
-and `kernels/__init__.py` forwards nothing; the engine and the runner stay small, and a static walk from
+upward arrows between floors, no `getattr(` into engine objects and no reads of an engine's config, request
+records or parts outside engine/, an engine that imports no client package, no engine built outside
+build.py and engine/, no function-level import without its `# deferred:` reason, and a torch-free
+`import looptrace.engine` (in a child process); and in the engine: the plan is the only reader of the
+`kernels` settings, model forwards test no kernel switches (only their variants' fallbacks), and no launch
+flag is a module global; in the kernel wing: no kernel file takes a private name of another, and
+`kernels/__init__.py` forwards nothing; the engine and the runner stay small, and a static walk from
 `LLMEngine.step` reaches the runner's stages.
 LOOPTRACE_HOUSE_ROOT=DIR checks another checkout instead of this one."""
 
@@ -301,6 +303,47 @@ def test_the_reach_rule_catches_config_and_request_reads(tmp_path):
         ("looptrace/probes/session.py:3", "engine.requests of an engine object"),
         ("looptrace/probes/session.py:4", "e.cfg of an engine object"),
         ("looptrace/probes/session.py:5", "engine.requests of an engine object"),
+    ]
+
+
+def test_every_function_level_import_says_why_it_is_deferred(house):
+    """An import inside a function defers a heavy or optional package (torch, Triton, FastAPI, Textual,
+    plotting, the command implementations `looptrace --help` does not need); one without such a reason
+    belongs at the top of its module."""
+    modules, _, _ = house
+    silent = [h for h in hm.function_level_imports(modules) if h["reason"] is None]
+    assert silent == [], "function-level imports without a `# deferred: why` comment:\n" + _listing(silent)
+
+
+def test_the_deferred_import_rule_reads_the_reason_of_a_group(tmp_path):
+    """On a made-up module: a reason on the import's line, one above a group of imports (across the blank
+    line between third-party and first-party ones), and an import after code that gives none; imports at
+    module level are not counted."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "probes/x.py": (
+                "import json\n\n\n"
+                "def f():\n"
+                "    import torch  # deferred: torch\n"
+                "    # deferred: FastAPI\n"
+                "    import fastapi\n\n"
+                "    from looptrace.serve import app\n"
+                "    x = 1\n"
+                "    from looptrace import build\n"
+                "    return torch, fastapi, app, x, build, json\n"
+            ),
+        },
+    )
+    rows = [
+        (h["where"], h["module"], h["reason"]) for h in hm.function_level_imports(hm.load_modules(tmp_path))
+    ]
+    assert rows == [
+        ("looptrace/probes/x.py:5", "torch", "torch"),
+        ("looptrace/probes/x.py:7", "fastapi", "FastAPI"),
+        ("looptrace/probes/x.py:9", "looptrace.serve", "FastAPI"),
+        ("looptrace/probes/x.py:11", "looptrace", None),
     ]
 
 
