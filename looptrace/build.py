@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import looptrace
-from looptrace import assets
 
 if TYPE_CHECKING:  # the engine package imports torch: only at call time here
     from looptrace.engine.budget import PoolNeed
@@ -151,11 +150,13 @@ def preset_model(model: str | None, device_type: str, *, random_weights: bool = 
     """The preset --model names on `device_type`. A tiny preset with a packaged trained checkpoint
     (looptrace/assets/<preset>) loads it on any device unless `random_weights` asks for the
     seeded random init."""
-    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
+    # deferred: the engine's modules and the assets' directory load when a command runs: `looptrace --help`
+    # stays light
+    from looptrace.assets import shipped_weights
     from looptrace.engine.model_config import resolve_preset
 
     spec = resolve_preset(model or DEFAULT_MODEL, device_type)
-    shipped = None if random_weights else assets.shipped_weights(spec.name)
+    shipped = None if random_weights else shipped_weights(spec.name)
     return ResolvedModel(spec, model, shipped, shipped=shipped is not None)
 
 
@@ -376,11 +377,13 @@ def run_header(setup: EngineSetup) -> dict[str, Any]:
 def _other_weights(family: str) -> str:
     """What `--model FAMILY` without --weights gives: on CPU a family with a packaged tiny checkpoint
     loads it (trained weights, not random ones)."""
-    # deferred: the engine's modules load when a command runs: `looptrace --help` stays light
+    # deferred: the engine's modules and the assets' directory load when a command runs: `looptrace --help`
+    # stays light
+    from looptrace.assets import shipped_weights
     from looptrace.engine.model_config import FAMILY_PRESETS
 
     cpu_preset = FAMILY_PRESETS.get(family, (None, None))[0]
-    if cpu_preset is not None and assets.shipped_weights(cpu_preset) is not None:
+    if cpu_preset is not None and shipped_weights(cpu_preset) is not None:
         return f"without --weights, --model {family} loads the packaged trained {cpu_preset} on CPU"
     return f"random weights: --model {family} without --weights"
 

@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from looptrace import assets
 from looptrace.build import SEED_MAX
 from looptrace.cli.common import UsageError, friendly_errors, interrupt_exit
 from looptrace.cli.options import opt, thread_count
@@ -66,6 +65,9 @@ def train_tiny(
     threads: TrainThreadsOpt = 2,
 ) -> None:
     """Train ouro-tiny or huginn-tiny on the addition task and write a loadable checkpoint directory."""
+    # deferred: looptrace.assets resolves its directory at import: `looptrace --help` stays light
+    from looptrace import assets
+
     with interrupt_exit("interrupted: no checkpoint written"), friendly_errors():
         preset = f"{family.value}-tiny"
         if steps is not None and steps < 1:
