@@ -1178,14 +1178,17 @@ def trace_fast_step(root: Path) -> dict:
     """The files called during one decode step of recipe `fast` on CUDA (ouro-tiny, one request, after
     FAST_STEP_WARMUP steps, so the step replays its whole-token graph as a decode step does)."""
     import looptrace
-    from looptrace.engine import LLMEngine, SamplingParams
-    from looptrace.recipes import load_recipe
+    from looptrace.build import BuildRequest, build
+    from looptrace.engine import SamplingParams
 
     package_dir = Path(looptrace.__file__).resolve().parent
     if package_dir != (root / PACKAGE).resolve():
         raise SystemExit(f"traced {package_dir}, not the package under {root}")
-    cfg = load_recipe("fast", ["scheduler.max_model_len=256", "kv.num_blocks=2048"]).config
-    engine = LLMEngine.from_preset("ouro-tiny", cfg, device="cuda", seed=1)
+    sets = ("scheduler.max_model_len=256", "kv.num_blocks=2048")
+    request = BuildRequest(
+        model="ouro-tiny", random_weights=True, recipe="fast", sets=sets, device="cuda", seed=1
+    )
+    engine = build(request).engine
     engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=64))
     for _ in range(FAST_STEP_WARMUP):
         engine.step()

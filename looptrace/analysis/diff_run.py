@@ -28,7 +28,7 @@ from looptrace.build import (
     versions,
 )
 from looptrace.drive import workloads as w
-from looptrace.engine.budget import PoolNeed
+from looptrace.engine.budget import PoolNeed, check_memory, workload_needs
 from looptrace.engine.config import config_to_dict
 from looptrace.engine.perturb import PerturbSpecError, parse_place
 from looptrace.engine.tokenizer import load_tokenizer
@@ -171,6 +171,9 @@ def _check_sizes(req: DiffRequest) -> None:
         raise DiffInputError(f"--num-requests must be >= 1, got {req.num_requests}")
     if req.threads < 1:
         raise DiffInputError(f"--threads must be >= 1, got {req.threads}")
+    if req.prompts is None:  # the random prompts are drawn at once: they must fit in host memory
+        n = req.num_requests if req.num_requests is not None else req.concurrency
+        check_memory(workload_needs(n, req.prompt_len, "--num-requests / --prompt-len"), "cpu")
 
 
 def _check_fits(items, spec) -> None:

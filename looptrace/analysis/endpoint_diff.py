@@ -15,6 +15,7 @@ from typing import Any
 from looptrace.analysis import endpoint_arm as ea
 from looptrace.analysis import reference_judge as rj
 from looptrace.analysis import stream_diff as sd
+from looptrace.engine.budget import check_memory, workload_needs
 from looptrace.train.evaluate import Accuracy, EvalSetError, paired_difference, read_items
 
 SCHEMA = "looptrace.diff-endpoints/1"
@@ -84,6 +85,9 @@ def check(req: EndpointDiffRequest) -> None:
         raise EndpointDiffInputError(f"--temperature must be in [0, 2], got {req.temperature}")
     if not req.timeout > 0 or req.retries < 0:  # `not >`: a NaN timeout is refused too
         raise EndpointDiffInputError("--timeout must be > 0 and --retries >= 0")
+    if req.prompts is None:  # the random prompts are drawn at once: they must fit in host memory
+        n = req.num_requests if req.num_requests is not None else req.concurrency
+        check_memory(workload_needs(n, req.prompt_len, "--num-requests / --prompt-len"), "cpu")
     if req.expect is not None and req.expect not in sd.CLAIMS:
         raise EndpointDiffInputError(f"--expect {req.expect}: expected one of {', '.join(sd.CLAIMS)}")
     if not 0 <= req.seed < 2**64:

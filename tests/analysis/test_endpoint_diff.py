@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import socket
-from contextlib import ExitStack
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -133,10 +136,45 @@ def test_a_request_the_server_rejects_is_reported_and_the_rest_compared(urls, tm
     assert not ok and data["verdict"]["failed"] == ["r1"]
 
 
+@contextmanager
+def hung_endpoint() -> Iterator[str]:
+    """A real HTTP server that lists a model at once and never answers a completion (a hung engine)."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+            body = json.dumps({"object": "list", "data": [{"id": "ouro", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            release.wait(30)  # until the test ends: the client's timeout must fire first
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 def test_timeouts_are_retried_then_reported_per_request(urls) -> None:
-    data, ok = run(urls["base"], urls["base"], timeout=1e-4, retries=1, num_requests=2)
-    assert [r["verdict"] for r in data["requests"]] == [sd.FAILED, sd.FAILED]
-    assert all("timed out" in r["error"] for r in data["requests"])
+    """Arm B never answers: each request times out, is retried once, and is reported on its own."""
+    with hung_endpoint() as hung:
+        data, ok = run(urls["base"], hung, timeout=0.5, retries=1, num_requests=2, expect="noise")
+    assert not ok and [r["verdict"] for r in data["requests"]] == [sd.FAILED, sd.FAILED]
+    for r in data["requests"]:
+        assert r["error"].startswith("B: ") and "timed out" in r["error"], r["error"]
+        assert r["error"].endswith("(after 2 attempts)") and r["tokens_a"] == 6 and r["tokens_b"] == 0
 
 
 def test_batch_probe_sends_each_prompt_alone_and_in_a_crowd(urls) -> None:

@@ -136,6 +136,16 @@ def test_budget_names_the_setting_to_lower(one_gib, args, setting) -> None:
     assert "1.0 GiB available" in line and line.endswith(f"lower {setting}"), line
 
 
+@pytest.mark.parametrize(
+    "arms", [["base", "--b-set", "scheduler.max_num_seqs=2"], ["http://127.0.0.1:9", "http://127.0.0.1:9"]]
+)
+def test_diff_huge_num_requests_is_refused_before_drawing_prompts(one_gib, arms) -> None:
+    """Found by the property test: the random prompts were drawn first (numpy's 'Maximum allowed
+    dimension exceeded', exit 1)."""
+    line = one_error_line(invoke("diff", *arms, "--num-requests", "99999999999999999999", "--no-progress"))
+    assert "1.0 GiB available" in line and line.endswith("lower --num-requests / --prompt-len"), line
+
+
 def test_bench_huge_concurrency(one_gib) -> None:
     line = one_error_line(invoke("bench", "--cell", "ouro-tiny:16/4@99999999999999999999"))
     assert "--cell ouro-tiny:16/4@99999999999999999999" in line and "2147483647" in line
