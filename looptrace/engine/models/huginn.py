@@ -9,4 +9,3 @@ from looptrace.engine.models.raven_blocks import RavenLoopedModel, SandwichBlock
 
 class HuginnForCausalLM(RavenLoopedModel):
     block_cls = SandwichBlock
-    norm_before_coda = True

@@ -4,9 +4,13 @@ it, untied head. Layer names follow the raven-style converter (`transformer.*`, 
 
 from __future__ import annotations
 
+import torch
+
 from looptrace.engine.models.raven_blocks import PostNormBlock, RavenLoopedModel
 
 
 class OlmoRetrofitForCausalLM(RavenLoopedModel):
     block_cls = PostNormBlock
-    norm_before_coda = False
+
+    def coda_input(self, state: torch.Tensor) -> torch.Tensor:
+        return state  # the core's output feeds the coda directly (no norm before it)

@@ -147,7 +147,6 @@ class RavenLoopedModel(LoopedModel):
 
     block_cls: type[nn.Module]
     rope_cls: str
-    norm_before_coda: bool  # Huginn: ln_f(x) feeds the coda; OLMo: the core output feeds it directly
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -194,8 +193,12 @@ class RavenLoopedModel(LoopedModel):
             x = block(x, ctx)
         return x, None
 
+    def coda_input(self, state: torch.Tensor) -> torch.Tensor:
+        """What the coda's first block reads: Huginn normalises the last state with ln_f (OLMo overrides)."""
+        return self.transformer.ln_f(state)
+
     def coda_hidden(self, state, ctx):
-        x = self.transformer.ln_f(state) if self.norm_before_coda else state
+        x = self.coda_input(state)
         for block in self.transformer.coda:
             x = block(x, ctx)
         return self.transformer.ln_f(x)
