@@ -3,6 +3,7 @@ compared: tokens, counters, rung grades and inactive settings on CPU, nothing ti
 
     python bench/house_equivalence.py record --root DIR --out FILE.json   # DIR: a looptrace checkout
     python bench/house_equivalence.py compare BEFORE.json AFTER.json      # exit 1 on any difference
+        [--new-setting SECTION.KEY]   # a setting added between the trees: left out of AFTER's configs
 
 `record` runs, each in a subprocess with PYTHONPATH=DIR (so DIR's package is the one measured):
 - `looptrace diff base exactloop` and `diff exactloop fast` (the latter with every fused GEMV form the
@@ -123,12 +124,27 @@ def _without_wall_clock(value, skipped: list[str], where: str = ""):
     return value
 
 
-def compare(before: dict, after: dict) -> list[str]:
+def _without_keys(value, keys: set[str], dropped: list[str]):
+    """The JSON without the named keys (a setting added between the trees appears in every recorded
+    config with its default; `--new-setting` names it so the rest can be compared)."""
+    if isinstance(value, dict):
+        dropped += [k for k in value if k in keys]
+        return {k: _without_keys(v, keys, dropped) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_without_keys(v, keys, dropped) for v in value]
+    return value
+
+
+def compare(before: dict, after: dict, new_settings: tuple[str, ...] = ()) -> list[str]:
     """One line per differing entry (missing entries included)."""
     lines, skipped = [], []
     before, after = _without_wall_clock(before, skipped), _without_wall_clock(after, [])
     if skipped:
         print(f"left out (wall-clock settings {', '.join(WALL_CLOCK_SETTINGS)}): {len(skipped)} rows")
+    if new_settings:
+        dropped: list[str] = []
+        after = _without_keys(after, {s.split(".")[-1] for s in new_settings}, dropped)
+        print(f"left out (settings new in AFTER {', '.join(new_settings)}): {len(dropped)} values")
     for name in sorted(set(before) | set(after)):
         a, b = before.get(name), after.get(name)
         if a != b:
@@ -147,6 +163,9 @@ def main() -> int:
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("before", type=Path)
     cmp_.add_argument("after", type=Path)
+    cmp_.add_argument(
+        "--new-setting", action="append", default=[], help="SECTION.KEY added between the trees"
+    )
     args = parser.parse_args()
     if args.command == "record":
         recorded = record(args.root.resolve())
@@ -156,7 +175,7 @@ def main() -> int:
             print(f"FAILED: {name}: {recorded[name]}", file=sys.stderr)
         return 1 if failed else 0
     before, after = (json.loads(p.read_text()) for p in (args.before, args.after))
-    lines = compare(before, after)
+    lines = compare(before, after, tuple(args.new_setting))
     print("\n".join(lines) if lines else f"identical: {len(before)} entries")
     return 1 if lines else 0
 
