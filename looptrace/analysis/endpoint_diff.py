@@ -113,11 +113,12 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     """Both arms on the same prompts; (report data, the claim holds)."""
     check(req)
     t0 = time.perf_counter()
-    ref = _open_reference(req)  # before any server: a bad --reference is one line, at once
+    ref_spec = _reference_spec(req)  # before any server: a bad --reference is one line, at once
     with ExitStack() as stack:
         arm_a = _open_arm(stack, "A", req.arm_a, req.a_sets, req)
         arm_b = _open_arm(stack, "B", req.arm_b or req.arm_a, req.b_sets, req)
         items = _items(req, arm_a)
+        ref = _open_reference(ref_spec, max(len(it.prompt) + it.max_tokens for it in items))
         noise_info = _noise((arm_a, arm_b), req)
         noise = noise_info["margin"]
         sampling = ea.Sampling(req.max_tokens, req.temperature, _sampling_seed(req), req.top_logprobs)
@@ -145,12 +146,23 @@ def execute(req: EndpointDiffRequest, progress: Progress) -> tuple[dict[str, Any
     return data, ok
 
 
-def _open_reference(req: EndpointDiffRequest):
+def _reference_spec(req: EndpointDiffRequest) -> rj.ReferenceSpec | None:
     if req.reference is None:
         return None
     spec = rj.ReferenceSpec(req.reference, req.reference_dtype, req.reference_device)
     try:
-        return rj.open_reference(spec)
+        rj.check_reference(spec)
+    except rj.ReferenceError as exc:
+        raise EndpointDiffInputError(str(exc)) from None
+    return spec
+
+
+def _open_reference(spec: rj.ReferenceSpec | None, longest: int):
+    """The reference's engines, their pools sized to the longest stream they will score."""
+    if spec is None:
+        return None
+    try:
+        return rj.open_reference(spec, longest)
     except rj.ReferenceError as exc:
         raise EndpointDiffInputError(str(exc)) from None
 

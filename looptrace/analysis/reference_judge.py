@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from looptrace.build import BuildInputError, BuildRequest, build, resolve_model
+from looptrace.engine.budget import pool_geometry
 from looptrace.engine.model_config import UnknownModelError
 from looptrace.engine.request import EngineInputError
+from looptrace.recipes import load_recipe
 
 NEAR_TIE = "near tie"
 NOISE_DTYPE = "bfloat16"  # what a served model commonly runs in; measured against the reference dtype
@@ -47,17 +49,38 @@ class Reference:
     weights: str | None
 
 
-def open_reference(spec: ReferenceSpec) -> Reference:
-    """Both engines (base recipe) for a preset name or a checkpoint directory."""
+def check_reference(spec: ReferenceSpec) -> tuple[Any, Path | None]:
+    """The reference's resolved model and weights directory; a name that is neither a preset nor a
+    checkpoint directory is a ReferenceError (before any engine or server starts)."""
     path = Path(spec.model_or_weights)
     weights = path if path.is_dir() else None
     if weights is None and ("/" in spec.model_or_weights or path.exists()):
         raise ReferenceError(f"--reference {spec.model_or_weights}: no such checkpoint directory")
     try:
-        resolved = resolve_model(None if weights else spec.model_or_weights, spec.device, weights)
+        return resolve_model(None if weights else spec.model_or_weights, spec.device, weights), weights
+    except (UnknownModelError, BuildInputError, OSError, ValueError) as exc:
+        raise ReferenceError(f"--reference {spec.model_or_weights}: {exc}") from None
+
+
+def open_reference(spec: ReferenceSpec, longest: int | None = None) -> Reference:
+    """Both engines (base recipe) for a preset name or a checkpoint directory. `longest`: the most
+    positions a scored stream holds (prompt + served tokens). Its KV pool is sized to one such stream
+    rather than to the free memory, because the reference often shares its GPU with the server it judges,
+    which has taken most of it (a pool sized on what was left held 16 positions)."""
+    resolved, weights = check_reference(spec)
+    sets = _one_stream_pool(resolved.spec, longest) if longest is not None else ()
+    try:
 
         def reference_engine(dtype: str):
-            request = BuildRequest(weights=weights, device=spec.device, dtype=dtype, seed=0, threads=1)
+            request = BuildRequest(
+                weights=weights,
+                device=spec.device,
+                dtype=dtype,
+                seed=0,
+                threads=1,
+                sets=sets,
+                max_model_len=longest,
+            )
             return build(request, resolved).engine
 
         engine, noise_engine = reference_engine(spec.dtype), reference_engine(NOISE_DTYPE)
@@ -65,6 +88,13 @@ def open_reference(spec: ReferenceSpec) -> Reference:
         raise ReferenceError(f"--reference {spec.model_or_weights}: {exc}") from None
     shown = str(resolved.weights) if resolved.weights is not None else None
     return Reference(spec, engine, noise_engine, engine.spec.name, shown)
+
+
+def _one_stream_pool(model_spec: Any, longest: int) -> tuple[str, ...]:
+    """`kv.num_blocks` for one request of `longest` positions in the base recipe's layout."""
+    cfg = load_recipe("base").config
+    geometry = pool_geometry(model_spec, cfg, elt=4)  # the block count does not depend on the dtype
+    return (f"kv.num_blocks={geometry.blocks_for_tokens(longest) + cfg.kv.watermark_blocks}",)
 
 
 def _score(engine, prompt: list[int], tokens: list[int]) -> list:

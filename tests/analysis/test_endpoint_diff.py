@@ -303,6 +303,18 @@ def test_reference_finds_nothing_to_blame_when_base_and_exactloop_agree(urls) ->
     assert data["reference"]["noise"]["positions"] == 4 * 6
 
 
+def test_reference_pool_holds_one_stream_of_the_longest_length() -> None:
+    """Sized to the stream it scores, not to the free memory: on a GPU shared with the server it judges,
+    a pool sized on what was left held 16 positions and refused a 160-token stream."""
+    from looptrace.analysis.reference_judge import ReferenceSpec, open_reference
+
+    ref = open_reference(ReferenceSpec("ouro"), longest=40)
+    for engine in (ref.engine, ref.noise_engine):
+        kv = engine.snapshot().kv
+        assert kv.num_blocks == 3 * kv.blocks_per_page  # ceil(40 / 16) blocks in every plane of a page
+        assert engine.snapshot().limits.max_model_len >= 40
+
+
 def test_blame_rule_on_the_reference_margin() -> None:
     from looptrace.analysis.reference_judge import NEAR_TIE, blame
 
