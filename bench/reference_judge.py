@@ -27,6 +27,8 @@ import httpx
 
 def start_server(model: str, weights: str | None, device: str) -> tuple[subprocess.Popen, str]:
     argv = [sys.executable, "-m", "looptrace", "serve", "--model", model, "--dtype", "bfloat16"]
+    # The reference engines (float32 and bfloat16 weights) share the GPU: the server's KV pool leaves room
+    argv += ["--set", "kv.gpu_memory_utilization=0.5"]
     argv += ["--device", device, "--port", "0", *(["--weights", weights] if weights else [])]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     found: list[str] = []
