@@ -9,7 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from looptrace.analysis.endpoint_arm import (  # noqa: E402
     served_recipe,
 )
 from looptrace.analysis.endpoint_diff import EndpointDiffRequest, execute  # noqa: E402
+from tests.helpers import loopback_server  # noqa: E402
 
 RECURRENT_PLACE = "recurrent:1:core0:mlp"  # decode steps only: the prefill (position 0) is untouched
 PREFILL_PLACE = "prefill:0:core0:mlp"
@@ -156,15 +157,11 @@ def hung_endpoint() -> Iterator[str]:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        try:
+            yield url
+        finally:
+            release.set()  # before the server shuts down: no handler is left waiting
 
 
 def test_timeouts_are_retried_then_reported_per_request(urls) -> None:

@@ -1,15 +1,14 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("textual")
+
+from tests.helpers import loopback_server  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SESSION = FIXTURES / "session.jsonl"
@@ -25,18 +24,6 @@ DIFF = {
         {"id": "short", "a_tokens": [1, 2], "b_tokens": [1, 2, 3]},
     ]
 }
-
-
-@contextmanager
-def _loopback(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A thread serving `handler` on a free loopback port; yields its base URL."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 @pytest.fixture
@@ -62,7 +49,7 @@ def vllm_endpoint():
         def log_message(self, *args):
             pass
 
-    with _loopback(Handler) as base:
+    with loopback_server(Handler) as base:
         yield f"{base}/metrics", served
 
 
@@ -84,7 +71,7 @@ def stats_endpoint():
         def log_message(self, *args):
             pass
 
-    with _loopback(Handler) as base:
+    with loopback_server(Handler) as base:
         yield base, answer
 
 
