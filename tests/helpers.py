@@ -12,6 +12,7 @@ engines of `looptrace diff`'s arms, on one loaded model).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from looptrace.build import BuildRequest, EngineSetup, build, engine_factory, load, place
@@ -52,6 +54,19 @@ def interpreted_checks(module: str) -> dict:
         f"from {module} import _cpu_checks\n"
         "print('RESULT ' + json.dumps(_cpu_checks()))\n"
     )
+
+
+def interpreted_results_fixture(module: str):
+    """A module-scoped fixture giving `interpreted_checks(module)`, skipped where Triton is not installed
+    (each kernel test file binds it as `cpu_results`)."""
+
+    @pytest.fixture(scope="module")
+    def cpu_results() -> dict:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton not importable")
+        return interpreted_checks(module)
+
+    return cpu_results
 
 
 def tickets_left_zero() -> list:

@@ -35,7 +35,7 @@ from looptrace.engine.kernels.device_helpers import (  # noqa: E402
     sub_rn,
 )
 from tests.engine.kernels.test_launch_mode import _compile_sm90, _first  # noqa: E402
-from tests.helpers import interpreted_checks  # noqa: E402
+from tests.helpers import interpreted_results_fixture  # noqa: E402
 
 gpu = pytest.mark.gpu
 
@@ -137,9 +137,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    return interpreted_checks("tests.engine.kernels.test_device_helpers")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_device_helpers")
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_results_fixture
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -115,11 +115,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.test_gemv_rope")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_gemv_rope")
 
 
 CPU_CHECKS = [

@@ -13,7 +13,6 @@ reference and the per-row kernel, and CUDA-graph replay == eager bitwise.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
@@ -22,9 +21,8 @@ import torch
 
 from looptrace.engine import kernels as K
 from tests.engine.kernels.test_paged_attention import BS, make_pool, max_err, reference
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_results_fixture
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
 
 
@@ -129,11 +127,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.test_packed_attention")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_packed_attention")
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_results_fixture
 
 BS = 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -237,11 +237,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.test_paged_attention")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_paged_attention")
 
 
 CPU_CASES = ("gqa_d96", "mha_d128", "mha_d96_layer0")

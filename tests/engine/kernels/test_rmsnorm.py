@@ -6,7 +6,6 @@ Triton interpreter against the eager ops (its bf16 casts round toward zero, so o
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
@@ -14,10 +13,9 @@ import torch
 
 from looptrace.engine.kernels import reduce_order
 from tests.engine.kernels.conftest import MODELS, ROWS, kernel_case_failures
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_results_fixture
 
 CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
 
 
@@ -124,11 +122,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.test_rmsnorm")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_rmsnorm")
 
 
 @pytest.mark.parametrize("case", ["residual_1x2048", "residual_5x2048", "residual_3x512"])

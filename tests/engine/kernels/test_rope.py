@@ -7,15 +7,12 @@ write nothing."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from tests.engine.kernels.conftest import MODELS, ROWS, kernel_case_failures
-from tests.helpers import interpreted_checks
+from tests.helpers import interpreted_results_fixture
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
 
 
@@ -87,11 +84,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.test_rope")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.test_rope")
 
 
 @pytest.mark.parametrize("case", ["rope_q", "rope_k_in_cache", "v_copied_exactly", "nothing_else_written"])

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
-from tests.helpers import interpreted_checks, tickets_left_zero
+from tests.helpers import interpreted_results_fixture, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -108,11 +108,7 @@ def _preload_checks(gate, up, w, y, resid, w_post, w_next, w2, eps) -> dict:
     return {"preload_bitwise": [all(torch.equal(a, b) for a, b in zip(*runs)), None]}
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.gemv.test_forms_inputs")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.gemv.test_forms_inputs")
 
 
 CPU_CHECKS = [

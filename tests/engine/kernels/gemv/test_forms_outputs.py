@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.kernels.conftest import _open_cuda_gates, _rel_err, _replayed
-from tests.helpers import interpreted_checks, tickets_left_zero
+from tests.helpers import interpreted_results_fixture, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -121,11 +121,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.gemv.test_forms_outputs")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.gemv.test_forms_outputs")
 
 
 CPU_CHECKS = [

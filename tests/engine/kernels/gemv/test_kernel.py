@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import ROOT, interpreted_checks, tickets_left_zero
+from tests.helpers import ROOT, interpreted_results_fixture, tickets_left_zero
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
@@ -89,11 +89,7 @@ def _cpu_checks() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def cpu_results():
-    if not HAS_TRITON:
-        pytest.skip("triton not importable")
-    return interpreted_checks("tests.engine.kernels.gemv.test_kernel")
+cpu_results = interpreted_results_fixture("tests.engine.kernels.gemv.test_kernel")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
