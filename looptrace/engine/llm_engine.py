@@ -171,9 +171,8 @@ class LLMEngine:
             Stage.RECURRENT: self.decode,
         }
         self._next_seq = 0  # per engine, so request ids and derived seeds repeat across engines
-        self.perturbation = install_perturbation(
-            self, cfg.debug.perturb, cfg.debug.perturb_ulps
-        )  # debug.perturb (test aid)
+        # debug.perturb (a test aid): None unless the setting names a place
+        self.perturbation = install_perturbation(self, cfg.debug.perturb, cfg.debug.perturb_ulps)
 
     # Construction ---------------------------------------------------------------------------------------
     @classmethod
