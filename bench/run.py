@@ -110,6 +110,11 @@ MODES: dict[str, Mode] = {
         "cuda",
         script("token_ablation.py", "--out {out}"),
     ),
+    "persistent-loop": Mode(
+        "the persistent Ouro loop kernel alone at Ouro-1.4B shapes: checks, ms per loop vs the copy floor",
+        "cuda",
+        script("kernel_persistent_loop.py", "--out {out}"),
+    ),
     "attention": Mode(
         "decode attention (split-KV) against its byte floor, Ouro and Huginn heads, 1-64 rows",
         "cuda",

@@ -48,11 +48,12 @@ from looptrace.engine.models.ouro import (
     OuroForCausalLM,
     OuroLayer,
     OuroMLP,
+    PersistentOuroForCausalLM,
     RopeWriteOuroAttention,
 )
 from looptrace.engine.models.raven_blocks import ExactRavenAttention, ExactRavenMLP, RavenAttention, RavenMLP
 from looptrace.engine.plan import EnginePlan
-from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact
+from looptrace.engine.projections import fuse_model_projections, fused_gemm_is_exact, stack_loop_weights
 
 
 def _interleaved(module: nn.Module) -> bool:
@@ -96,6 +97,7 @@ VARIANTS: dict[str, tuple[tuple[type, type, Callable[[nn.Module], bool] | None],
     "kernels.gemv_silu_out": ((FusedGateUpOuroMLP, GemvSiluOutOuroMLP, None),),
     "kernels.gemv_norm_out": ((OuroLayer, GemvNormOutOuroLayer, None),),
     "kernels.gemv_rope_out": ((FusedQKVOuroAttention, GemvRopeOuroAttention, None),),
+    "kernels.persistent_loop": ((ChainedOuroForCausalLM, PersistentOuroForCausalLM, None),),
 }
 
 
@@ -156,6 +158,10 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
 
             l2_prefetch.apply_l2_prefetch(model, device)
         install_variants(model, setting)
+        if (
+            setting == "kernels.persistent_loop"
+        ):  # after fused_projections (registry order): re-points its tensors
+            model.loop_weights = stack_loop_weights(model)
         if setting == "kernels.exact":
             kernels.warmup(device, specs=[kernel_shapes(model.spec)])
     return checked_rungs

@@ -90,7 +90,11 @@ def resolve_plan(
     max_loops = cfg.exit.max_loops or spec.default_loops
     exit_policy = make_exit_policy(cfg.exit, max_loops, has_gate=spec.family == "ouro")
     layout = LAYOUTS[cfg.kv.layout](spec, max_loops)
-    devices = {registry.CUDA_TRITON: cuda and kernels_on, registry.PDL: cuda and kernels_on and pdl_on}
+    devices = {
+        registry.CUDA_TRITON: cuda and kernels_on,
+        registry.PDL: cuda and kernels_on and pdl_on,
+        registry.NO_PERTURB: not cfg.debug.perturb,
+    }
     kernel_plan, kernel_reasons = resolve_kernels(cfg, spec.family, devices)
     exact, triton = "kernels.exact" in kernel_plan, "kernels.attention" in kernel_plan
     fuse = cfg.scheduler.loop_fusion and not exit_policy.can_exit_early

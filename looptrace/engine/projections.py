@@ -53,3 +53,66 @@ def fused_gemm_is_exact(spec: ModelSpec, device: torch.device, dtype: torch.dtyp
             if len(widths) == 2 and not torch.equal(F.silu(parts[0]) * parts[1], F.silu(alone[0]) * alone[1]):
                 return False  # the MLP's consumer of the strided gate/up slices
     return True
+
+
+def stack_loop_weights(model: nn.Module):
+    """Ouro's core weights stacked by layer for `kernels.persistent_loop` (one pointer per weight kind, the
+    layer an offset): returns a `LoopWeights` and re-points every layer's parameters (and the fused q/k/v
+    and gate/up tensors, where `fuse_projections` made them) at views of the stacks, so the model holds
+    each weight once and its checkpoint names do not change."""
+    # deferred: the kernel module imports Triton (CUDA only); the plan checked it runs here
+    from looptrace.engine.kernels.persistent_loop import LoopWeights
+
+    layers = list(model.model.layers)
+    parts = {
+        "qkv": [[lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj] for lay in layers],
+        "o": [[lay.self_attn.o_proj] for lay in layers],
+        "gate_up": [[lay.mlp.gate_proj, lay.mlp.up_proj] for lay in layers],
+        "down": [[lay.mlp.down_proj] for lay in layers],
+        "norms": [
+            [
+                lay.input_layernorm,
+                lay.input_layernorm_2,
+                lay.post_attention_layernorm,
+                lay.post_attention_layernorm_2,
+            ]
+            for lay in layers
+        ],  # fmt: skip
+    }
+    stacks = {name: _stack(modules) for name, modules in parts.items()}
+    for lay, qkv, gate_up in zip(layers, stacks["qkv"], stacks["gate_up"]):
+        if lay.self_attn.qkv is not None:
+            lay.self_attn.qkv = qkv
+        if lay.mlp.gate_up is not None:
+            lay.mlp.gate_up = gate_up
+    spec = model.spec
+    return LoopWeights(
+        qkv=stacks["qkv"],
+        o=stacks["o"],
+        gate_up=stacks["gate_up"],
+        down=stacks["down"],
+        norms=stacks["norms"].view(len(layers), 4, spec.hidden_size),
+        final_norm=model.model.norm.weight.detach(),
+        eps=spec.rms_norm_eps,
+        heads=(spec.num_heads, spec.num_kv_heads, spec.head_dim),
+    )
+
+
+def _stack(modules_per_layer: list[list[nn.Module]]) -> torch.Tensor:
+    """`[L, rows, cols]` of each layer's weights concatenated by rows (norm weights count as one row each);
+    each module's weight becomes a view of its rows."""
+    stacked = torch.stack(
+        [torch.cat([_as_rows(m.weight.detach()) for m in mods]) for mods in modules_per_layer]
+    )
+    for layer, mods in enumerate(modules_per_layer):
+        start = 0
+        for m in mods:
+            rows = _as_rows(m.weight).shape[0]
+            view = stacked[layer, start : start + rows]
+            m.weight = nn.Parameter(view.view(m.weight.shape), requires_grad=False)
+            start += rows
+    return stacked
+
+
+def _as_rows(weight: torch.Tensor) -> torch.Tensor:
+    return weight if weight.dim() == 2 else weight.view(1, -1)

@@ -7,6 +7,7 @@ bits."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ from looptrace.engine.models.ouro import (
     GemvRopeOuroAttention,
     GemvSiluOutOuroMLP,
     OuroMLP,
+    PersistentOuroForCausalLM,
 )
 from looptrace.engine.plan import resolve_plan
+from looptrace.engine.projections import stack_loop_weights
 from looptrace.recipes import load_recipe
 from tests.helpers import Recorder, build_engine
 
@@ -79,6 +82,26 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
                 "kernels.gemv_norm": "no fused GEMV form for the huginn family",
                 "kernels.gemv_silu_out": "no fused GEMV form for the huginn family",
                 "kernels.gemv_rope_out": "no fused GEMV form for the huginn family",
+                "kernels.persistent_loop": "no persistent loop kernel for the huginn family",
+            },
+        ),
+        # the persistent loop replaces the chained loop: without it, or with the perturbation's layer hooks,
+        # it stays off with its reason
+        (
+            "ouro-tiny", "fast", ("kernels.residual_norm=false",), True,
+            {
+                "kernels.residual_norm": None,
+                "kernels.persistent_loop": (
+                    "needs kernels.residual_norm active (the chained loop it replaces)"
+                ),
+            },
+        ),
+        (
+            "ouro-tiny", "fast", ("debug.perturb=recurrent:*:*:mlp",), True,
+            {
+                "kernels.persistent_loop": (
+                    "debug.perturb hooks layer ops, which the persistent loop does not run"
+                ),
             },
         ),
     ],
@@ -125,3 +148,35 @@ def test_every_ouro_variant_of_fast_keeps_the_plain_models_bits_on_cpu():
     assert isinstance(build_engine("ouro-tiny").model, ChainedOuroForCausalLM) is False
     assert out == plain_out and plain.keys() == states.keys() and len(plain) > 0
     assert [key for key, h in plain.items() if not torch.equal(h, states[key])] == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable")
+def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bits_on_cpu():
+    """`stack_loop_weights` re-points every layer's weights (and the fused q/k/v, gate/up tensors) at views
+    of one stack per kind: same names, same values. On CPU the persistent variant's
+    loop falls back to the chained one (fp32 rows, no CUDA), so the model computes the plain bits."""
+    plain_out, plain = _states((), kernels__fused_projections=True)
+    engine = build_engine("ouro-tiny", noise="sequential", kernels__fused_projections=True)
+    model = engine.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for setting in ("kernels.residual_norm", "kernels.persistent_loop"):
+        install_variants(model, setting)
+    model.loop_weights = weights = stack_loop_weights(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    hq, hk, d = weights.heads
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.qkv.data_ptr() == weights.qkv[i].data_ptr()
+        assert attn.v_proj.weight.data_ptr() == weights.qkv[i, (hq + hk) * d :].data_ptr()
+        assert mlp.gate_up.data_ptr() == weights.gate_up[i].data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == weights.gate_up[i, engine.spec.intermediate_size :].data_ptr()
+        assert mlp.down_proj.weight.data_ptr() == weights.down[i].data_ptr()
+        assert layer.post_attention_layernorm_2.weight.data_ptr() == weights.norms[i, 3].data_ptr()
+    assert isinstance(model, PersistentOuroForCausalLM)
+    rec = Recorder(hidden=True)
+    engine.attach(rec)
+    with K.graph_warmup():
+        out = engine.generate([[5, 9, 13, 7, 21], [6, 9, 15]], SamplingParams(max_tokens=4))
+    assert out == plain_out and rec.states.keys() == plain.keys()
+    assert [key for key, h in plain.items() if not torch.equal(h, rec.states[key])] == []

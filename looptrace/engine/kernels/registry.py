@@ -6,6 +6,7 @@ other file restates a requirement.
 A requirement is a name with the reason reported when it is not met (`looptrace run` headers, `diff`):
 - `device:cuda_triton`: a CUDA device and an importable Triton;
 - `device:pdl`: the above on compute capability 9.0+ (programmatic dependent launch);
+- `debug:no_perturb`: `debug.perturb` unset (its hooks act on the layer ops, which a whole-loop kernel skips);
 - `kernels.<x>`: that setting asked for and every requirement of its own met except its `family` one
   (it can run here: whether this entry has a form for the family is this entry's own `family` check);
 - `family`: the model family is one of the entry's `families`.
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 
 CUDA_TRITON = "device:cuda_triton"
 PDL = "device:pdl"
+NO_PERTURB = (
+    "debug:no_perturb"  # debug.perturb unset: its hooks perturb layer ops a fused kernel does not run
+)
 FAMILY = "family"
 ALL_FAMILIES = ("ouro", "huginn", "olmo")
 
@@ -148,6 +152,24 @@ ENTRIES: tuple[KernelEntry, ...] = (
         (Requirement("kernels.attention", "needs the Triton attention (kernels.attention=triton, CUDA)"),),
         "KeySlotPagedAttention",
     ),
+    KernelEntry(
+        "kernels.persistent_loop",
+        "persistent_loop",
+        (
+            Requirement(
+                CUDA_TRITON,
+                "the persistent loop runs only on CUDA with Triton (its programs wait for "
+                "each other, so all of them must be resident on one GPU)",
+            ),
+            Requirement(
+                "kernels.residual_norm", "needs kernels.residual_norm active (the chained loop it replaces)"
+            ),
+            Requirement(NO_PERTURB, "debug.perturb hooks layer ops, which the persistent loop does not run"),
+            Requirement(FAMILY, "no persistent loop kernel for the {family} family"),
+        ),
+        "PersistentOuroForCausalLM (the loop's weights stacked by layer: stack_loop_weights)",
+        families=_OURO,
+    ),
 )
 
 BY_SETTING = {entry.setting: entry for entry in ENTRIES}
@@ -163,6 +185,7 @@ __all__ = [
     "CUDA_TRITON",
     "ENTRIES",
     "FAMILY",
+    "NO_PERTURB",
     "PDL",
     "KernelEntry",
     "Requirement",

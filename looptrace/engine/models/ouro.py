@@ -334,6 +334,30 @@ class ChainedOuroForCausalLM(OuroForCausalLM):
         return False
 
 
+class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
+    """`kernels.persistent_loop` (with `residual_norm`): a loop of at most 8 decode rows as one persistent
+    launch over the weights `assemble` stacked by layer (`loop_weights`); other loops (prefill, more rows,
+    shapes the kernel refuses) take the chained layer-by-layer path."""
+
+    loop_weights = None  # LoopWeights, set by `projections.stack_loop_weights` when the variant is installed
+
+    def loop(self, state, ctx):
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels import persistent_loop as pl  # imports Triton: only where it runs
+
+        w = self.loop_weights
+        if (
+            w is not None
+            and ctx.packed is None
+            and pl.loop_fusable(state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables)
+        ):
+            return pl.loop_persistent(
+                state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
+                ctx.tables, ctx.ctx_lens, ctx.block_size,
+            )  # fmt: skip
+        return super().loop(state, ctx)
+
+
 class DeferredNormOuroForCausalLM(ChainedOuroForCausalLM):
     """`kernels.gemv_norm` (with `residual_norm`): a one-row chain leaves each residual-norm launch to the
     GEMV of the projection that reads its output (`layers.PendingNorm`)."""

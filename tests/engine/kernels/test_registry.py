@@ -32,7 +32,9 @@ def test_every_kernel_setting_has_one_registry_entry_and_a_way_to_act():
 
 
 def test_every_requirement_names_a_device_check_the_family_or_a_setting():
-    known = {registry.CUDA_TRITON, registry.PDL, registry.FAMILY} | set(registry.BY_SETTING)
+    known = {registry.CUDA_TRITON, registry.PDL, registry.NO_PERTURB, registry.FAMILY} | set(
+        registry.BY_SETTING
+    )
     unknown = [(e.setting, r.name) for e in registry.ENTRIES for r in e.requires if r.name not in known]
     assert unknown == []
 

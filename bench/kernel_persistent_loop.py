@@ -1,0 +1,209 @@
+"""The persistent Ouro loop kernel (`kernels/persistent_loop.py`) at Ouro-1.4B's shapes, alone: its checks
+(persistent == staged bitwise, against float64, graph == eager, repeat, alone == batched) and its time per
+loop against the copy floor measured in the same process, for each launch shape and row count asked.
+
+    python bench/kernel_persistent_loop.py --out DIR [--layers 24] [--ctx 512] [--rows 1,2,4,8]
+        [--tiles 2048:8:64,1024:8:64] [--rounds 5]
+
+Writes DIR/persistent_loop.md (the table) and DIR/persistent_loop.json. CUDA only. Random weights of the real
+shape (seeded): the time does not depend on the values, the checks compare two computations of one input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from looptrace.engine.kernels import persistent_loop as pl  # noqa: E402
+from tests.engine.kernels.test_persistent_loop import make_case, reference_loop, rel_err, written_rows  # noqa: E402
+
+HEADS = (16, 16, 128)
+HIDDEN, INTER = 2048, 5632
+
+
+def copy_floor_gbs(nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy bandwidth (read + write counted once each), median of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def weight_bytes(case) -> int:
+    w = case.weights
+    return sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down, w.norms, w.final_norm))
+
+
+def checks(case, tiles: pl.LoopTiles) -> dict:
+    res = {}
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    out = pl.loop_persistent(*case.args(kc, vc), tiles=tiles)
+    kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
+    staged = pl.loop_staged(*case.args(kc2, vc2), tiles=tiles)
+    res["persistent_eq_staged"] = bool(
+        torch.equal(out, staged) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    )
+    repeats = [pl.loop_persistent(*case.args(), tiles=tiles) for _ in range(5)]
+    res["repeat_bitwise_5"] = all(torch.equal(out, r) for r in repeats)
+    kc3, vc3 = case.k_cache.clone(), case.v_cache.clone()
+    pl.loop_persistent(*case.args(kc3, vc3), tiles=tiles)  # warm-up, then capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = pl.loop_persistent(*case.args(kc3, vc3), tiles=tiles)
+    graph.replay()
+    torch.cuda.synchronize()
+    res["graph_eq_eager"] = bool(torch.equal(captured, out))
+    rows = case.state.shape[0]
+    if rows > 1:
+        alone = [pl.loop_persistent(*case.rows([r]).args(), tiles=tiles) for r in range(rows)]
+        res["alone_eq_batched"] = all(torch.equal(alone[r][0], out[r]) for r in range(rows))
+    ref, ref_k, ref_v = reference_loop(case)
+    got_k, got_v = written_rows(case, kc, vc)
+    res["rel_err_state_vs_float64"] = rel_err(out, ref)
+    res["rel_err_kv_vs_float64"] = max(rel_err(got_k, ref_k), rel_err(got_v, ref_v))
+    return res
+
+
+def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_per_graph: int = 4) -> dict:
+    """ms per loop launch: a CUDA graph of `loops_per_graph` launches (a token's loops) replayed 10 times per
+    sample, every (rows, tiles) arm once per round, interleaved; the median of `rounds` samples."""
+    graphs = {}
+    for rows, case in cases.items():
+        for ti, tiles in enumerate(tile_list):
+            for form, fn in (("persistent", pl.loop_persistent), ("staged", pl.loop_staged)):
+                if form == "staged" and ti > 0:
+                    continue
+                args = case.args()
+                fn(*args, tiles=tiles)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(loops_per_graph):
+                        fn(*args, tiles=tiles)
+                graphs[(rows, ti, form)] = g
+    samples: dict = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, g in graphs.items():
+            g.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                g.replay()
+            end.record()
+            end.synchronize()
+            samples[key].append(start.elapsed_time(end) / (10 * loops_per_graph))
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--tiles", default="2048:8:64,1024:8:64")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--check-layers", type=int, default=24)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tile_list = []
+    for spec in args.tiles.split(","):
+        bk, warps, split = (int(x) for x in spec.split(":"))
+        tile_list.append(pl.LoopTiles(block_k=bk, num_warps=warps, split_keys=split))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    floor = copy_floor_gbs()
+    print(f"copy floor {floor:.0f} GB/s", flush=True)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    cases = {
+        r: make_case(
+            gen,
+            HEADS,
+            HIDDEN,
+            INTER,
+            args.layers,
+            [args.ctx + 37 * i for i in range(r)],
+            page=16,
+            device="cuda",
+        )
+        for r in rows_list
+    }
+    result: dict = {
+        "barrier_timeouts": 0,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_floor_gbs": floor,
+        "layers": args.layers,
+        "ctx": args.ctx,
+        "checks": {},
+        "ms_per_loop": {},
+    }
+    check_case = make_case(
+        gen,
+        HEADS,
+        HIDDEN,
+        INTER,
+        args.check_layers,
+        [args.ctx, args.ctx + 100, 40],
+        page=16,
+        device="cuda",
+        scale=1.0,
+    )
+    for name, case in (("rows1", check_case.rows([0])), ("rows3", check_case)):  # the first launch shape
+        res = checks(case, tile_list[0])
+        result["checks"][f"{args.tiles.split(',')[0]}/{name}"] = res
+        print(name, res, f"{time.time() - t0:.0f}s", flush=True)
+    times = time_loops(cases, tile_list, args.rounds)
+    wbytes = weight_bytes(cases[rows_list[0]])
+    floor_ms = wbytes / floor / 1e6
+    lines = [
+        f"# Persistent Ouro loop at Ouro-1.4B shapes ({args.layers} layers, ctx {args.ctx}+), "
+        f"{result['device']}",
+        "",
+        f"copy floor {floor:.0f} GB/s; weights per loop {wbytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms",
+        "",
+        "| rows | tiles (block_k:warps:split_keys) | form | ms per loop | x floor | GB/s of weights |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (rows, ti, form), ms in sorted(times.items()):
+        tag = args.tiles.split(",")[ti]
+        result["ms_per_loop"][f"{rows}/{tag}/{form}"] = ms
+        lines.append(
+            f"| {rows} | {tag} | {form} | {ms:.4f} | {ms / floor_ms:.2f} | {wbytes / ms / 1e6:.0f} |"
+        )
+    result["barrier_timeouts"] = pl.barrier_timeouts()
+    lines += [
+        "",
+        f"barrier waits that gave up: {result['barrier_timeouts']}",
+        "",
+        "## Checks",
+        "",
+        "```",
+        json.dumps(result["checks"], indent=1),
+        "```",
+    ]
+    (args.out / "persistent_loop.md").write_text("\n".join(lines) + "\n")
+    (args.out / "persistent_loop.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,717 @@
+"""One Ouro loop (every core layer, then the final norm) at a few decode rows as one persistent Triton
+kernel (`kernels.persistent_loop`, R3 over exactloop). Imports Triton.
+
+Why: at batch 1, `fast` runs Ouro-1.4B's token as ~700 dependent launches (per layer pass: q/k/v GEMV with
+RoPE and the K/V write, attention, o GEMV, residual norm, gate/up GEMV with SiLU, down GEMV, residual norm).
+Each launch starts with a ramp and ends with a tail in which the memory system idles, and at one row those
+boundaries cost more than the work they separate. Here the grid is one program per SM for the whole loop:
+the programs stream every stage's weights and wait for one another at the stage boundaries through a
+device counter (`_grid_barrier`), not a launch; each program loads its first weight tile of the next stage
+before it waits, so the next stage's bytes are in flight while the slowest program finishes.
+
+Stages of layer l (every program takes units `pid, pid + P, ...` of each):
+- QKV: the residual stream h (the loop input at l = 0; else M + post2(down) of layer l - 1, stored by program
+  0 in H), x = in1(h) (every program computes it: the norm needs all of h); q/k/v rows in units of 4
+  rotate-half pairs (8 W rows), RoPE on q and k, q to a buffer, k and v into the paged cache.
+- ATTN: (row, head, split) items of split-KV attention; a split's (max, sum, acc) partial goes to scratch,
+  and the last split of a (row, head) to draw a ticket combines them in split order (deterministic).
+- O_PROJ: 8-row units of o_proj over the combined attention output.
+- GATE_UP: M = h + in2(o) (program 0 stores it), x = post1(M); units of 4 gate rows and the 4 up rows
+  paired with them, storing SiLU(gate)·up.
+- DOWN: 8-row units of down_proj.
+After the last layer, every program computes norm(M + post2(down)) and program 0 stores it: the new state.
+
+Arithmetic (R3): fp32 products summed per 8-row unit over K tiles in a fixed order, rounded to bf16 wherever
+the eager model stores a bf16 tensor (projections, norms, residual adds, RoPE terms, SiLU, the product), so
+it tracks the eager bf16 model closely; not the cuBLAS / PyTorch bits. Every row of a launch goes through
+the same per-row code (`tl.static_range` over rows), so a row's bits do not depend on the other rows, and
+every reduction order is fixed by the unit layout, so a launch repeats bit for bit.
+
+`STAGE >= 0` runs one stage of one layer per launch and no barrier (`loop_staged`): the Triton interpreter
+runs programs one after another, so a grid barrier would never open there; the staged form checks the same
+stage code on a CPU, and on a GPU it is the persistent launch's bitwise twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looptrace.engine.kernels.device_helpers import INTERPRET, round_bf16, triton
+
+tl = triton.language
+
+MAX_ROWS = 8  # rows one launch serves (decode); more rows take the layer-by-layer path
+UNIT = 8  # W rows per unit: 4 rotate-half / gate-up pairs, or 8 plain rows
+KEY_BLOCK = tl.constexpr(32)  # keys per attention step
+# The stages (`STAGE`: -1 all of them behind barriers, else this one alone); also the GEMV epilogues.
+QKV, ATTN, O_PROJ, GATE_UP, DOWN, FINAL = (tl.constexpr(stage) for stage in range(6))
+MAX_SPINS = tl.constexpr(1 << 24)  # polls of a barrier before it gives up (seconds): never a hang
+LAYER_STAGES = (0, 1, 2, 3, 4)  # one layer's stages in order (host side)
+FINAL_STAGE = 5
+INTERPRETED = tl.constexpr(INTERPRET)
+
+
+# ------------------------------------------------------------------------------------------ device helpers
+
+
+@triton.jit
+def _program():
+    """(program id, programs) as scalars (the interpreter gives one-element arrays, which `range` refuses)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    if INTERPRETED:
+        pid, programs = (
+            tl.sum(pid + tl.zeros([1], tl.int32), 0),
+            tl.sum(programs + tl.zeros([1], tl.int32), 0),
+        )
+    return pid, programs
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, target):
+    """Wait until every program has arrived `target // P` times: all stores before it are visible to every
+    program after it (release on arrival, acquire on leaving; data made inside the launch is read `.cg`)."""
+    tl.debug_barrier()  # every thread's stores are done before this program's arrival releases them
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    seen = tl.load(bar_ptr, volatile=True)
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.load(bar_ptr, volatile=True)
+        spins += 1
+    if seen < target:  # a program never arrived (not resident, or a bug): give up rather than hang the GPU
+        tl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
+    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rms(x, w, N: tl.constexpr, eps):
+    """Eager RMSNorm of fp32 rows `[RP, BH]` holding bf16 values: bf16(bf16(x rsqrt(mean(x^2) + eps)) w)."""
+    ms = tl.sum(x * x, axis=1) / N
+    return round_bf16(round_bf16(x * tl.rsqrt(ms + eps)[:, None]) * w[None, :])
+
+
+@triton.jit
+def _load_rows(ptr, stride_r, R, RP: tl.constexpr, cols, N: tl.constexpr):
+    """`[RP, len(cols)]` fp32 of a bf16 buffer's rows (rows >= R and cols >= N: 0), through L2 (`.cg`):
+    other programs of this launch wrote them."""
+    rows = tl.arange(0, RP)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    ptrs = ptr + rows[:, None] * stride_r + cols[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, stride_r, R, RP: tl.constexpr, cols, N: tl.constexpr, values):
+    rows = tl.arange(0, RP)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    tl.store(ptr + rows[:, None] * stride_r + cols[None, :], values.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unit_rows(u, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr):
+    """W rows of unit u: 4 first members of pairs and their partners PAIR_OFF further. Plain units
+    (PAIR_OFF = 4) are 8 consecutive rows; q/k/v units (HALF = D/2) hold dims of one head; gate/up units
+    (PAIR_OFF = INTER) hold 4 gate rows and the up rows of the same outputs."""
+    j = tl.arange(0, 8)
+    pair = u * 4 + j % 4
+    first = (pair // HALF) * HEAD + pair % HALF
+    return first + tl.where(j < 4, 0, PAIR_OFF)
+
+
+@triton.jit
+def _weight_tile(w_ptr, stride_w, rows, k0, K: tl.constexpr, BK: tl.constexpr, live):
+    k = k0 + tl.arange(0, BK)
+    mask = live & (k < K)[None, :]
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _unit_tile(w_ptr, stride_w, u, kt, live, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
+               K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The weight tile of (unit u, K tile kt): `[8, BK]` bf16 (zeros where not live)."""
+    rows = _unit_rows(u, PAIR_OFF, HALF, HEAD)
+    return _weight_tile(w_ptr, stride_w, rows, kt * BK, K, BK, live)
+
+
+@triton.jit
+def _first_tile(w_ptr, stride_w, U, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """This program's first weight tile of a GEMV stage: loaded before the barrier that opens the stage."""
+    pid, _programs = _program()
+    return _unit_tile(w_ptr, stride_w, pid, 0, pid < U, PAIR_OFF, HALF, HEAD, K, BK)
+
+
+@triton.jit
+def _gemv_stage(w_ptr, stride_w, w_first, x_ptr, stride_x, R, U, out, RP: tl.constexpr,
+                PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr, K: tl.constexpr,
+                BK: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
+    """This program's units of `x @ W.T` (x: `[R, K]` bf16), each unit's `[RP, 8]` fp32 sums handed to the
+    epilogue EPI (QKV, GATE_UP or plain) with `out` (that epilogue's tuple of outputs). The (unit, K tile)
+    items run as one flat loop that loads the next item's tile before it uses the current one; `w_first` is
+    item 0's tile, loaded by the caller before the barrier that opened the stage."""
+    pid, P = _program()
+    KT: tl.constexpr = (K + BK - 1) // BK
+    items = (U - pid + P - 1) // P * KT  # pid < P, so never negative
+    acc = tl.zeros([RP, 8], tl.float32)
+    row_ids = tl.arange(0, RP)
+    w = w_first
+    item = items * 0  # a while loop: the interpreter's range() refuses a computed bound (numpy >= 2)
+    while item < items:
+        nxt = item + 1
+        w_next = _unit_tile(
+            w_ptr, stride_w, pid + (nxt // KT) * P, nxt % KT, nxt < items, PAIR_OFF, HALF, HEAD, K, BK
+        )
+        kt = item % KT
+        k = kt * BK + tl.arange(0, BK)
+        wf = w.to(tl.float32)
+        for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
+            xr = tl.load(x_ptr + r * stride_x + k, mask=(k < K) & (r < R), other=0.0, cache_modifier=".cg")
+            part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+            acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
+        if kt == KT - 1:
+            u = pid + (item // KT) * P
+            if EPI == QKV:
+                _qkv_epilogue(acc, u, R, RP, HALF, out)
+            elif EPI == GATE_UP:
+                _silu_epilogue(acc, u, R, RP, out)
+            else:
+                _plain_epilogue(acc, _unit_rows(u, PAIR_OFF, HALF, HEAD), R, RP, out)
+            acc = tl.zeros([RP, 8], tl.float32)
+        w = w_next
+        item = nxt
+
+
+@triton.jit
+def _split_pairs(acc, RP: tl.constexpr):
+    """`[RP, 8]` unit sums -> (first members, partners), each `[RP, 4]`."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, [RP, 2, 4]), (0, 2, 1)))
+    return first, second
+
+
+@triton.jit
+def _plain_epilogue(acc, rows, R, RP: tl.constexpr, out):
+    out_ptr, stride_o = out
+    r = tl.arange(0, RP)
+    tl.store(out_ptr + r[:, None] * stride_o + rows[None, :], acc.to(tl.bfloat16), mask=(r < R)[:, None])
+
+
+@triton.jit
+def _silu_epilogue(acc, u, R, RP: tl.constexpr, out):
+    """SiLU(gate)·up as eager bf16 does it: bf16(bf16(silu(bf16 gate)) * bf16 up)."""
+    act_ptr, stride_a = out
+    gate, up = _split_pairs(acc, RP)
+    gate, up = round_bf16(gate), round_bf16(up)
+    act = round_bf16(gate / (1.0 + tl.exp(-gate))) * up
+    r = tl.arange(0, RP)
+    cols = u * 4 + tl.arange(0, 4)
+    tl.store(act_ptr + r[:, None] * stride_a + cols[None, :], act.to(tl.bfloat16), mask=(r < R)[:, None])
+
+
+@triton.jit
+def _qkv_epilogue(acc, u, R, RP: tl.constexpr, HALF: tl.constexpr, out):
+    """RoPE (rotate-half, each eager bf16 term rounded) of q and k pairs; q to its buffer `[R, HQ * D]`, k and
+    v into the cache slot (write_entry[r] + layer, write_offset[r]); a padding row (entry < 0) writes no
+    cache."""
+    (q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer, stride_cs, stride_e, stride_s,
+     stride_ch, HQ, HK) = out  # fmt: skip
+    x1, x2 = _split_pairs(acc, RP)
+    x1, x2 = round_bf16(x1), round_bf16(x2)
+    pair = u * 4 + tl.arange(0, 4)
+    head, d = pair // HALF, pair % HALF
+    r = tl.arange(0, RP)
+    live = (r < R)[:, None]
+    cs = r[:, None] * stride_cs + d[None, :]
+    c1 = tl.load(cos_ptr + cs, mask=live, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=live, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=live, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=live, other=0.0).to(tl.float32)
+    o1 = round_bf16(round_bf16(x1 * c1) - round_bf16(x2 * s1))
+    o2 = round_bf16(round_bf16(x2 * c2) + round_bf16(x1 * s2))
+    is_q = (head < HQ)[None, :]
+    qp = q_ptr + r[:, None] * (HQ * 2 * HALF) + (head * (2 * HALF) + d)[None, :]
+    tl.store(qp, o1.to(tl.bfloat16), mask=live & is_q)
+    tl.store(qp + HALF, o2.to(tl.bfloat16), mask=live & is_q)
+    entry = tl.load(went_ptr + r, mask=r < R, other=-1).to(tl.int64)
+    slot = tl.load(woff_ptr + r, mask=r < R, other=0).to(tl.int64)
+    kv = head - HQ  # k heads, then v heads
+    is_k = ((kv >= 0) & (kv < HK))[None, :]
+    is_v = (kv >= HK)[None, :]
+    kv_head = tl.where(kv >= HK, kv - HK, kv).to(tl.int64)
+    dst = ((entry + layer) * stride_e + slot * stride_s)[:, None] + (kv_head * stride_ch + d)[None, :]
+    write = live & (entry >= 0)[:, None]
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=write & is_k)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=write & is_k)
+    tl.store(vc_ptr + dst, x1.to(vc_ptr.dtype.element_ty), mask=write & is_v)
+    tl.store(vc_ptr + dst + HALF, x2.to(vc_ptr.dtype.element_ty), mask=write & is_v)
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+@triton.jit
+def _norm_weight(wn_ptr, layer, which, cols, H: tl.constexpr):
+    """Norm weight `which` of layer (0 in1, 1 in2, 2 post1, 3 post2) as fp32 `[BH]`."""
+    return tl.load(wn_ptr + (layer * 4 + which) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _layer_input(layer, io, bufs, wn_ptr, eps, R, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr):
+    """h entering `layer`: the loop input at layer 0, else M + post2(down) of the layer before (bf16)."""
+    h_in_ptr, stride_in, _state_ptr = io
+    _x_ptr, hb_ptr, mb_ptr, _q_ptr, _attn_ptr, _o_ptr, _act_ptr, d_ptr = bufs
+    cols = tl.arange(0, BH)
+    if layer == 0:
+        h = _load_rows(h_in_ptr, stride_in, R, RP, cols, H)
+    else:
+        m = _load_rows(mb_ptr, H, R, RP, cols, H)
+        d = _load_rows(d_ptr, H, R, RP, cols, H)
+        h = round_bf16(m + _rms(d, _norm_weight(wn_ptr, layer - 1, 3, cols, H), H, eps))
+    return h
+
+
+@triton.jit
+def _stage_x(
+    h, which_norm, layer, wn_ptr, eps, x_ptr, R, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr
+):
+    """x = norm(h) into this program's own x rows (every program computes it: a norm needs all of h)."""
+    cols = tl.arange(0, BH)
+    x = _rms(h, _norm_weight(wn_ptr, layer, which_norm, cols, H), H, eps)
+    _store_rows(x_ptr + tl.program_id(0) * RP * H, H, R, RP, cols, H, x)
+    tl.debug_barrier()  # this program's GEMV reads the rows its other threads stored
+
+
+@triton.jit
+def _stage_qkv(
+    layer,
+    w_first,
+    io,
+    bufs,
+    weights,
+    attn_meta,
+    R,
+    eps,
+    RP: tl.constexpr,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """h entering the layer (program 0 stores it), x = in1(h), then q/k/v with RoPE and the K/V write."""
+    x_ptr, hb_ptr, _mb, q_ptr, _attn, _o, _act, _d = bufs
+    wqkv_ptr, _wo, _wgu, _wd, wn_ptr, _wf = weights
+    (cos_ptr, sin_ptr, stride_cs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, went_ptr, woff_ptr, _t,
+     _st, _c) = attn_meta  # fmt: skip
+    pid, _programs = _program()
+    h = _layer_input(layer, io, bufs, wn_ptr, eps, R, RP, H, BH)
+    if pid == 0:
+        _store_rows(hb_ptr, H, R, RP, tl.arange(0, BH), H, h)
+    _stage_x(h, 0, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
+    n = (HQ + 2 * HK) * D
+    out = (q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer, stride_cs, stride_e,
+           stride_s, stride_ch, HQ, HK)  # fmt: skip
+    w_ptr = wqkv_ptr + layer.to(tl.int64) * n * H
+    _gemv_stage(w_ptr, H, w_first, x_ptr + pid * RP * H, H, R, n // 8, out, RP, D // 2, D // 2, D, H, BK, QKV)
+
+
+@triton.jit
+def _stage_gate_up(layer, w_first, bufs, weights, R, eps, RP: tl.constexpr, H: tl.constexpr,
+                   BH: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """M = h + in2(o) (program 0 stores it), x = post1(M), then SiLU(gate)·up."""
+    x_ptr, hb_ptr, mb_ptr, _q, _attn, o_ptr, act_ptr, _d = bufs
+    _wqkv, _wo, wgu_ptr, _wd, wn_ptr, _wf = weights
+    pid, _programs = _program()
+    cols = tl.arange(0, BH)
+    h = _load_rows(hb_ptr, H, R, RP, cols, H)
+    o = _load_rows(o_ptr, H, R, RP, cols, H)
+    m = round_bf16(h + _rms(o, _norm_weight(wn_ptr, layer, 1, cols, H), H, eps))
+    if pid == 0:
+        _store_rows(mb_ptr, H, R, RP, cols, H, m)
+    _stage_x(m, 2, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
+    w_ptr = wgu_ptr + layer.to(tl.int64) * 2 * INTER * H
+    _gemv_stage(w_ptr, H, w_first, x_ptr + pid * RP * H, H, R, INTER // 4, (act_ptr, INTER), RP, INTER,
+                1 << 30, 1 << 30, H, BK, GATE_UP)  # fmt: skip
+
+
+@triton.jit
+def _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP: tl.constexpr, HQ: tl.constexpr,
+            HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Split-KV attention of every (row, head): split s holds keys [s * SPLIT, (s + 1) * SPLIT) (fixed by the
+    key count, not by the grid or the rows, so a row's bits do not depend on the launch); the last split of
+    a (row, head) to draw a ticket combines the partials in split order."""
+    _x, _h, _m, q_ptr, attn_ptr, _o, _act, _d = bufs
+    part_ptr, ticket_ptr, max_splits = partials
+    _cos, _sin, _scs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, _we, _wo, tab_ptr, stride_t, ctx_ptr = (
+        attn_meta
+    )
+    pid, P = _program()
+    r_ids = tl.arange(0, RP)
+    longest = tl.max(tl.load(ctx_ptr + r_ids, mask=r_ids < R, other=0), axis=0)
+    rows_heads = R * HQ
+    d = tl.arange(0, D)
+    items = rows_heads * tl.cdiv(longest, SPLIT)
+    item = pid
+    while item < items:
+        split, pair = item // rows_heads, item % rows_heads
+        r, head = pair // HQ, pair % HQ
+        ctx = tl.load(ctx_ptr + r)
+        if split * SPLIT < ctx:
+            q = tl.load(q_ptr + r * (HQ * D) + head * D + d, cache_modifier=".cg").to(tl.float32) * qk_scale
+            kv_off = (head // (HQ // HK)).to(tl.int64) * stride_ch + d
+            m_i = tl.full([], float("-inf"), tl.float32)
+            l_i = tl.zeros([], tl.float32)
+            acc = tl.zeros([D], tl.float32)
+            end = tl.minimum(split * SPLIT + SPLIT, ctx)
+            start = split * SPLIT
+            while start < end:
+                pos = start + tl.arange(0, KEY_BLOCK)
+                live = pos < end
+                page = tl.load(tab_ptr + r * stride_t + pos // PAGE, mask=live, other=-1).to(tl.int64)
+                live = live & (
+                    page >= 0
+                )  # a table's -1 padding: never read, whatever the context length says
+                entry = page + layer
+                rows = entry * stride_e + (pos % PAGE) * stride_s
+                kv = rows[:, None] + kv_off[None, :]
+                k = tl.load(kc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                v = tl.load(vc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                score = tl.where(live, tl.sum(k * q[None, :], axis=1), float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(score, axis=0))
+                p = tl.exp(score - m_new)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+                m_i = m_new
+                start += KEY_BLOCK
+            base = (pair.to(tl.int64) * max_splits + split) * (D + 2)
+            tl.store(part_ptr + base + d, acc)
+            tl.store(part_ptr + base + D, m_i)
+            tl.store(part_ptr + base + D + 1, l_i)
+            tl.debug_barrier()  # all of this program's stores happen before its ticket releases them
+            splits = tl.cdiv(ctx, SPLIT)
+            if tl.atomic_add(ticket_ptr + pair, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                out = _combine(part_ptr + pair.to(tl.int64) * max_splits * (D + 2), splits, D)
+                tl.store(attn_ptr + r * (HQ * D) + head * D + d, out.to(tl.bfloat16))
+                tl.store(ticket_ptr + pair, 0)  # every split has drawn: zero again for the next one
+        item += P
+
+
+@triton.jit
+def _combine(part_ptr, splits, D: tl.constexpr):
+    """softmax(q K^T) V of one (row, head) from its split partials, in split order."""
+    d = tl.arange(0, D)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = splits * 0
+    while s < splits:
+        m = tl.maximum(m, tl.load(part_ptr + s * (D + 2) + D, cache_modifier=".cg"))
+        s += 1
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    s = splits * 0
+    while s < splits:
+        scale = tl.exp(tl.load(part_ptr + s * (D + 2) + D, cache_modifier=".cg") - m)
+        total += tl.load(part_ptr + s * (D + 2) + D + 1, cache_modifier=".cg") * scale
+        acc += tl.load(part_ptr + s * (D + 2) + d, cache_modifier=".cg") * scale
+        s += 1
+    return acc / total
+
+
+@triton.jit
+def _stage_plain(layer, w_first, w_ptr, x_ptr, out_ptr, R, RP: tl.constexpr, N: tl.constexpr,
+                 K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """o_proj (x: the attention output) or down_proj (x: SiLU·up): 8-row units, bf16 out."""
+    _gemv_stage(w_ptr + layer.to(tl.int64) * N * K, K, w_first, x_ptr, K, R, N // 8, (out_ptr, N), RP, 4, 4,
+                8, K, BK, O_PROJ)  # fmt: skip
+
+
+@triton.jit
+def _stage_final(layer, io, bufs, weights, R, eps, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr):
+    """The loop's new state: norm(M + post2(down)) of the last layer (`layer` = L); program 0 stores it."""
+    _h_in, _stride_in, state_ptr = io
+    _wqkv, _wo, _wgu, _wd, wn_ptr, wf_ptr = weights
+    pid, _programs = _program()
+    cols = tl.arange(0, BH)
+    h = _layer_input(layer, io, bufs, wn_ptr, eps, R, RP, H, BH)
+    final = tl.load(wf_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    state = _rms(h, final, H, eps)
+    if pid == 0:
+        _store_rows(state_ptr, H, R, RP, cols, H, state)
+
+
+@triton.jit
+def _stage_tile(STAGE: tl.constexpr, layer, weights, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
+                HK: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """This program's first weight tile of STAGE at `layer`, loaded before the barrier that opens the stage
+    (a stage without weights gets an empty tile)."""
+    wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, _wn, _wf = weights
+    lay = layer.to(tl.int64)
+    tile = tl.zeros([8, BK], tl.bfloat16)
+    if STAGE == QKV:
+        n = (HQ + 2 * HK) * D
+        tile = _first_tile(wqkv_ptr + lay * n * H, H, n // 8, D // 2, D // 2, D, H, BK)
+    elif STAGE == O_PROJ:
+        tile = _first_tile(wo_ptr + lay * H * HQ * D, HQ * D, H // 8, 4, 4, 8, HQ * D, BK)
+    elif STAGE == GATE_UP:
+        tile = _first_tile(wgu_ptr + lay * 2 * INTER * H, H, INTER // 4, INTER, 1 << 30, 1 << 30, H, BK)
+    elif STAGE == DOWN:
+        tile = _first_tile(wd_ptr + lay * H * INTER, INTER, H // 8, 4, 4, 8, INTER, BK)
+    return tile
+
+
+@triton.jit
+def _run_stage(STAGE: tl.constexpr, layer, w_first, io, bufs, weights, attn_meta, partials, R, eps,
+               qk_scale, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr,
+               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BK: tl.constexpr,
+               SPLIT: tl.constexpr):  # fmt: skip
+    _x, _h, _m, _q, attn_ptr, o_ptr, act_ptr, d_ptr = bufs
+    _wqkv, wo_ptr, _wgu, wd_ptr, _wn, _wf = weights
+    if STAGE == QKV:
+        _stage_qkv(layer, w_first, io, bufs, weights, attn_meta, R, eps, RP, H, BH, HQ, HK, D, BK)
+    elif STAGE == ATTN:
+        _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP, HQ, HK, D, PAGE, SPLIT)
+    elif STAGE == O_PROJ:
+        _stage_plain(layer, w_first, wo_ptr, attn_ptr, o_ptr, R, RP, H, HQ * D, BK)
+    elif STAGE == GATE_UP:
+        _stage_gate_up(layer, w_first, bufs, weights, R, eps, RP, H, BH, INTER, BK)
+    elif STAGE == DOWN:
+        _stage_plain(layer, w_first, wd_ptr, act_ptr, d_ptr, R, RP, H, INTER, BK)
+    else:
+        _stage_final(layer, io, bufs, weights, R, eps, RP, H, BH)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+@triton.jit(do_not_specialize=["R", "L", "stage_layer", "max_splits", "stride_in", "stride_cs", "stride_t"])
+def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr, cos_ptr, sin_ptr,
+                 kc_ptr, vc_ptr, went_ptr, woff_ptr, tab_ptr, ctx_ptr, x_ptr, hb_ptr, mb_ptr, q_ptr,
+                 attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, R, L, stage_layer,
+                 max_splits, eps, qk_scale, stride_in, stride_cs, stride_e, stride_s, stride_ch, stride_t,
+                 H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
+                 D: tl.constexpr, PAGE: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
+                 SPLIT: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+    io = (h_in_ptr, stride_in, state_ptr)
+    bufs = (x_ptr, hb_ptr, mb_ptr, q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr)
+    weights = (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr)
+    attn_meta = (cos_ptr, sin_ptr, stride_cs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, went_ptr,
+                 woff_ptr, tab_ptr, stride_t, ctx_ptr)  # fmt: skip
+    partials = (part_ptr, ticket_ptr, max_splits)
+    if STAGE < 0:  # the whole loop, a grid barrier after each stage
+        _pid, P = _program()
+        arrivals = 0
+        w = _stage_tile(QKV, stage_layer * 0, weights, H, INTER, HQ, HK, D, BK)
+        for layer in range(L):
+            for s in tl.static_range(5):  # QKV, ATTN, O_PROJ, GATE_UP, DOWN
+                _run_stage(s, layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH,
+                           INTER, HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
+                # the next stage's first tile (the next layer's q/k/v after DOWN) is in flight during the wait
+                w = _stage_tile(
+                    (s + 1) % 5, tl.minimum(layer + s // 4, L - 1), weights, H, INTER, HQ, HK, D, BK
+                )
+                arrivals += P
+                _grid_barrier(bar_ptr, arrivals)
+        _run_stage(FINAL, L, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH, INTER,
+                   HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
+        if (
+            tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1
+        ):  # all programs are past their waits
+            tl.store(bar_ptr, 0)
+            tl.store(bar_ptr + 1, 0)
+    else:  # one stage of one layer (`loop_staged`); FINAL takes layer = L
+        w = _stage_tile(STAGE, stage_layer, weights, H, INTER, HQ, HK, D, BK)
+        _run_stage(STAGE, stage_layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
+                   BH, INTER, HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------- host
+
+
+@dataclass(frozen=True)
+class LoopWeights:
+    """One Ouro loop's weights stacked by layer (views the model's parameters share, see
+    `models.ouro.stack_layer_weights`): q/k/v `[L, (Hq + 2 Hk) D, H]`, o `[L, H, Hq D]`, gate/up
+    `[L, 2 I, H]`, down `[L, H, I]`, the four sandwich norms `[L, 4, H]` (in1, in2, post1, post2) and the
+    final norm `[H]`."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    norms: torch.Tensor
+    final_norm: torch.Tensor
+    eps: float
+    heads: tuple[int, int, int]  # (Hq, Hk, D)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, hidden, intermediate)."""
+        return self.qkv.shape[0], self.qkv.shape[2], self.down.shape[2]
+
+
+@dataclass(frozen=True)
+class LoopTiles:
+    """Launch shape: `programs` (None: one per SM), the K tile of every GEMV, keys per attention split."""
+
+    programs: int | None = None
+    block_k: int = 2048
+    split_keys: int = 64
+    num_warps: int = 8
+
+
+DEFAULT_TILES = LoopTiles()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def loop_fusable(state: torch.Tensor, weights: LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
+    """Whether `loop_persistent` runs this loop: bf16 rows <= MAX_ROWS, the unit layouts fit the shapes
+    (head_dim / 2 and the intermediate width multiples of 4, hidden of 8), one cos/sin row per state row,
+    K/V caches `[E, page, Hk, D]` of one layout with D contiguous."""
+    hq, hk, d = weights.heads
+    layers, hidden, inter = weights.shape
+    rows = state.shape[0] if state.dim() == 2 else -1
+    return (
+        1 <= rows <= MAX_ROWS
+        and state.dtype == weights.qkv.dtype == torch.bfloat16
+        and state.shape[1] == hidden
+        and (d // 2) % 4 == 0
+        and inter % 4 == 0
+        and hidden % 8 == 0
+        and hq % hk == 0
+        and cos.shape == sin.shape == (rows, d)
+        and cos.stride(-1) == sin.stride(-1) == 1
+        and cos.stride() == sin.stride()
+        and k_cache.dim() == 4
+        and k_cache.shape[2:] == (hk, d)
+        and v_cache.shape == k_cache.shape
+        and v_cache.stride() == k_cache.stride()
+        and k_cache.stride(-1) == 1
+        and tables.dim() == 2
+        and tables.shape[0] == rows
+        and tables.stride(-1) == 1
+    )
+
+
+@dataclass
+class _Workspace:
+    x: torch.Tensor  # [P, RP, H] bf16: each program's normed input
+    h: torch.Tensor  # [RP, H] bf16: the residual stream after the attention / MLP block
+    m: torch.Tensor
+    q: torch.Tensor  # [RP, Hq D] bf16
+    attn: torch.Tensor
+    o: torch.Tensor
+    act: torch.Tensor  # [RP, I] bf16
+    down: torch.Tensor
+    part: torch.Tensor  # [RP Hq, max_splits, D + 2] fp32 attention partials
+    tickets: torch.Tensor  # [RP Hq] int32, zero between launches
+    barrier: torch.Tensor  # [3] int32: arrivals, departures (zero between launches), waits that gave up
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _workspace(device, programs: int, rows_pad: int, weights: LoopWeights, max_splits: int) -> _Workspace:
+    """Scratch for one launch shape, kept for the life of the process (captured graphs hold its addresses);
+    inside a capture a new one is made for that graph alone."""
+    key = (device, programs, rows_pad, weights.shape, weights.heads, max_splits)
+    if key in _WORKSPACES:
+        return _WORKSPACES[key]
+    hq, _hk, d = weights.heads
+    _layers, hidden, inter = weights.shape
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    ws = _Workspace(x=torch.zeros(programs, rows_pad, hidden, **bf16),
+                    h=torch.zeros(rows_pad, hidden, **bf16), m=torch.zeros(rows_pad, hidden, **bf16),
+                    q=torch.zeros(rows_pad, hq * d, **bf16), attn=torch.zeros(rows_pad, hq * d, **bf16),
+                    o=torch.zeros(rows_pad, hidden, **bf16), act=torch.zeros(rows_pad, inter, **bf16),
+                    down=torch.zeros(rows_pad, hidden, **bf16),
+                    part=torch.zeros(rows_pad * hq, max_splits, d + 2, dtype=torch.float32, device=device),
+                    tickets=torch.zeros(rows_pad * hq, dtype=torch.int32, device=device),
+                    barrier=torch.zeros(3, dtype=torch.int32, device=device))  # fmt: skip
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def barrier_timeouts() -> int:
+    """Barrier waits that gave up since the process started, over every workspace (0 when all is well;
+    synchronizes)."""
+    return sum(int(ws.barrier[2]) for ws in _WORKSPACES.values())
+
+
+def _programs(device, tiles: LoopTiles) -> int:
+    if tiles.programs is not None:
+        return tiles.programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cache, v_cache, write_entry,
+            write_offset, tables, ctx_lens, page: int, tiles: LoopTiles, out, programs: int):  # fmt: skip
+    hq, hk, d = weights.heads
+    layers, hidden, inter = weights.shape
+    rows = state.shape[0]
+    rows_pad = _pow2(rows)
+    max_splits = triton.cdiv(tables.shape[1] * page, tiles.split_keys)
+    ws = _workspace(state.device, programs, rows_pad, weights, max_splits)
+    block_k = min(tiles.block_k, _pow2(max(hidden, inter, hq * d)))
+    return _loop_kernel[(programs,)](state, out, weights.qkv, weights.o, weights.gate_up, weights.down,
+                                     weights.norms, weights.final_norm, cos, sin, k_cache, v_cache,
+                                     write_entry, write_offset, tables, ctx_lens, ws.x, ws.h, ws.m, ws.q,
+                                     ws.attn, ws.o, ws.act, ws.down, ws.part, ws.tickets, ws.barrier, rows,
+                                     layers, layer, max_splits, weights.eps, d**-0.5, state.stride(0),
+                                     cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
+                                     HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
+                                     STAGE=stage, num_warps=tiles.num_warps, num_stages=1)  # fmt: skip
+
+
+def loop_persistent(
+    state,
+    weights: LoopWeights,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    write_entry,
+    write_offset,
+    tables,
+    ctx_lens,
+    page: int,
+    tiles: LoopTiles = DEFAULT_TILES,
+) -> torch.Tensor:
+    """One Ouro loop over `state` `[R, H]` (R <= MAX_ROWS decode rows) as one persistent launch: every
+    layer's attention (writing its K/V at (write_entry + layer, write_offset)) and MLP, then the final norm;
+    returns the new state `[R, H]`. CUDA only (its grid barrier needs every program resident at once); call
+    where `loop_fusable`."""
+    if INTERPRET:
+        raise RuntimeError("loop_persistent needs a GPU: under the interpreter use loop_staged")
+    out = torch.empty_like(state)
+    programs = _programs(state.device, tiles)
+    _launch(-1, 0, state, weights, cos, sin, k_cache, v_cache, write_entry, write_offset, tables, ctx_lens,
+            page, tiles, out, programs)  # fmt: skip
+    return out
+
+
+def loop_staged(state, weights: LoopWeights, cos, sin, k_cache, v_cache, write_entry, write_offset, tables,
+                ctx_lens, page: int, tiles: LoopTiles = DEFAULT_TILES) -> torch.Tensor:  # fmt: skip
+    """`loop_persistent`'s stages as one launch each (5 per layer + the final norm), same code, no barrier:
+    its bitwise twin on a GPU, and the form the Triton interpreter can run (tests on a CPU)."""
+    out = torch.empty_like(state)
+    programs = tiles.programs or (4 if INTERPRET else _programs(state.device, tiles))
+    args = (state, weights, cos, sin, k_cache, v_cache, write_entry, write_offset, tables, ctx_lens, page,
+            tiles, out, programs)  # fmt: skip
+    for layer in range(weights.shape[0]):
+        for stage in LAYER_STAGES:
+            _launch(stage, layer, *args)
+    _launch(FINAL_STAGE, weights.shape[0], *args)
+    return out
+
+
+__all__ = ["DEFAULT_TILES", "MAX_ROWS", "LoopTiles", "LoopWeights", "barrier_timeouts", "loop_fusable",
+           "loop_persistent", "loop_staged"]  # fmt: skip
