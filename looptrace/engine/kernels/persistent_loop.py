@@ -38,7 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from looptrace.engine.kernels.device_helpers import INTERPRET, round_bf16, triton
+from looptrace.engine.kernels.device_helpers import (
+    INTERPRET,
+    let_dependents_launch,
+    round_bf16,
+    triton,
+    wait_for_inputs,
+)
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
 
@@ -493,17 +500,20 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                  max_splits, eps, qk_scale, stride_in, stride_cs, stride_e, stride_s, stride_ch, stride_t,
                  H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
                  D: tl.constexpr, PAGE: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+                 SPLIT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    let_dependents_launch(PDL)
+    weights = (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr)
+    # the first weight tile (weights are never written, so under PDL it streams while the kernel before ends)
+    w = _stage_tile(STAGE if STAGE >= 0 else QKV, stage_layer, weights, H, INTER, HQ, HK, D, BK)
+    wait_for_inputs(PDL)
     io = (h_in_ptr, stride_in, state_ptr)
     bufs = (x_ptr, hb_ptr, mb_ptr, q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr)
-    weights = (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr)
     attn_meta = (cos_ptr, sin_ptr, stride_cs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, went_ptr,
                  woff_ptr, tab_ptr, stride_t, ctx_ptr)  # fmt: skip
     partials = (part_ptr, ticket_ptr, max_splits)
     if STAGE < 0:  # the whole loop, a grid barrier after each stage
         _pid, P = _program()
         arrivals = 0
-        w = _stage_tile(QKV, stage_layer * 0, weights, H, INTER, HQ, HK, D, BK)
         for layer in range(L):
             for s in tl.static_range(5):  # QKV, ATTN, O_PROJ, GATE_UP, DOWN
                 _run_stage(s, layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH,
@@ -522,7 +532,6 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
             tl.store(bar_ptr, 0)
             tl.store(bar_ptr + 1, 0)
     else:  # one stage of one layer (`loop_staged`); FINAL takes layer = L
-        w = _stage_tile(STAGE, stage_layer, weights, H, INTER, HQ, HK, D, BK)
         _run_stage(STAGE, stage_layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
                    BH, INTER, HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
 
@@ -668,7 +677,8 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
-                                     STAGE=stage, num_warps=tiles.num_warps, num_stages=1)  # fmt: skip
+                                     STAGE=stage, num_warps=tiles.num_warps, num_stages=1,
+                                     **pdl_args())  # fmt: skip
 
 
 def loop_persistent(
