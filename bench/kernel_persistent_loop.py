@@ -113,7 +113,7 @@ def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_pe
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=24)
@@ -123,6 +123,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernel_persistent_loop.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tile_list = []
@@ -203,7 +206,8 @@ def main() -> None:
     (args.out / "persistent_loop.md").write_text("\n".join(lines) + "\n")
     (args.out / "persistent_loop.json").write_text(json.dumps(result, indent=1))
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
