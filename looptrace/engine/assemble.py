@@ -48,6 +48,7 @@ from looptrace.engine.models.ouro import (
     OuroForCausalLM,
     OuroLayer,
     OuroMLP,
+    PersistentLoop,
     PersistentOuroForCausalLM,
     RopeWriteOuroAttention,
 )
@@ -161,7 +162,7 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
         if (
             setting == "kernels.persistent_loop"
         ):  # after fused_projections (registry order): re-points its tensors
-            model.loop_weights = stack_loop_weights(model)
+            model.persistent = PersistentLoop(stack_loop_weights(model))
         if setting == "kernels.exact":
             kernels.warmup(device, specs=[kernel_shapes(model.spec)])
     return checked_rungs

@@ -93,7 +93,7 @@ GRAPH_BODY_PREFIX = "lt.graph/"  # an eager run of a captured graph's body: maps
 STAGES = ("prefill", "prelude", "recurrent", "coda", "token", "sample")
 OP_KINDS = (
     "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head", "sample",
-    "state_init", "kv_copy", "metadata", "readback",
+    "state_init", "kv_copy", "metadata", "readback", "persistent_loop",
 )  # fmt: skip
 DEFAULT_STEP_MARKERS = (STEP_PREFIX, "ProfilerStep#", *st.OLD_STEP_MARKERS)  # engine grammars: `steps`
 WINDOW_CHOICES = ("auto", "decode", "prefill", "all")

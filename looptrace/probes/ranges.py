@@ -37,6 +37,7 @@ OP_KINDS = (
     "kv_copy",
     "metadata",
     "readback",
+    "persistent_loop",
 )
 
 

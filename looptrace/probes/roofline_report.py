@@ -28,7 +28,10 @@ from looptrace.probes.roofline import DevicePeak, OpCost, achieved, device_for, 
 
 # Op kinds the model prices; the rest (sampling, metadata, readback, ...) show "n/a".
 ANY_ROLE = "*"  # mean_call_costs key: the op's mean cost over all roles
-PRICED = ("norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head")
+PRICED = (
+    "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head",
+    "persistent_loop",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,15 @@ def call_cost(kind: str, module: Any, s: Shapes) -> OpCost | None:
         return OpCost(flops=flops, bytes=nbytes)
     if kind == "embed":
         return OpCost(flops=0.0, bytes=r * (2 * s.hidden * a + 8))
+    if kind == "persistent_loop":  # a whole loop: every layer's weights once, each layer's K/V per row
+        tensors = module.weight_tensors()
+        layers = tensors[0].shape[0]
+        attention = call_cost("paged_attention", module, s)
+        io = r * 2 * s.hidden * a  # the state in, the new state out (the rest stays in L2)
+        return OpCost(
+            flops=2.0 * r * _matrix_elems(t.flatten(1) for t in tensors[:4]) + layers * attention.flops,
+            bytes=_bytes(tensors) + layers * attention.bytes + io,
+        )
     return None
 
 

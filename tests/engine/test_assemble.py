@@ -24,6 +24,7 @@ from looptrace.engine.models.ouro import (
     GemvRopeOuroAttention,
     GemvSiluOutOuroMLP,
     OuroMLP,
+    PersistentLoop,
     PersistentOuroForCausalLM,
 )
 from looptrace.engine.plan import resolve_plan
@@ -161,7 +162,8 @@ def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bit
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for setting in ("kernels.residual_norm", "kernels.persistent_loop"):
         install_variants(model, setting)
-    model.loop_weights = weights = stack_loop_weights(model)
+    weights = stack_loop_weights(model)
+    model.persistent = PersistentLoop(weights)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     hq, hk, d = weights.heads

@@ -334,27 +334,49 @@ class ChainedOuroForCausalLM(OuroForCausalLM):
         return False
 
 
-class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
-    """`kernels.persistent_loop` (with `residual_norm`): a loop of at most 8 decode rows as one persistent
-    launch over the weights `assemble` stacked by layer (`loop_weights`); other loops (prefill, more rows,
-    shapes the kernel refuses) take the chained layer-by-layer path."""
+class PersistentLoop(nn.Module):
+    """`kernels.persistent_loop`'s op: one loop of Ouro (every core layer, then the final norm) as one
+    persistent launch over the core weights stacked by layer (`projections.stack_loop_weights`). An op
+    module of its own, so probes put a range around the launch and the profile's roofline prices it."""
 
-    loop_weights = None  # LoopWeights, set by `projections.stack_loop_weights` when the variant is installed
+    op_kind = "persistent_loop"
 
-    def loop(self, state, ctx):
+    def __init__(self, weights) -> None:
+        super().__init__()
+        self.weights = weights  # LoopWeights: views of the model's parameters, no state of its own
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor one launch streams (the roofline's floor bytes)."""
+        w = self.weights
+        return w.qkv, w.o, w.gate_up, w.down, w.norms, w.final_norm
+
+    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import persistent_loop as pl  # imports Triton: only where it runs
 
-        w = self.loop_weights
-        if (
-            w is not None
-            and ctx.packed is None
-            and pl.loop_fusable(state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables)
-        ):
-            return pl.loop_persistent(
-                state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
-                ctx.tables, ctx.ctx_lens, ctx.block_size,
-            )  # fmt: skip
+        return ctx.packed is None and pl.loop_fusable(
+            state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables
+        )
+
+    def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels import persistent_loop as pl  # imports Triton: only where it runs
+
+        return pl.loop_persistent(
+            state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry,
+            ctx.write_offset, ctx.tables, ctx.ctx_lens, ctx.block_size,
+        )  # fmt: skip
+
+
+class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
+    """`kernels.persistent_loop` (with `residual_norm`): a loop of at most 8 decode rows through the
+    `PersistentLoop` op `assemble` attaches (`persistent`); other loops (prefill, more rows, shapes the
+    kernel refuses) take the chained layer-by-layer path."""
+
+    def loop(self, state, ctx):
+        op = getattr(self, "persistent", None)
+        if op is not None and op.fits(state, ctx):
+            return op(state, ctx)
         return super().loop(state, ctx)
 
 
