@@ -130,9 +130,10 @@ def _unit_rows(u, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr
 @triton.jit
 def _weight_tile(w_ptr, stride_w, rows, k0, K: tl.constexpr, BK: tl.constexpr, live):
     k = k0 + tl.arange(0, BK)
-    mask = live & (k < K)[None, :]
     ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    if K % BK:
+        return tl.load(ptrs, mask=live & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=live, other=0.0, eviction_policy="evict_first")  # whole tiles: vector loads
 
 
 @triton.jit
@@ -141,6 +142,14 @@ def _unit_tile(w_ptr, stride_w, u, kt, live, PAIR_OFF: tl.constexpr, HALF: tl.co
     """The weight tile of (unit u, K tile kt): `[8, BK]` bf16 (zeros where not live)."""
     rows = _unit_rows(u, PAIR_OFF, HALF, HEAD)
     return _weight_tile(w_ptr, stride_w, rows, kt * BK, K, BK, live)
+
+
+@triton.jit
+def _x_tile(x_ptr, k, live, K: tl.constexpr, BK: tl.constexpr):
+    """One row's x at columns k (written by this launch: through L2)."""
+    if K % BK:
+        return tl.load(x_ptr + k, mask=live & (k < K), other=0.0, cache_modifier=".cg")
+    return tl.load(x_ptr + k, mask=live, other=0.0, cache_modifier=".cg")  # whole tiles: vector loads
 
 
 @triton.jit
@@ -175,7 +184,7 @@ def _gemv_stage(w_ptr, stride_w, w_first, x_ptr, stride_x, R, U, out, RP: tl.con
         k = kt * BK + tl.arange(0, BK)
         wf = w.to(tl.float32)
         for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
-            xr = tl.load(x_ptr + r * stride_x + k, mask=(k < K) & (r < R), other=0.0, cache_modifier=".cg")
+            xr = _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
             part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
             acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
         if kt == KT - 1:
