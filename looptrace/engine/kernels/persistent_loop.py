@@ -51,7 +51,7 @@ tl = triton.language
 
 MAX_ROWS = 8  # rows one launch serves (decode); more rows take the layer-by-layer path
 UNIT = 8  # W rows per unit: 4 rotate-half / gate-up pairs, or 8 plain rows
-KEY_BLOCK = tl.constexpr(32)  # keys per attention step
+COMBINE = tl.constexpr(16)  # split partials per load of the attention's combine
 # The stages (`STAGE`: -1 all of them behind barriers, else this one alone); also the GEMV epilogues.
 QKV, ATTN, O_PROJ, GATE_UP, DOWN, FINAL = (tl.constexpr(stage) for stage in range(6))
 MAX_SPINS = tl.constexpr(1 << 24)  # polls of a barrier before it gives up (seconds): never a hang
@@ -378,31 +378,18 @@ def _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP: tl.constexpr, HQ:
         if split * SPLIT < ctx:
             q = tl.load(q_ptr + r * (HQ * D) + head * D + d, cache_modifier=".cg").to(tl.float32) * qk_scale
             kv_off = (head // (HQ // HK)).to(tl.int64) * stride_ch + d
-            m_i = tl.full([], float("-inf"), tl.float32)
-            l_i = tl.zeros([], tl.float32)
-            acc = tl.zeros([D], tl.float32)
-            end = tl.minimum(split * SPLIT + SPLIT, ctx)
-            start = split * SPLIT
-            while start < end:
-                pos = start + tl.arange(0, KEY_BLOCK)
-                live = pos < end
-                page = tl.load(tab_ptr + r * stride_t + pos // PAGE, mask=live, other=-1).to(tl.int64)
-                live = live & (
-                    page >= 0
-                )  # a table's -1 padding: never read, whatever the context length says
-                entry = page + layer
-                rows = entry * stride_e + (pos % PAGE) * stride_s
-                kv = rows[:, None] + kv_off[None, :]
-                k = tl.load(kc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                v = tl.load(vc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                score = tl.where(live, tl.sum(k * q[None, :], axis=1), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(score, axis=0))
-                p = tl.exp(score - m_new)
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-                m_i = m_new
-                start += KEY_BLOCK
+            pos = split * SPLIT + tl.arange(0, SPLIT)  # one split = one block of keys
+            live = pos < ctx
+            page = tl.load(tab_ptr + r * stride_t + pos // PAGE, mask=live, other=-1).to(tl.int64)
+            live = live & (page >= 0)  # a table's -1 padding: never read, whatever the context length says
+            kv = ((page + layer) * stride_e + (pos % PAGE) * stride_s)[:, None] + kv_off[None, :]
+            k = tl.load(kc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            v = tl.load(vc_ptr + kv, mask=live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            score = tl.where(live, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_i = tl.max(score, axis=0)
+            p = tl.exp(score - m_i)
+            l_i = tl.sum(p, axis=0)
+            acc = tl.sum(p[:, None] * v, axis=0)
             base = (pair.to(tl.int64) * max_splits + split) * (D + 2)
             tl.store(part_ptr + base + d, acc)
             tl.store(part_ptr + base + D, m_i)
@@ -418,21 +405,28 @@ def _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP: tl.constexpr, HQ:
 
 @triton.jit
 def _combine(part_ptr, splits, D: tl.constexpr):
-    """softmax(q K^T) V of one (row, head) from its split partials, in split order."""
+    """softmax(q K^T) V of one (row, head) from its split partials, COMBINE splits per load (the order of
+    the sums is fixed by the split count alone)."""
     d = tl.arange(0, D)
+    c = tl.arange(0, COMBINE)
     m = tl.full([], float("-inf"), tl.float32)
     s = splits * 0
     while s < splits:
-        m = tl.maximum(m, tl.load(part_ptr + s * (D + 2) + D, cache_modifier=".cg"))
-        s += 1
+        live = s + c < splits
+        m_s = tl.load(part_ptr + (s + c) * (D + 2) + D, mask=live, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(m_s, axis=0))
+        s += COMBINE
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([D], tl.float32)
     s = splits * 0
     while s < splits:
-        scale = tl.exp(tl.load(part_ptr + s * (D + 2) + D, cache_modifier=".cg") - m)
-        total += tl.load(part_ptr + s * (D + 2) + D + 1, cache_modifier=".cg") * scale
-        acc += tl.load(part_ptr + s * (D + 2) + d, cache_modifier=".cg") * scale
-        s += 1
+        live = s + c < splits
+        row = part_ptr + (s + c) * (D + 2)
+        scale = tl.exp(tl.load(row + D, mask=live, other=float("-inf"), cache_modifier=".cg") - m)
+        total += tl.sum(tl.load(row + D + 1, mask=live, other=0.0, cache_modifier=".cg") * scale, axis=0)
+        parts = tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(parts * scale[:, None], axis=0)
+        s += COMBINE
     return acc / total
 
 
