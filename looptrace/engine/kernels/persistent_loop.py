@@ -78,18 +78,27 @@ def _program():
 @triton.jit
 def _grid_barrier(bar_ptr, target):
     """Wait until every program has arrived `target // P` times: all stores before it are visible to every
-    program after it (release on arrival, acquire on leaving; data made inside the launch is read `.cg`)."""
+    program after it (a release add on arrival, acquire loads while polling; data made inside the launch is
+    read `.cg`)."""
     tl.debug_barrier()  # every thread's stores are done before this program's arrival releases them
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.load(bar_ptr, volatile=True)
+    seen = _load_acquire(bar_ptr)
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.load(bar_ptr, volatile=True)
+        seen = _load_acquire(bar_ptr)
         spins += 1
     if seen < target:  # a program never arrived (not resident, or a bug): give up rather than hang the GPU
         tl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
-    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _load_acquire(ptr):
+    """`ld.acquire.gpu` of an int32 counter: nothing this thread reads after it is older than what the
+    arrival it observes released."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
