@@ -45,6 +45,7 @@ from looptrace.engine.kernels.device_helpers import (
     triton,
     wait_for_inputs,
 )
+from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
@@ -413,6 +414,31 @@ def _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP: tl.constexpr, HQ:
 
 
 @triton.jit
+def _prefetch_keys(layer, attn_meta, R, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                   PAGE: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """L2 prefetch (`cp.async.bulk.prefetch.L2`: a hint, no values) of the K and V rows of this program's
+    first attention item, all but the newest position (which the q/k/v stage is writing)."""
+    _cos, _sin, _scs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, _we, _wo, tab_ptr, stride_t, ctx_ptr = (
+        attn_meta
+    )
+    pid, _programs = _program()
+    split, pair = pid // (R * HQ), pid % (R * HQ)
+    r, head = pair // HQ, pair % HQ
+    ctx = tl.load(ctx_ptr + r)
+    pos = split * SPLIT + tl.arange(0, SPLIT)
+    live = pos < ctx - 1
+    page = tl.load(tab_ptr + r * stride_t + pos // PAGE, mask=live, other=-1).to(tl.int64)
+    live = live & (page >= 0)
+    rows = (page + layer) * stride_e + (pos % PAGE) * stride_s + (head // (HQ // HK)).to(tl.int64) * stride_ch
+    size = tl.full(rows.shape, D * kc_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    flag = live.to(tl.int32)
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [kc_ptr + rows, size, flag], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(BULK_ASM, "=r,l,r,r", [vc_ptr + rows, size, flag], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _combine(part_ptr, splits, D: tl.constexpr):
     """softmax(q K^T) V of one (row, head) from its split partials, COMBINE splits per load (the order of
     the sums is fixed by the split count alone)."""
@@ -534,6 +560,8 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                 w = _stage_tile(
                     (s + 1) % 5, tl.minimum(layer + s // 4, L - 1), weights, H, INTER, HQ, HK, D, BK
                 )
+                if s == QKV:  # the attention's earlier keys do not change: ask L2 for them during the wait
+                    _prefetch_keys(layer, attn_meta, R, HQ, HK, D, PAGE, SPLIT)
                 arrivals += P
                 _grid_barrier(bar_ptr, arrivals)
         _run_stage(FINAL, L, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH, INTER,
