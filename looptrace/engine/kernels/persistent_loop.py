@@ -706,7 +706,8 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
     layers, hidden, inter = weights.shape
     rows = state.shape[0]
     rows_pad = _pow2(rows)
-    max_splits = triton.cdiv(tables.shape[1] * page, tiles.split_keys)
+    # a power of two: eager steps of every table width share a few workspaces
+    max_splits = _pow2(triton.cdiv(tables.shape[1] * page, tiles.split_keys))
     ws = _workspace(state.device, programs, rows_pad, weights, max_splits)
     block_k = min(tiles.block_k, _pow2(max(hidden, inter, hq * d)))
     return _loop_kernel[(programs,)](state, out, weights.qkv, weights.o, weights.gate_up, weights.down,
