@@ -76,7 +76,7 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
         ),
         # a family without the fused forms: the kernel could run, the family has no variant for it
         (
-            "huginn-tiny", "fast", ("kernels.gemv_norm=true",), True,
+            "huginn-tiny", "fast", ("kernels.gemv_norm=true", "kernels.persistent_loop=true"), True,
             {
                 "kernels.residual_norm": "no fused kernel for the huginn family",
                 "kernels.rope_kv_write": "no fused kernel for the huginn family",
@@ -89,7 +89,7 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
         # the persistent loop replaces the chained loop: without it, or with the perturbation's layer hooks,
         # it stays off with its reason
         (
-            "ouro-tiny", "fast", ("kernels.residual_norm=false",), True,
+            "ouro-tiny", "fast", ("kernels.residual_norm=false", "kernels.persistent_loop=true"), True,
             {
                 "kernels.residual_norm": None,
                 "kernels.persistent_loop": (
@@ -98,7 +98,7 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
             },
         ),
         (
-            "ouro-tiny", "fast", ("debug.perturb=recurrent:*:*:mlp",), True,
+            "ouro-tiny", "fast", ("debug.perturb=recurrent:*:*:mlp", "kernels.persistent_loop=true"), True,
             {
                 "kernels.persistent_loop": (
                     "debug.perturb hooks layer ops, which the persistent loop does not run"

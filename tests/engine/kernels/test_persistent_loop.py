@@ -329,7 +329,8 @@ def test_fast_decodes_through_the_persistent_loop_and_repeats_its_tokens(monkeyp
 
     monkeypatch.setattr(pl, "loop_persistent", spy)
     spec = with_overrides(resolve_preset("ouro-1.4b", "cuda"), n_core=4)
-    cfg = load_recipe("fast", ["scheduler.max_model_len=512", "kv.num_blocks=1024"]).config
+    sets = ["kernels.persistent_loop=true", "scheduler.max_model_len=512", "kv.num_blocks=1024"]
+    cfg = load_recipe("fast", sets).config
     engine = LLMEngine.from_spec(spec, cfg, device="cuda", seed=1)
     assert "kernels.persistent_loop" not in engine.inactive_settings
     prompts = [[3 + j for j in range(40)], [7 + j for j in range(21)], [11 + j for j in range(33)]]
