@@ -159,9 +159,8 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
 
             l2_prefetch.apply_l2_prefetch(model, device)
         install_variants(model, setting)
-        if (
-            setting == "kernels.persistent_loop"
-        ):  # after fused_projections (registry order): re-points its tensors
+        # after fused_projections (registry order): the stacks re-point its fused tensors too
+        if setting == "kernels.persistent_loop":
             model.persistent = PersistentLoop(stack_loop_weights(model))
         if setting == "kernels.exact":
             kernels.warmup(device, specs=[kernel_shapes(model.spec)])

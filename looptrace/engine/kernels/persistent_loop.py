@@ -51,7 +51,6 @@ from looptrace.engine.kernels.launch_mode import pdl_args
 tl = triton.language
 
 MAX_ROWS = 8  # rows one launch serves (decode); more rows take the layer-by-layer path
-UNIT = 8  # W rows per unit: 4 rotate-half / gate-up pairs, or 8 plain rows
 COMBINE = tl.constexpr(16)  # split partials per load of the attention's combine
 # The stages (`STAGE`: -1 all of them behind barriers, else this one alone); also the GEMV epilogues.
 QKV, ATTN, O_PROJ, GATE_UP, DOWN, FINAL = (tl.constexpr(stage) for stage in range(6))
@@ -566,9 +565,8 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                 _grid_barrier(bar_ptr, arrivals)
         _run_stage(FINAL, L, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH, INTER,
                    HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
-        if (
-            tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1
-        ):  # all programs are past their waits
+        # the last program to leave: every program is past its waits, the counters go back to zero
+        if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
             tl.store(bar_ptr, 0)
             tl.store(bar_ptr + 1, 0)
     else:  # one stage of one layer (`loop_staged`); FINAL takes layer = L
