@@ -81,6 +81,64 @@ def checks(case, tiles: pl.LoopTiles) -> dict:
     return res
 
 
+STAGE_NAMES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def stage_bytes(case) -> dict[str, int]:
+    """Bytes one layer's stage must read at least: its weights (attention: the K and V rows of every row's
+    context)."""
+    w = case.weights
+    layers = w.qkv.shape[0]
+    hq, hk, d = w.heads
+    kv_row = 2 * hk * d * w.qkv.element_size()
+    ctx = int(case.ctx_lens.sum())
+    per_layer = {name: t[0].numel() * t.element_size() for name, t in
+                 (("qkv", w.qkv), ("o", w.o), ("gate_up", w.gate_up), ("down", w.down))}  # fmt: skip
+    per_layer["attention"] = ctx * kv_row
+    return {name: per_layer[name] * layers for name in STAGE_NAMES}
+
+
+def stage_anatomy(case, tiles: pl.LoopTiles, floor_gbs: float) -> list[str]:
+    """Where a loop's time goes: the staged twin's kernels under torch.profiler (each stage's kernel time
+    summed over the layers, its bytes, its share of the copy bandwidth) and the gaps between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = case.args()
+    for _ in range(3):
+        pl.loop_staged(*args, tiles=tiles)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pl.loop_staged(*args, tiles=tiles)
+        torch.cuda.synchronize()
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted((e for e in on_gpu if "_loop_kernel" in e.name), key=lambda e: e.time_range.start)
+    layers = case.weights.qkv.shape[0]
+    if len(kernels) != 5 * layers + 1:
+        return [f"stage anatomy: {len(kernels)} loop kernels seen, {5 * layers + 1} expected"]
+    busy = {name: 0.0 for name in STAGE_NAMES}
+    for i, e in enumerate(kernels[:-1]):
+        busy[STAGE_NAMES[i % 5]] += e.time_range.elapsed_us()
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    total = sum(busy.values()) + kernels[-1].time_range.elapsed_us()
+    nbytes = stage_bytes(case)
+    lines = [
+        f"Staged twin at {case.state.shape[0]} row(s), tiles {tiles.block_k}:{tiles.num_warps}:"
+        f"{tiles.split_keys}, one loop under torch.profiler: kernels {total / 1e3:.3f} ms, span "
+        f"{span / 1e3:.3f} ms (gaps {(span - total) / 1e3:.3f} ms over {len(kernels) - 1} boundaries)",
+        "",
+        "| stage | kernel ms per loop | µs per layer | MB per loop | GB/s | % of copy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in STAGE_NAMES:
+        us = busy[name]
+        gbs = nbytes[name] / us / 1e3 if us else 0.0
+        mb = nbytes[name] / 1e6
+        share = 100 * gbs / floor_gbs
+        lines.append(f"| {name} | {us / 1e3:.4f} | {us / layers:.2f} | {mb:.1f} | {gbs:.0f} | {share:.0f} |")
+    lines.append(f"| final norm | {kernels[-1].time_range.elapsed_us() / 1e3:.4f} | | | | |")
+    return lines
+
+
 def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_per_graph: int = 4) -> dict:
     """ms per loop launch: a CUDA graph of `loops_per_graph` launches (a token's loops) replayed 10 times per
     sample, every (rows, tiles) arm once per round, interleaved; the median of `rounds` samples."""
@@ -193,6 +251,10 @@ def main() -> int:
             f"| {rows} | {tag} | {form} | {ms:.4f} | {ms / floor_ms:.2f} | {wbytes / ms / 1e6:.0f} |"
         )
     result["barrier_timeouts"] = pl.barrier_timeouts()
+    for rows in rows_list:
+        anatomy = stage_anatomy(cases[rows], tile_list[0], floor)
+        lines += ["", "## Stage anatomy", "", *anatomy]
+        print("\n".join(anatomy), flush=True)
     lines += [
         "",
         f"barrier waits that gave up: {result['barrier_timeouts']}",
