@@ -3,7 +3,7 @@
 loop against the copy floor measured in the same process, for each launch shape and row count asked.
 
     python bench/kernel_persistent_loop.py --out DIR [--layers 24] [--ctx 512] [--rows 1,2,4,8]
-        [--tiles 2048:8:64,1024:8:64] [--rounds 5]
+        [--tiles 2048:8:64:2,2048:8:64:1] [--rounds 5]
 
 Writes DIR/persistent_loop.md (the table) and DIR/persistent_loop.json. CUDA only. Random weights of the real
 shape (seeded): the time does not depend on the values, the checks compare two computations of one input.
@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -177,7 +178,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--tiles", default="2048:8:64,1024:8:64")
+    ap.add_argument("--tiles", default="2048:8:64:2,2048:8:64:1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     args = ap.parse_args()
@@ -188,8 +189,9 @@ def main() -> int:
     t0 = time.time()
     tile_list = []
     for spec in args.tiles.split(","):
-        bk, warps, split = (int(x) for x in spec.split(":"))
-        tile_list.append(pl.LoopTiles(block_k=bk, num_warps=warps, split_keys=split))
+        bk, warps, split, *look = (int(x) for x in spec.split(":"))
+        tiles = pl.LoopTiles(block_k=bk, num_warps=warps, split_keys=split)
+        tile_list.append(replace(tiles, lookahead=look[0]) if look else tiles)
     gen = torch.Generator(device="cuda").manual_seed(11)
     floor = copy_floor_gbs()
     print(f"copy floor {floor:.0f} GB/s", flush=True)
@@ -241,7 +243,7 @@ def main() -> int:
         "",
         f"copy floor {floor:.0f} GB/s; weights per loop {wbytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms",
         "",
-        "| rows | tiles (block_k:warps:split_keys) | form | ms per loop | x floor | GB/s of weights |",
+        "| rows | tiles (block_k:warps:split_keys[:lookahead]) | form | ms per loop | x floor | GB/s |",
         "|---|---|---|---|---|---|",
     ]
     for (rows, ti, form), ms in sorted(times.items()):

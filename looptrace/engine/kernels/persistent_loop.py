@@ -54,7 +54,7 @@ MAX_ROWS = 8  # rows one launch serves (decode); more rows take the layer-by-lay
 COMBINE = tl.constexpr(16)  # split partials per load of the attention's combine
 # The stages (`STAGE`: -1 all of them behind barriers, else this one alone); also the GEMV epilogues.
 QKV, ATTN, O_PROJ, GATE_UP, DOWN, FINAL = (tl.constexpr(stage) for stage in range(6))
-MAX_SPINS = tl.constexpr(1 << 24)  # polls of a barrier before it gives up (seconds): never a hang
+MAX_SPINS = 1 << 24  # polls of a barrier before it gives up (seconds): never a hang
 LAYER_STAGES = (0, 1, 2, 3, 4)  # one layer's stages in order (host side)
 FINAL_STAGE = 5
 INTERPRETED = tl.constexpr(INTERPRET)
@@ -75,30 +75,41 @@ def _program():
     return pid, programs
 
 
+# Thread 0 polls the arrival counter (`ld.acquire.gpu`) until it reaches the target or MAX_SPINS polls pass;
+# the other threads skip the loop (a CTA's bar.sync after it holds them). Returns the last count seen (the
+# target on the other threads). Labels inside `{}` are local to the block, so the asm may appear many times.
+_WAIT_ASM = tl.constexpr(f"""{{
+.reg .pred %p_lead, %p_more;
+.reg .b32 %lt_tid, %spins;
+mov.u32 %lt_tid, %tid.x;
+setp.eq.u32 %p_lead, %lt_tid, 0;
+mov.u32 $0, $2;
+@!%p_lead bra DONE;
+mov.u32 %spins, 0;
+POLL:
+ld.acquire.gpu.global.b32 $0, [$1];
+add.u32 %spins, %spins, 1;
+setp.lt.s32 %p_more, $0, $2;
+setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
+@%p_more bra POLL;
+DONE:
+}}""")
+
+
 @triton.jit
 def _grid_barrier(bar_ptr, target):
     """Wait until every program has arrived `target // P` times: all stores before it are visible to every
-    program after it (a release add on arrival, acquire loads while polling; data made inside the launch is
+    program after it (a release add on arrival; thread 0 polls with acquire loads, then a CTA barrier passes
+    what it saw to the other threads, as cooperative groups' grid sync does; data made inside the launch is
     read `.cg`)."""
     tl.debug_barrier()  # every thread's stores are done before this program's arrival releases them
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = _load_acquire(bar_ptr)
-    spins = 0
-    while (seen < target) & (spins < MAX_SPINS):
-        seen = _load_acquire(bar_ptr)
-        spins += 1
+    seen = tl.inline_asm_elementwise(
+        _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=tl.int32, is_pure=False, pack=1
+    )
     if seen < target:  # a program never arrived (not resident, or a bug): give up rather than hang the GPU
         tl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire(ptr):
-    """`ld.acquire.gpu` of an int32 counter: nothing this thread reads after it is older than what the
-    arrival it observes released."""
-    return tl.inline_asm_elementwise(
-        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -162,38 +173,118 @@ def _x_tile(x_ptr, k, live, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _first_tile(w_ptr, stride_w, U, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
-                K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """This program's first weight tile of a GEMV stage: loaded before the barrier that opens the stage."""
-    pid, _programs = _program()
-    return _unit_tile(w_ptr, stride_w, pid, 0, pid < U, PAIR_OFF, HALF, HEAD, K, BK)
+def _stage_items(U, K: tl.constexpr, BK: tl.constexpr):
+    """This program's (unit, K tile) items of a GEMV stage of U units: units pid, pid + P, ..."""
+    pid, P = _program()
+    return (U - pid + P - 1) // P * ((K + BK - 1) // BK)  # pid < P: never negative
 
 
 @triton.jit
-def _gemv_stage(w_ptr, stride_w, w_first, x_ptr, stride_x, R, U, out, RP: tl.constexpr,
-                PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr, K: tl.constexpr,
-                BK: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
-    """This program's units of `x @ W.T` (x: `[R, K]` bf16), each unit's `[RP, 8]` fp32 sums handed to the
-    epilogue EPI (QKV, GATE_UP or plain) with `out` (that epilogue's tuple of outputs). The (unit, K tile)
-    items run as one flat loop that loads the next item's tile before it uses the current one; `w_first` is
-    item 0's tile, loaded by the caller before the barrier that opened the stage."""
+def _item_counts(H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                 BK: tl.constexpr):  # fmt: skip
+    """This program's items per layer in each GEMV stage: (q/k/v, o, gate/up, down)."""
+    return (
+        _stage_items((HQ + 2 * HK) * D // 8, H, BK),
+        _stage_items(H // 8, HQ * D, BK),
+        _stage_items(INTER // 4, H, BK),
+        _stage_items(H // 8, INTER, BK),
+    )
+
+
+@triton.jit
+def _item_tile(w_ptr, stride_w, j, live, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
+               K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The weight tile of this program's item j of one stage (units in the outer order, K tiles inner)."""
     pid, P = _program()
     KT: tl.constexpr = (K + BK - 1) // BK
-    items = (U - pid + P - 1) // P * KT  # pid < P, so never negative
+    return _unit_tile(w_ptr, stride_w, pid + (j // KT) * P, j % KT, live, PAIR_OFF, HALF, HEAD, K, BK)
+
+
+@triton.jit
+def _fetch(e, counts, weights, L, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
+           D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The weight tile of this program's GEMV item e. A program's items form one stream over the whole loop
+    (every layer: its q/k/v, o, gate/up and down items), so a fetch ahead crosses stage and layer boundaries
+    like any other: weights are never written. Past the loop's last item: zeros, no load."""
+    wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, _wn, _wf = weights
+    n_qkv, n_o, n_gu, n_down = counts
+    per_layer = n_qkv + n_o + n_gu + n_down
+    live = e < L * per_layer
+    layer = tl.minimum(e // per_layer, L - 1).to(tl.int64)
+    j = e % per_layer
+    n = (HQ + 2 * HK) * D
+    if j < n_qkv:
+        tile = _item_tile(wqkv_ptr + layer * n * H, H, j, live, D // 2, D // 2, D, H, BK)
+    elif j < n_qkv + n_o:
+        tile = _item_tile(wo_ptr + layer * H * HQ * D, HQ * D, j - n_qkv, live, 4, 4, 8, HQ * D, BK)
+    elif j < n_qkv + n_o + n_gu:
+        tile = _item_tile(wgu_ptr + layer * 2 * INTER * H, H, j - n_qkv - n_o, live, INTER, 1 << 30, 1 << 30,
+                          H, BK)  # fmt: skip
+    else:
+        tile = _item_tile(wd_ptr + layer * H * INTER, INTER, j - n_qkv - n_o - n_gu, live, 4, 4, 8, INTER, BK)
+    return tile
+
+
+@triton.jit
+def _fill_ring(e, fetch, LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
+               HK: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The ring of tiles in flight: items e .. e + LOOK - 1 (LOOK <= 3)."""
+    counts, weights, L = fetch
+    t0 = _fetch(e, counts, weights, L, H, INTER, HQ, HK, D, BK)
+    if LOOK == 1:
+        ring = (t0,)
+    elif LOOK == 2:
+        ring = (t0, _fetch(e + 1, counts, weights, L, H, INTER, HQ, HK, D, BK))
+    else:
+        t1 = _fetch(e + 1, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        ring = (t0, t1, _fetch(e + 2, counts, weights, L, H, INTER, HQ, HK, D, BK))
+    return ring
+
+
+@triton.jit
+def _advance(ring, new, LOOK: tl.constexpr):
+    """The ring after its oldest tile is taken and `new` is fetched."""
+    if LOOK == 1:
+        out = (new,)
+    elif LOOK == 2:
+        out = (ring[1], new)
+    else:
+        out = (ring[1], ring[2], new)
+    return out
+
+
+@triton.jit
+def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.constexpr, PAIR_OFF: tl.constexpr,
+                HALF: tl.constexpr, HEAD: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EPI: tl.constexpr,
+                LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
+                D: tl.constexpr):  # fmt: skip
+    """This program's units of `x @ W.T` (x: `[R, K]` bf16), each unit's `[RP, 8]` fp32 sums handed to the
+    epilogue EPI (QKV, GATE_UP or plain) with `out` (that epilogue's tuple of outputs). The (unit, K tile)
+    items come from the ring of tiles in flight, oldest first; taking one fetches the item LOOK further on
+    in the program's stream (`_fetch`), which near the stage's end is the next stage's. Returns the ring
+    and the stream position after this stage. `x_rows`: x in this program's registers (fp32 `[RP, BH]`, the
+    q/k/v and gate/up stages: this program normed it), else 0 (x made by other programs: read from L2)."""
+    pid, P = _program()
+    KT: tl.constexpr = (K + BK - 1) // BK
+    counts, weights, L = fetch
+    items = _stage_items(U, K, BK)
     acc = tl.zeros([RP, 8], tl.float32)
     row_ids = tl.arange(0, RP)
-    w = w_first
+    k_all = tl.arange(0, BK)
+    if KT == 1 and RP == 1:  # one row, one K tile: x is the same for every item (taken once, not per item)
+        if isinstance(x_rows, tl.tensor) and x_rows.shape[1] == BK:
+            x_only = tl.reshape(x_rows, [BK])  # in registers already: no round trip through L2
+        else:
+            x_only = _x_tile(x_ptr, k_all, R > 0, K, BK)
     item = items * 0  # a while loop: the interpreter's range() refuses a computed bound (numpy >= 2)
     while item < items:
-        nxt = item + 1
-        w_next = _unit_tile(
-            w_ptr, stride_w, pid + (nxt // KT) * P, nxt % KT, nxt < items, PAIR_OFF, HALF, HEAD, K, BK
-        )
+        w = ring[0]
+        ring = _advance(ring, _fetch(e + LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK), LOOK)
         kt = item % KT
-        k = kt * BK + tl.arange(0, BK)
+        k = kt * BK + k_all
         wf = w.to(tl.float32)
         for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
-            xr = _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
+            xr = x_only if KT == 1 and RP == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
             part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
             acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
         if kt == KT - 1:
@@ -205,8 +296,9 @@ def _gemv_stage(w_ptr, stride_w, w_first, x_ptr, stride_x, R, U, out, RP: tl.con
             else:
                 _plain_epilogue(acc, _unit_rows(u, PAIR_OFF, HALF, HEAD), R, RP, out)
             acc = tl.zeros([RP, 8], tl.float32)
-        w = w_next
-        item = nxt
+        item += 1
+        e += 1
+    return ring, e
 
 
 @triton.jit
@@ -306,12 +398,15 @@ def _stage_x(
     x = _rms(h, _norm_weight(wn_ptr, layer, which_norm, cols, H), H, eps)
     _store_rows(x_ptr + tl.program_id(0) * RP * H, H, R, RP, cols, H, x)
     tl.debug_barrier()  # this program's GEMV reads the rows its other threads stored
+    return x
 
 
 @triton.jit
 def _stage_qkv(
     layer,
-    w_first,
+    ring,
+    e,
+    fetch,
     io,
     bufs,
     weights,
@@ -323,32 +418,35 @@ def _stage_qkv(
     BH: tl.constexpr,
     HQ: tl.constexpr,
     HK: tl.constexpr,
+    INTER: tl.constexpr,
     D: tl.constexpr,
     BK: tl.constexpr,
+    LOOK: tl.constexpr,
 ):
     """h entering the layer (program 0 stores it), x = in1(h), then q/k/v with RoPE and the K/V write."""
     x_ptr, hb_ptr, _mb, q_ptr, _attn, _o, _act, _d = bufs
-    wqkv_ptr, _wo, _wgu, _wd, wn_ptr, _wf = weights
+    _wqkv, _wo, _wgu, _wd, wn_ptr, _wf = weights
     (cos_ptr, sin_ptr, stride_cs, kc_ptr, vc_ptr, stride_e, stride_s, stride_ch, went_ptr, woff_ptr, _t,
      _st, _c) = attn_meta  # fmt: skip
     pid, _programs = _program()
     h = _layer_input(layer, io, bufs, wn_ptr, eps, R, RP, H, BH)
     if pid == 0:
         _store_rows(hb_ptr, H, R, RP, tl.arange(0, BH), H, h)
-    _stage_x(h, 0, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
+    x = _stage_x(h, 0, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
     n = (HQ + 2 * HK) * D
     out = (q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer, stride_cs, stride_e,
            stride_s, stride_ch, HQ, HK)  # fmt: skip
-    w_ptr = wqkv_ptr + layer.to(tl.int64) * n * H
-    _gemv_stage(w_ptr, H, w_first, x_ptr + pid * RP * H, H, R, n // 8, out, RP, D // 2, D // 2, D, H, BK, QKV)
+    return _gemv_stage(ring, e, fetch, x_ptr + pid * RP * H, H, x, R, n // 8, out, RP, D // 2, D // 2, D, H,
+                       BK, QKV, LOOK, H, INTER, HQ, HK, D)  # fmt: skip
 
 
 @triton.jit
-def _stage_gate_up(layer, w_first, bufs, weights, R, eps, RP: tl.constexpr, H: tl.constexpr,
-                   BH: tl.constexpr, INTER: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _stage_gate_up(layer, ring, e, fetch, bufs, weights, R, eps, RP: tl.constexpr, H: tl.constexpr,
+                   BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                   BK: tl.constexpr, LOOK: tl.constexpr):  # fmt: skip
     """M = h + in2(o) (program 0 stores it), x = post1(M), then SiLU(gate)·up."""
     x_ptr, hb_ptr, mb_ptr, _q, _attn, o_ptr, act_ptr, _d = bufs
-    _wqkv, _wo, wgu_ptr, _wd, wn_ptr, _wf = weights
+    _wqkv, _wo, _wgu, _wd, wn_ptr, _wf = weights
     pid, _programs = _program()
     cols = tl.arange(0, BH)
     h = _load_rows(hb_ptr, H, R, RP, cols, H)
@@ -356,10 +454,9 @@ def _stage_gate_up(layer, w_first, bufs, weights, R, eps, RP: tl.constexpr, H: t
     m = round_bf16(h + _rms(o, _norm_weight(wn_ptr, layer, 1, cols, H), H, eps))
     if pid == 0:
         _store_rows(mb_ptr, H, R, RP, cols, H, m)
-    _stage_x(m, 2, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
-    w_ptr = wgu_ptr + layer.to(tl.int64) * 2 * INTER * H
-    _gemv_stage(w_ptr, H, w_first, x_ptr + pid * RP * H, H, R, INTER // 4, (act_ptr, INTER), RP, INTER,
-                1 << 30, 1 << 30, H, BK, GATE_UP)  # fmt: skip
+    x = _stage_x(m, 2, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
+    return _gemv_stage(ring, e, fetch, x_ptr + pid * RP * H, H, x, R, INTER // 4, (act_ptr, INTER), RP, INTER,
+                       1 << 30, 1 << 30, H, BK, GATE_UP, LOOK, H, INTER, HQ, HK, D)  # fmt: skip
 
 
 @triton.jit
@@ -465,11 +562,12 @@ def _combine(part_ptr, splits, D: tl.constexpr):
 
 
 @triton.jit
-def _stage_plain(layer, w_first, w_ptr, x_ptr, out_ptr, R, RP: tl.constexpr, N: tl.constexpr,
-                 K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _stage_plain(ring, e, fetch, x_ptr, out_ptr, R, RP: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
+                 HK: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """o_proj (x: the attention output) or down_proj (x: SiLU·up): 8-row units, bf16 out."""
-    _gemv_stage(w_ptr + layer.to(tl.int64) * N * K, K, w_first, x_ptr, K, R, N // 8, (out_ptr, N), RP, 4, 4,
-                8, K, BK, O_PROJ)  # fmt: skip
+    return _gemv_stage(ring, e, fetch, x_ptr, K, 0, R, N // 8, (out_ptr, N), RP, 4, 4, 8, K, BK, O_PROJ, LOOK,
+                       H, INTER, HQ, HK, D)  # fmt: skip
 
 
 @triton.jit
@@ -487,44 +585,44 @@ def _stage_final(layer, io, bufs, weights, R, eps, RP: tl.constexpr, H: tl.const
 
 
 @triton.jit
-def _stage_tile(STAGE: tl.constexpr, layer, weights, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
-                HK: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """This program's first weight tile of STAGE at `layer`, loaded before the barrier that opens the stage
-    (a stage without weights gets an empty tile)."""
-    wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, _wn, _wf = weights
-    lay = layer.to(tl.int64)
-    tile = tl.zeros([8, BK], tl.bfloat16)
-    if STAGE == QKV:
-        n = (HQ + 2 * HK) * D
-        tile = _first_tile(wqkv_ptr + lay * n * H, H, n // 8, D // 2, D // 2, D, H, BK)
-    elif STAGE == O_PROJ:
-        tile = _first_tile(wo_ptr + lay * H * HQ * D, HQ * D, H // 8, 4, 4, 8, HQ * D, BK)
+def _stage_start(STAGE: tl.constexpr, layer, counts):
+    """Where STAGE of `layer` begins in this program's item stream (attention and the final norm have no
+    items: where the next GEMV stage begins)."""
+    n_qkv, n_o, n_gu, n_down = counts
+    start = layer * (n_qkv + n_o + n_gu + n_down)
+    if (STAGE == ATTN) | (STAGE == O_PROJ):
+        start += n_qkv
     elif STAGE == GATE_UP:
-        tile = _first_tile(wgu_ptr + lay * 2 * INTER * H, H, INTER // 4, INTER, 1 << 30, 1 << 30, H, BK)
+        start += n_qkv + n_o
     elif STAGE == DOWN:
-        tile = _first_tile(wd_ptr + lay * H * INTER, INTER, H // 8, 4, 4, 8, INTER, BK)
-    return tile
+        start += n_qkv + n_o + n_gu
+    return start
 
 
 @triton.jit
-def _run_stage(STAGE: tl.constexpr, layer, w_first, io, bufs, weights, attn_meta, partials, R, eps,
+def _run_stage(STAGE: tl.constexpr, layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps,
                qk_scale, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr,
                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr):  # fmt: skip
+               SPLIT: tl.constexpr, LOOK: tl.constexpr):  # fmt: skip
+    """One stage of `layer`; returns the ring of tiles in flight and the stream position after it."""
     _x, _h, _m, _q, attn_ptr, o_ptr, act_ptr, d_ptr = bufs
-    _wqkv, wo_ptr, _wgu, wd_ptr, _wn, _wf = weights
     if STAGE == QKV:
-        _stage_qkv(layer, w_first, io, bufs, weights, attn_meta, R, eps, RP, H, BH, HQ, HK, D, BK)
+        ring, e = _stage_qkv(layer, ring, e, fetch, io, bufs, weights, attn_meta, R, eps, RP, H, BH, HQ, HK,
+                             INTER, D, BK, LOOK)  # fmt: skip
     elif STAGE == ATTN:
         _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP, HQ, HK, D, PAGE, SPLIT)
     elif STAGE == O_PROJ:
-        _stage_plain(layer, w_first, wo_ptr, attn_ptr, o_ptr, R, RP, H, HQ * D, BK)
+        ring, e = _stage_plain(
+            ring, e, fetch, attn_ptr, o_ptr, R, RP, H, HQ * D, BK, LOOK, H, INTER, HQ, HK, D
+        )
     elif STAGE == GATE_UP:
-        _stage_gate_up(layer, w_first, bufs, weights, R, eps, RP, H, BH, INTER, BK)
+        ring, e = _stage_gate_up(layer, ring, e, fetch, bufs, weights, R, eps, RP, H, BH, INTER, HQ, HK, D,
+                                 BK, LOOK)  # fmt: skip
     elif STAGE == DOWN:
-        _stage_plain(layer, w_first, wd_ptr, act_ptr, d_ptr, R, RP, H, INTER, BK)
+        ring, e = _stage_plain(ring, e, fetch, act_ptr, d_ptr, R, RP, H, INTER, BK, LOOK, H, INTER, HQ, HK, D)
     else:
         _stage_final(layer, io, bufs, weights, R, eps, RP, H, BH)
+    return ring, e
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -537,11 +635,18 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                  max_splits, eps, qk_scale, stride_in, stride_cs, stride_e, stride_s, stride_ch, stride_t,
                  H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
                  D: tl.constexpr, PAGE: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                 SPLIT: tl.constexpr, STAGE: tl.constexpr, LOOK: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
     let_dependents_launch(PDL)
     weights = (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr)
-    # the first weight tile (weights are never written, so under PDL it streams while the kernel before ends)
-    w = _stage_tile(STAGE if STAGE >= 0 else QKV, stage_layer, weights, H, INTER, HQ, HK, D, BK)
+    counts = _item_counts(H, INTER, HQ, HK, D, BK)
+    fetch = (counts, weights, L)
+    e = _stage_start(STAGE if STAGE >= 0 else QKV, stage_layer, counts)
+    # the first tiles (weights are never written, so under PDL they stream while the kernel before ends);
+    # a launch of a stage without weights fetches nothing (past the stream's end)
+    no_weights: tl.constexpr = (STAGE == ATTN) | (STAGE == FINAL)
+    stream_end = L * (counts[0] + counts[1] + counts[2] + counts[3])
+    ring = _fill_ring(e + stream_end * no_weights, fetch, LOOK, H, INTER, HQ, HK, D, BK)
     wait_for_inputs(PDL)
     io = (h_in_ptr, stride_in, state_ptr)
     bufs = (x_ptr, hb_ptr, mb_ptr, q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr)
@@ -553,25 +658,23 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
         arrivals = 0
         for layer in range(L):
             for s in tl.static_range(5):  # QKV, ATTN, O_PROJ, GATE_UP, DOWN
-                _run_stage(s, layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH,
-                           INTER, HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
-                # the next stage's first tile (the next layer's q/k/v after DOWN) is in flight during the wait
-                w = _stage_tile(
-                    (s + 1) % 5, tl.minimum(layer + s // 4, L - 1), weights, H, INTER, HQ, HK, D, BK
-                )
+                # the ring holds the next stage's first tiles during the wait after this stage
+                ring, e = _run_stage(s, layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R,
+                                     eps, qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT,
+                                     LOOK)  # fmt: skip
                 if s == QKV:  # the attention's earlier keys do not change: ask L2 for them during the wait
                     _prefetch_keys(layer, attn_meta, R, HQ, HK, D, PAGE, SPLIT)
                 arrivals += P
                 _grid_barrier(bar_ptr, arrivals)
-        _run_stage(FINAL, L, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H, BH, INTER,
-                   HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
+        _run_stage(FINAL, L, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
+                   BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK)  # fmt: skip
         # the last program to leave: every program is past its waits, the counters go back to zero
         if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
             tl.store(bar_ptr, 0)
             tl.store(bar_ptr + 1, 0)
     else:  # one stage of one layer (`loop_staged`); FINAL takes layer = L
-        _run_stage(STAGE, stage_layer, w, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
-                   BH, INTER, HQ, HK, D, PAGE, BK, SPLIT)  # fmt: skip
+        _run_stage(STAGE, stage_layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps,
+                   qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------- host
@@ -607,6 +710,7 @@ class LoopTiles:
     block_k: int = 2048
     split_keys: int = 64
     num_warps: int = 8
+    lookahead: int = 2  # weight tiles in flight per program (1-3), across stage boundaries too
 
 
 DEFAULT_TILES = LoopTiles()
@@ -716,8 +820,8 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
-                                     STAGE=stage, num_warps=tiles.num_warps, num_stages=1,
-                                     **pdl_args())  # fmt: skip
+                                     STAGE=stage, LOOK=tiles.lookahead, num_warps=tiles.num_warps,
+                                     num_stages=1, **pdl_args())  # fmt: skip
 
 
 def loop_persistent(

@@ -93,7 +93,8 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             allowed = {"tl.program_id", "tl.arange", "let_dependents_launch", "_prefetch_slice"}
             allowed |= {"_weight_rows", "_pair_rows"}  # the GEMVs' row indices (index math only)
             allowed |= {"tl.zeros", "weight_tile"}  # the GEMV's weight preload (weights: never written)
-            allowed |= {"_stage_tile"}  # the persistent loop's first weight tile (weights: never written)
+            # the persistent loop's stream position (index math) and its first weight tiles (never written)
+            allowed |= {"_item_counts", "_stage_start", "_fill_ring"}
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"

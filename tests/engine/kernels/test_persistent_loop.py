@@ -214,6 +214,13 @@ def _cpu_checks() -> dict:
         ]
         other_grid = pl.loop_staged(*case.args(), tiles=pl.LoopTiles(programs=3, block_k=32, split_keys=8))
         res[f"{name}_grid_independent"] = [torch.equal(out, other_grid), None]
+        in_flight = [
+            pl.loop_staged(
+                *case.args(), tiles=pl.LoopTiles(programs=5, block_k=32, split_keys=8, lookahead=look)
+            )
+            for look in (1, 3)
+        ]
+        res[f"{name}_tiles_in_flight_independent"] = [all(torch.equal(out, o) for o in in_flight), None]
         untouched = kc.clone()
         for r in range(3):
             for layer in range(2):
@@ -221,6 +228,19 @@ def _cpu_checks() -> dict:
                     int(case.write_entry[r]) + layer, int(case.write_offset[r])
                 ]
         res[f"{name}_writes_only_its_slots"] = [torch.equal(untouched, case.k_cache), None]
+    # one K tile per unit (block_k >= every K): one row takes x once per stage, not once per item
+    case = make_case(gen, (4, 4, 16), 64, 48, 2, [11, 3])
+    one_tile = pl.LoopTiles(programs=5, block_k=64, split_keys=8)
+    out = pl.loop_staged(*case.args(), tiles=one_tile)
+    alone = [pl.loop_staged(*case.rows([r]).args(), tiles=one_tile) for r in range(2)]
+    res["one_k_tile_alone_vs_batched_bitwise"] = [
+        all(torch.equal(alone[r][0], out[r]) for r in range(2)),
+        None,
+    ]
+    res["one_k_tile_vs_float64"] = [
+        rel_err(out, reference_loop(case)[0]) < 0.05,
+        rel_err(out, reference_loop(case)[0]),
+    ]
     case = make_case(gen, (4, 4, 16), 64, 48, 2, [6, 9])
     padded = case.rows([0, 1])
     padded.write_entry = torch.tensor([case.write_entry[0].item(), -1])
@@ -249,9 +269,15 @@ CPU_CHECKS = [
         "repeat_bitwise",
         "alone_vs_batched_bitwise",
         "grid_independent",
+        "tiles_in_flight_independent",
         "writes_only_its_slots",
     )
-] + ["padding_row_writes_no_cache", "counters_back_at_zero"]
+] + [
+    "one_k_tile_alone_vs_batched_bitwise",
+    "one_k_tile_vs_float64",
+    "padding_row_writes_no_cache",
+    "counters_back_at_zero",
+]
 
 
 @pytest.mark.parametrize("check", CPU_CHECKS)
