@@ -104,9 +104,12 @@ def _grid_barrier(bar_ptr, target):
     read `.cg`)."""
     tl.debug_barrier()  # every thread's stores are done before this program's arrival releases them
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.inline_asm_elementwise(
-        _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=tl.int32, is_pure=False, pack=1
-    )
+    if INTERPRETED:  # one program (`loop_persistent` refuses more there): it is the last to arrive
+        seen = tl.load(bar_ptr)
+    else:
+        seen = tl.inline_asm_elementwise(
+            _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=tl.int32, is_pure=False, pack=1
+        )
     if seen < target:  # a program never arrived (not resident, or a bug): give up rather than hang the GPU
         tl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
@@ -656,16 +659,19 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
     if STAGE < 0:  # the whole loop, a grid barrier after each stage
         _pid, P = _program()
         arrivals = 0
-        for layer in range(L):
+        layer = L * 0  # a while loop: the interpreter's range() refuses an argument's bound (numpy >= 2)
+        while layer < L:
             for s in tl.static_range(5):  # QKV, ATTN, O_PROJ, GATE_UP, DOWN
                 # the ring holds the next stage's first tiles during the wait after this stage
                 ring, e = _run_stage(s, layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R,
                                      eps, qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT,
                                      LOOK)  # fmt: skip
-                if s == QKV:  # the attention's earlier keys do not change: ask L2 for them during the wait
+                # the attention's earlier keys do not change: ask L2 for them during the wait
+                if s == QKV and not INTERPRETED:
                     _prefetch_keys(layer, attn_meta, R, HQ, HK, D, PAGE, SPLIT)
                 arrivals += P
                 _grid_barrier(bar_ptr, arrivals)
+            layer += 1
         _run_stage(FINAL, L, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
                    BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK)  # fmt: skip
         # the last program to leave: every program is past its waits, the counters go back to zero
@@ -840,12 +846,15 @@ def loop_persistent(
 ) -> torch.Tensor:
     """One Ouro loop over `state` `[R, H]` (R <= MAX_ROWS decode rows) as one persistent launch: every
     layer's attention (writing its K/V at (write_entry + layer, write_offset)) and MLP, then the final norm;
-    returns the new state `[R, H]`. CUDA only (its grid barrier needs every program resident at once); call
-    where `loop_fusable`."""
-    if INTERPRET:
-        raise RuntimeError("loop_persistent needs a GPU: under the interpreter use loop_staged")
+    returns the new state `[R, H]`. Its grid barrier needs every program resident at once: on a GPU, one
+    program per SM; under the Triton interpreter, which runs programs one after another, one program alone
+    (`tiles.programs=1`). Call where `loop_fusable`."""
+    programs = 1 if INTERPRET else _programs(state.device, tiles)
+    if INTERPRET and tiles.programs != 1:
+        raise RuntimeError(
+            "loop_persistent under the interpreter runs one program: pass LoopTiles(programs=1)"
+        )
     out = torch.empty_like(state)
-    programs = _programs(state.device, tiles)
     _launch(-1, 0, state, weights, cos, sin, k_cache, v_cache, write_entry, write_offset, tables, ctx_lens,
             page, tiles, out, programs)  # fmt: skip
     return out

@@ -228,6 +228,19 @@ def _cpu_checks() -> dict:
                     int(case.write_entry[r]) + layer, int(case.write_offset[r])
                 ]
         res[f"{name}_writes_only_its_slots"] = [torch.equal(untouched, case.k_cache), None]
+    # the persistent form itself (one program: the interpreter runs programs one after another): its ring of
+    # tiles in flight carries items across stages and layers, where each staged launch refills it
+    case = make_case(gen, (4, 2, 16), 64, 48, 2, [11, 3, 17])
+    staged = pl.loop_staged(*case.args(), tiles=pl.LoopTiles(programs=1, block_k=32, split_keys=8))
+    agree = []
+    for look in (1, 2, 3):
+        kc, vc = case.k_cache.clone(), case.v_cache.clone()
+        one = pl.LoopTiles(programs=1, block_k=32, split_keys=8, lookahead=look)
+        persistent = pl.loop_persistent(*case.args(kc, vc), tiles=one)
+        kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
+        pl.loop_staged(*case.args(kc2, vc2), tiles=one)
+        agree.append(torch.equal(persistent, staged) and torch.equal(kc, kc2) and torch.equal(vc, vc2))
+    res["persistent_one_program_equals_staged"] = [all(agree), agree]
     # one K tile per unit (block_k >= every K): one row takes x once per stage, not once per item
     case = make_case(gen, (4, 4, 16), 64, 48, 2, [11, 3])
     one_tile = pl.LoopTiles(programs=5, block_k=64, split_keys=8)
@@ -273,6 +286,7 @@ CPU_CHECKS = [
         "writes_only_its_slots",
     )
 ] + [
+    "persistent_one_program_equals_staged",
     "one_k_tile_alone_vs_batched_bitwise",
     "one_k_tile_vs_float64",
     "padding_row_writes_no_cache",
