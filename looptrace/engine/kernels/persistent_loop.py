@@ -271,14 +271,16 @@ def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.const
     KT: tl.constexpr = (K + BK - 1) // BK
     counts, weights, L = fetch
     items = _stage_items(U, K, BK)
-    acc = tl.zeros([RP, 8], tl.float32)
+    # sums kept as [8, RP] (a unit's W rows down, x rows across): each row's [8] sums join them in the
+    # layout the reduction left them, with no exchange; transposed once per unit for the epilogue
+    acc = tl.zeros([8, RP], tl.float32)
     row_ids = tl.arange(0, RP)
     k_all = tl.arange(0, BK)
-    if KT == 1 and RP == 1:  # one row, one K tile: x is the same for every item (taken once, not per item)
+    if KT == 1:  # one K tile: x is the same for every item (taken once per stage, held in registers)
         if isinstance(x_rows, tl.tensor) and x_rows.shape[1] == BK:
-            x_only = tl.reshape(x_rows, [BK])  # in registers already: no round trip through L2
+            x_held = x_rows.to(tl.bfloat16)  # in registers already (bf16 values): no round trip through L2
         else:
-            x_only = _x_tile(x_ptr, k_all, R > 0, K, BK)
+            x_held = _load_rows(x_ptr, stride_x, R, RP, k_all, K).to(tl.bfloat16)
     item = items * 0  # a while loop: the interpreter's range() refuses a computed bound (numpy >= 2)
     while item < items:
         w = ring[0]
@@ -287,21 +289,32 @@ def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.const
         k = kt * BK + k_all
         wf = w.to(tl.float32)
         for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
-            xr = x_only if KT == 1 and RP == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
+            xr = _row(x_held, r, RP) if KT == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
             part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
-            acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
+            acc += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
         if kt == KT - 1:
             u = pid + (item // KT) * P
+            sums = tl.trans(acc)
             if EPI == QKV:
-                _qkv_epilogue(acc, u, R, RP, HALF, out)
+                _qkv_epilogue(sums, u, R, RP, HALF, out)
             elif EPI == GATE_UP:
-                _silu_epilogue(acc, u, R, RP, out)
+                _silu_epilogue(sums, u, R, RP, out)
             else:
-                _plain_epilogue(acc, _unit_rows(u, PAIR_OFF, HALF, HEAD), R, RP, out)
-            acc = tl.zeros([RP, 8], tl.float32)
+                _plain_epilogue(sums, _unit_rows(u, PAIR_OFF, HALF, HEAD), R, RP, out)
+            acc = tl.zeros([8, RP], tl.float32)
         item += 1
         e += 1
     return ring, e
+
+
+@triton.jit
+def _row(rows, r: tl.constexpr, RP: tl.constexpr):
+    """Row r of a `[RP, N]` tile as fp32 `[N]` (each thread holds every row of its columns: no exchange)."""
+    if RP == 1:
+        row = tl.reshape(rows, [rows.shape[1]]).to(tl.float32)
+    else:
+        row = tl.sum(tl.where(tl.arange(0, RP)[:, None] == r, rows.to(tl.float32), 0.0), axis=0)
+    return row
 
 
 @triton.jit
