@@ -6,8 +6,10 @@ RoPE and the K/V write, attention, o GEMV, residual norm, gate/up GEMV with SiLU
 Each launch starts with a ramp and ends with a tail in which the memory system idles, and at one row those
 boundaries cost more than the work they separate. Here the grid is one program per SM for the whole loop:
 the programs stream every stage's weights and wait for one another at the stage boundaries through a
-device counter (`_grid_barrier`), not a launch; each program loads its first weight tile of the next stage
-before it waits, so the next stage's bytes are in flight while the slowest program finishes.
+device counter (`_grid_barrier`), not a launch. A program's GEMV items of the whole loop (every layer's
+q/k/v, o, gate/up and down units) form one stream, and a ring of `LOOK` weight tiles runs ahead of it
+(`_fetch`): weights are never written, so the ring crosses stage and layer boundaries, and the next
+stage's bytes are in flight while the slowest program finishes the stage before.
 
 Stages of layer l (every program takes units `pid, pid + P, ...` of each):
 - QKV: the residual stream h (the loop input at l = 0; else M + post2(down) of layer l - 1, stored by program
