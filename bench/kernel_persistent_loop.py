@@ -253,10 +253,9 @@ def main() -> int:
             f"| {rows} | {tag} | {form} | {ms:.4f} | {ms / floor_ms:.2f} | {wbytes / ms / 1e6:.0f} |"
         )
     result["barrier_timeouts"] = pl.barrier_timeouts()
-    for rows in rows_list:
-        anatomy = stage_anatomy(cases[rows], tile_list[0], floor)
-        lines += ["", "## Stage anatomy", "", *anatomy]
-        print("\n".join(anatomy), flush=True)
+    anatomy = stage_anatomy(cases[rows_list[0]], tile_list[0], floor)  # the first row count and launch shape
+    lines += ["", "## Stage anatomy", "", *anatomy]
+    print("\n".join(anatomy), flush=True)
     lines += [
         "",
         f"barrier waits that gave up: {result['barrier_timeouts']}",
