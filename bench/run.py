@@ -115,6 +115,11 @@ MODES: dict[str, Mode] = {
         "cuda",
         script("kernel_persistent_loop.py", "--out {out}"),
     ),
+    "persistent-loop-compile": Mode(
+        "the persistent Ouro loop kernel compiled for sm_90a (no GPU): registers, spills, SASS per form",
+        "any",
+        script("kernel_persistent_loop_compile.py", "--out {out}"),
+    ),
     "attention": Mode(
         "decode attention (split-KV) against its byte floor, Ouro and Huginn heads, 1-64 rows",
         "cuda",
