@@ -731,10 +731,19 @@ class LoopTiles:
     block_k: int = 2048
     split_keys: int = 64
     num_warps: int = 8
-    lookahead: int = 2  # weight tiles in flight per program (1-3), across stage boundaries too
+    lookahead: int | None = None  # weight tiles in flight per program (1-3); None: `_lookahead`
 
 
 DEFAULT_TILES = LoopTiles()
+
+
+def _lookahead(tiles: LoopTiles, rows_pad: int) -> int:
+    """Weight tiles in flight: the ring's registers (32 per tile at 8 warps) come on top of the rows' own,
+    and compiled for sm_90a (bench/kernel_persistent_loop_compile.py) two tiles spill 112 bytes at one row
+    but 702 at four rows and 7.8 KB at eight (where one tile spills 752), so two up to two rows, else one."""
+    if tiles.lookahead is not None:
+        return tiles.lookahead
+    return 2 if rows_pad <= 2 else 1
 
 
 def _pow2(n: int) -> int:
@@ -841,7 +850,7 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
-                                     STAGE=stage, LOOK=tiles.lookahead, num_warps=tiles.num_warps,
+                                     STAGE=stage, LOOK=_lookahead(tiles, rows_pad), num_warps=tiles.num_warps,
                                      num_stages=1, **pdl_args())  # fmt: skip
 
 
