@@ -56,12 +56,17 @@ def recipe_dir() -> Path:
 
 
 def recipe_file(name_or_path: str) -> Path:
-    """The file `--recipe NAME_OR_PATH` reads: a .yaml/.yml or existing path as given, else
+    """The file `--recipe NAME_OR_PATH` reads: a shipped recipe's bare name is that recipe
+    (recipes/NAME.yaml), even where the working directory holds a folder or file of that name (a `fast/`
+    of results must not shadow `fast`); else a .yaml/.yml or existing path as given; else
     recipes/NAME.yaml (whether it exists or not: looptrace.recipes names the problem)."""
     path = Path(name_or_path)
+    shipped = recipe_dir() / f"{name_or_path}.yaml"
+    if path.name == name_or_path and not path.suffix and shipped.is_file():
+        return shipped
     if path.suffix in (".yaml", ".yml") or os.path.lexists(path):
         return path
-    return recipe_dir() / f"{name_or_path}.yaml"
+    return shipped
 
 
 def package_data_dirs() -> tuple[Path, ...]:

@@ -142,6 +142,17 @@ def test_empty_recipe_file_is_an_error(tmp_path, text) -> None:
     assert msg.startswith(f"{path}:") and "empty" in msg, msg
 
 
+def test_a_folder_named_like_a_shipped_recipe_does_not_shadow_it(tmp_path, monkeypatch) -> None:
+    """`looptrace profile` (recipe `base`) in a directory holding a `base/` folder, or `diff base fast`
+    beside a `fast` file, still reads the shipped recipes; `./base` names the folder."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "fast").write_text("not a recipe")
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("base").source == str(RECIPE_DIR / "base.yaml")
+    assert load_recipe("fast").source == str(RECIPE_DIR / "fast.yaml")
+    assert "is a directory" in error("./base")
+
+
 def test_recipe_path_that_is_a_directory_says_so(tmp_path) -> None:
     folder = tmp_path / "recipes.yaml"
     folder.mkdir()
