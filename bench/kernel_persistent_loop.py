@@ -3,7 +3,7 @@
 loop against the copy floor measured in the same process, for each launch shape and row count asked.
 
     python bench/kernel_persistent_loop.py --out DIR [--layers 24] [--ctx 512] [--rows 1,2,4,8]
-        [--tiles 2048:8:64:2,2048:8:64:1] [--rounds 5]
+        [--tiles 2048:8:64:2,2048:8:64:1,2048:8:64:1:j] [--rounds 5]
 
 Writes DIR/persistent_loop.md (the table) and DIR/persistent_loop.json. CUDA only. Random weights of the real
 shape (seeded): the time does not depend on the values, the checks compare two computations of one input.
@@ -16,7 +16,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -172,6 +171,15 @@ def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_pe
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
+def parse_tiles(spec: str) -> pl.LoopTiles:
+    """`BK:warps:split_keys[:lookahead][:j]` (j: every row's sums in one reduction, `joint_rows`)."""
+    bk, warps, split, *rest = spec.split(":")
+    joint = "j" in rest
+    look = [int(x) for x in rest if x != "j"]
+    return pl.LoopTiles(block_k=int(bk), num_warps=int(warps), split_keys=int(split),
+                        lookahead=look[0] if look else None, joint_rows=joint)  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -181,7 +189,9 @@ def main() -> int:
     ap.add_argument("--tiles", default="2048:8:64:2,2048:8:64:1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
+    ap.add_argument("--check-tiles", default="0", help="which --tiles entries (0-based) get the checks")
     args = ap.parse_args()
+    args.check_tiles = [int(i) for i in args.check_tiles.split(",")]
     if not torch.cuda.is_available():
         print("bench/kernel_persistent_loop.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
@@ -189,9 +199,7 @@ def main() -> int:
     t0 = time.time()
     tile_list = []
     for spec in args.tiles.split(","):
-        bk, warps, split, *look = (int(x) for x in spec.split(":"))
-        tiles = pl.LoopTiles(block_k=bk, num_warps=warps, split_keys=split)
-        tile_list.append(replace(tiles, lookahead=look[0]) if look else tiles)
+        tile_list.append(parse_tiles(spec))
     gen = torch.Generator(device="cuda").manual_seed(11)
     floor = copy_floor_gbs()
     print(f"copy floor {floor:.0f} GB/s", flush=True)
@@ -230,10 +238,13 @@ def main() -> int:
         device="cuda",
         scale=1.0,
     )
-    for name, case in (("rows1", check_case.rows([0])), ("rows3", check_case)):  # the first launch shape
-        res = checks(case, tile_list[0])
-        result["checks"][f"{args.tiles.split(',')[0]}/{name}"] = res
-        print(name, res, f"{time.time() - t0:.0f}s", flush=True)
+    tags = args.tiles.split(",")
+    for index in args.check_tiles:  # each launch shape compiles its own code
+        tag, tiles = tags[index], tile_list[index]
+        for name, case in (("rows1", check_case.rows([0])), ("rows3", check_case)):
+            res = checks(case, tiles)
+            result["checks"][f"{tag}/{name}"] = res
+            print(tag, name, res, f"{time.time() - t0:.0f}s", flush=True)
     times = time_loops(cases, tile_list, args.rounds)
     wbytes = weight_bytes(cases[rows_list[0]])
     floor_ms = wbytes / floor / 1e6
@@ -243,7 +254,7 @@ def main() -> int:
         "",
         f"copy floor {floor:.0f} GB/s; weights per loop {wbytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms",
         "",
-        "| rows | tiles (block_k:warps:split_keys[:lookahead]) | form | ms per loop | x floor | GB/s |",
+        "| rows | tiles (block_k:warps:split_keys[:lookahead][:j]) | form | ms per loop | x floor | GB/s |",
         "|---|---|---|---|---|---|",
     ]
     for (rows, ti, form), ms in sorted(times.items()):

@@ -5,7 +5,7 @@ the SASS holds (instructions, CTA barriers, warp shuffles, shared-memory stores)
 any device time is spent on timing it.
 
     python bench/kernel_persistent_loop_compile.py --out DIR [--rows 1,4,8] [--lookahead 1,2,3]
-        [--warps 8] [--staged-rows 1,8]
+        [--warps 8] [--staged-rows 1,8] [--joint 0,1]
 
 Forms: the persistent launch (`STAGE = -1`) at each rows x lookahead x warps, and each stage of the staged
 twin (q/k/v, attention, o, gate/up, down, final norm) at `--staged-rows` with lookahead 2. Ouro-1.4B's
@@ -43,10 +43,10 @@ STAGE_NAMES = {0: "q/k/v", 1: "attention", 2: "o", 3: "gate/up", 4: "down", 5: "
 SASS_COUNTS = {"BAR.SYNC": r"\bBAR\.SYNC\b", "SHFL": r"\bSHFL\.", "STS": r"\bSTS\b", "LDG": r"\bLDG\."}
 
 
-def compile_form(stage: int, rows_pad: int, lookahead: int, warps: int) -> dict:
+def compile_form(stage: int, rows_pad: int, lookahead: int, warps: int, joint: bool = False) -> dict:
     """Compile one launch form to PTX with Triton, then to a cubin with Triton's own ptxas."""
     fn = pl._loop_kernel
-    constexprs = dict(SHAPES, RP=rows_pad, STAGE=stage, LOOK=lookahead, PDL=True)
+    constexprs = dict(SHAPES, RP=rows_pad, STAGE=stage, LOOK=lookahead, JOINT=joint, PDL=True)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--lookahead", type=ints, default=[1, 2, 3])
     ap.add_argument("--warps", type=ints, default=[8])
     ap.add_argument("--staged-rows", type=ints, default=[1, 8])
+    ap.add_argument(
+        "--joint", type=ints, default=[0], help="joint_rows: 0 (one reduction per row), 1, or 0,1"
+    )
     args = ap.parse_args()
     if any(r not in (1, 2, 4, 8) for r in args.rows + args.staged_rows):
         print(
@@ -103,12 +106,19 @@ def main() -> int:
         )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    forms = [("persistent", -1, r, look, w) for r in args.rows for look in args.lookahead for w in args.warps]
-    forms += [(f"staged {STAGE_NAMES[s]}", s, r, 2, 8) for r in args.staged_rows for s in STAGE_NAMES]
+    forms = [
+        ("persistent", -1, r, look, w, bool(j))
+        for r in args.rows
+        for look in args.lookahead
+        for w in args.warps
+        for j in args.joint
+    ]
+    forms += [(f"staged {STAGE_NAMES[s]}", s, r, 2, 8, False) for r in args.staged_rows for s in STAGE_NAMES]
     results = []
-    for name, stage, rows, look, warps in forms:
-        res = {"form": name, "stage": stage, "rows": rows, "lookahead": look, "warps": warps,
-               **compile_form(stage, rows, look, warps)}  # fmt: skip
+    for name, stage, rows, look, warps, joint in forms:
+        res = {"form": name + (" joint rows" if joint else ""), "stage": stage, "rows": rows,
+               "lookahead": look, "warps": warps, "joint_rows": joint,
+               **compile_form(stage, rows, look, warps, joint)}  # fmt: skip
         print(json.dumps(res), flush=True)
         results.append(res)
     lines = [

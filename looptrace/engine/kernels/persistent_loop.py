@@ -262,7 +262,7 @@ def _advance(ring, new, LOOK: tl.constexpr):
 def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.constexpr, PAIR_OFF: tl.constexpr,
                 HALF: tl.constexpr, HEAD: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EPI: tl.constexpr,
                 LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
-                D: tl.constexpr):  # fmt: skip
+                D: tl.constexpr, JOINT: tl.constexpr):  # fmt: skip
     """This program's units of `x @ W.T` (x: `[R, K]` bf16), each unit's `[RP, 8]` fp32 sums handed to the
     epilogue EPI (QKV, GATE_UP or plain) with `out` (that epilogue's tuple of outputs). The (unit, K tile)
     items come from the ring of tiles in flight, oldest first; taking one fetches the item LOOK further on
@@ -290,10 +290,14 @@ def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.const
         kt = item % KT
         k = kt * BK + k_all
         wf = w.to(tl.float32)
-        for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
-            xr = _row(x_held, r, RP) if KT == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
-            part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
-            acc += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
+        if JOINT:  # every row in one reduction: one cross-warp exchange per item, not one per row
+            xs = x_held if KT == 1 else _load_rows(x_ptr, stride_x, R, RP, k, K)
+            acc += tl.trans(tl.sum(wf[None, :, :] * xs.to(tl.float32)[:, None, :], axis=2))
+        else:
+            for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
+                xr = _row(x_held, r, RP) if KT == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
+                part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+                acc += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
         if kt == KT - 1:
             u = pid + (item // KT) * P
             sums = tl.trans(acc)
@@ -440,6 +444,7 @@ def _stage_qkv(
     D: tl.constexpr,
     BK: tl.constexpr,
     LOOK: tl.constexpr,
+    JOINT: tl.constexpr,
 ):
     """h entering the layer (program 0 stores it), x = in1(h), then q/k/v with RoPE and the K/V write."""
     x_ptr, hb_ptr, _mb, q_ptr, _attn, _o, _act, _d = bufs
@@ -455,13 +460,13 @@ def _stage_qkv(
     out = (q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer, stride_cs, stride_e,
            stride_s, stride_ch, HQ, HK)  # fmt: skip
     return _gemv_stage(ring, e, fetch, x_ptr + pid * RP * H, H, x, R, n // 8, out, RP, D // 2, D // 2, D, H,
-                       BK, QKV, LOOK, H, INTER, HQ, HK, D)  # fmt: skip
+                       BK, QKV, LOOK, H, INTER, HQ, HK, D, JOINT)  # fmt: skip
 
 
 @triton.jit
 def _stage_gate_up(layer, ring, e, fetch, bufs, weights, R, eps, RP: tl.constexpr, H: tl.constexpr,
                    BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                   BK: tl.constexpr, LOOK: tl.constexpr):  # fmt: skip
+                   BK: tl.constexpr, LOOK: tl.constexpr, JOINT: tl.constexpr):  # fmt: skip
     """M = h + in2(o) (program 0 stores it), x = post1(M), then SiLU(gate)·up."""
     x_ptr, hb_ptr, mb_ptr, _q, _attn, o_ptr, act_ptr, _d = bufs
     _wqkv, _wo, _wgu, _wd, wn_ptr, _wf = weights
@@ -474,7 +479,7 @@ def _stage_gate_up(layer, ring, e, fetch, bufs, weights, R, eps, RP: tl.constexp
         _store_rows(mb_ptr, H, R, RP, cols, H, m)
     x = _stage_x(m, 2, layer, wn_ptr, eps, x_ptr, R, RP, H, BH)
     return _gemv_stage(ring, e, fetch, x_ptr + pid * RP * H, H, x, R, INTER // 4, (act_ptr, INTER), RP, INTER,
-                       1 << 30, 1 << 30, H, BK, GATE_UP, LOOK, H, INTER, HQ, HK, D)  # fmt: skip
+                       1 << 30, 1 << 30, H, BK, GATE_UP, LOOK, H, INTER, HQ, HK, D, JOINT)  # fmt: skip
 
 
 @triton.jit
@@ -582,10 +587,10 @@ def _combine(part_ptr, splits, D: tl.constexpr):
 @triton.jit
 def _stage_plain(ring, e, fetch, x_ptr, out_ptr, R, RP: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                  BK: tl.constexpr, LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
-                 HK: tl.constexpr, D: tl.constexpr):  # fmt: skip
+                 HK: tl.constexpr, D: tl.constexpr, JOINT: tl.constexpr):  # fmt: skip
     """o_proj (x: the attention output) or down_proj (x: SiLU·up): 8-row units, bf16 out."""
     return _gemv_stage(ring, e, fetch, x_ptr, K, 0, R, N // 8, (out_ptr, N), RP, 4, 4, 8, K, BK, O_PROJ, LOOK,
-                       H, INTER, HQ, HK, D)  # fmt: skip
+                       H, INTER, HQ, HK, D, JOINT)  # fmt: skip
 
 
 @triton.jit
@@ -621,23 +626,25 @@ def _stage_start(STAGE: tl.constexpr, layer, counts):
 def _run_stage(STAGE: tl.constexpr, layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps,
                qk_scale, RP: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr,
                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, LOOK: tl.constexpr):  # fmt: skip
+               SPLIT: tl.constexpr, LOOK: tl.constexpr, JOINT: tl.constexpr):  # fmt: skip
     """One stage of `layer`; returns the ring of tiles in flight and the stream position after it."""
     _x, _h, _m, _q, attn_ptr, o_ptr, act_ptr, d_ptr = bufs
     if STAGE == QKV:
         ring, e = _stage_qkv(layer, ring, e, fetch, io, bufs, weights, attn_meta, R, eps, RP, H, BH, HQ, HK,
-                             INTER, D, BK, LOOK)  # fmt: skip
+                             INTER, D, BK, LOOK, JOINT)  # fmt: skip
     elif STAGE == ATTN:
         _attend(layer, bufs, attn_meta, partials, R, qk_scale, RP, HQ, HK, D, PAGE, SPLIT)
     elif STAGE == O_PROJ:
         ring, e = _stage_plain(
-            ring, e, fetch, attn_ptr, o_ptr, R, RP, H, HQ * D, BK, LOOK, H, INTER, HQ, HK, D
+            ring, e, fetch, attn_ptr, o_ptr, R, RP, H, HQ * D, BK, LOOK, H, INTER, HQ, HK, D, JOINT
         )
     elif STAGE == GATE_UP:
         ring, e = _stage_gate_up(layer, ring, e, fetch, bufs, weights, R, eps, RP, H, BH, INTER, HQ, HK, D,
-                                 BK, LOOK)  # fmt: skip
+                                 BK, LOOK, JOINT)  # fmt: skip
     elif STAGE == DOWN:
-        ring, e = _stage_plain(ring, e, fetch, act_ptr, d_ptr, R, RP, H, INTER, BK, LOOK, H, INTER, HQ, HK, D)
+        ring, e = _stage_plain(
+            ring, e, fetch, act_ptr, d_ptr, R, RP, H, INTER, BK, LOOK, H, INTER, HQ, HK, D, JOINT
+        )
     else:
         _stage_final(layer, io, bufs, weights, R, eps, RP, H, BH)
     return ring, e
@@ -653,7 +660,7 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                  max_splits, eps, qk_scale, stride_in, stride_cs, stride_e, stride_s, stride_ch, stride_t,
                  H: tl.constexpr, BH: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr,
                  D: tl.constexpr, PAGE: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, STAGE: tl.constexpr, LOOK: tl.constexpr,
+                 SPLIT: tl.constexpr, STAGE: tl.constexpr, LOOK: tl.constexpr, JOINT: tl.constexpr,
                  PDL: tl.constexpr = False):  # fmt: skip
     let_dependents_launch(PDL)
     weights = (wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr, wf_ptr)
@@ -680,7 +687,7 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                 # the ring holds the next stage's first tiles during the wait after this stage
                 ring, e = _run_stage(s, layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R,
                                      eps, qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT,
-                                     LOOK)  # fmt: skip
+                                     LOOK, JOINT)  # fmt: skip
                 # the attention's earlier keys do not change: ask L2 for them during the wait
                 if s == QKV and not INTERPRETED:
                     _prefetch_keys(layer, attn_meta, R, HQ, HK, D, PAGE, SPLIT)
@@ -688,14 +695,14 @@ def _loop_kernel(h_in_ptr, state_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wn_ptr,
                 _grid_barrier(bar_ptr, arrivals)
             layer += 1
         _run_stage(FINAL, L, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps, qk_scale, RP, H,
-                   BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK)  # fmt: skip
+                   BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK, JOINT)  # fmt: skip
         # the last program to leave: every program is past its waits, the counters go back to zero
         if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
             tl.store(bar_ptr, 0)
             tl.store(bar_ptr + 1, 0)
     else:  # one stage of one layer (`loop_staged`); FINAL takes layer = L
         _run_stage(STAGE, stage_layer, ring, e, fetch, io, bufs, weights, attn_meta, partials, R, eps,
-                   qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK)  # fmt: skip
+                   qk_scale, RP, H, BH, INTER, HQ, HK, D, PAGE, BK, SPLIT, LOOK, JOINT)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------- host
@@ -732,6 +739,8 @@ class LoopTiles:
     split_keys: int = 64
     num_warps: int = 8
     lookahead: int | None = None  # weight tiles in flight per program (1-3); None: `_lookahead`
+    # every row's sums of an item in one reduction (one cross-warp exchange per item) instead of one per row
+    joint_rows: bool = False
 
 
 DEFAULT_TILES = LoopTiles()
@@ -850,7 +859,8 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
-                                     STAGE=stage, LOOK=_lookahead(tiles, rows_pad), num_warps=tiles.num_warps,
+                                     STAGE=stage, LOOK=_lookahead(tiles, rows_pad), JOINT=tiles.joint_rows,
+                                     num_warps=tiles.num_warps,
                                      num_stages=1, **pdl_args())  # fmt: skip
 
 

@@ -254,6 +254,24 @@ def _cpu_checks() -> dict:
         rel_err(out, reference_loop(case)[0]) < 0.05,
         rel_err(out, reference_loop(case)[0]),
     ]
+    # every row's sums of an item in one reduction (`joint_rows`): the same per-row contract
+    case = make_case(gen, (4, 2, 16), 64, 48, 2, [11, 3, 17])
+    joint = pl.LoopTiles(programs=5, block_k=32, split_keys=8, joint_rows=True)
+    out = pl.loop_staged(*case.args(), tiles=joint)
+    alone = [pl.loop_staged(*case.rows([r]).args(), tiles=joint) for r in range(3)]
+    res["joint_rows_alone_vs_batched_bitwise"] = [
+        all(torch.equal(alone[r][0], out[r]) for r in range(3)),
+        None,
+    ]
+    res["joint_rows_vs_float64"] = [
+        rel_err(out, reference_loop(case)[0]) < 0.05,
+        rel_err(out, reference_loop(case)[0]),
+    ]
+    one = pl.LoopTiles(programs=1, block_k=32, split_keys=8, lookahead=2, joint_rows=True)
+    res["joint_rows_persistent_equals_staged"] = [
+        torch.equal(pl.loop_persistent(*case.args(), tiles=one), pl.loop_staged(*case.args(), tiles=one)),
+        None,
+    ]
     case = make_case(gen, (4, 4, 16), 64, 48, 2, [6, 9])
     padded = case.rows([0, 1])
     padded.write_entry = torch.tensor([case.write_entry[0].item(), -1])
@@ -289,6 +307,9 @@ CPU_CHECKS = [
     "persistent_one_program_equals_staged",
     "one_k_tile_alone_vs_batched_bitwise",
     "one_k_tile_vs_float64",
+    "joint_rows_alone_vs_batched_bitwise",
+    "joint_rows_vs_float64",
+    "joint_rows_persistent_equals_staged",
     "padding_row_writes_no_cache",
     "counters_back_at_zero",
 ]
@@ -313,15 +334,16 @@ def _ouro_case(layers: int, ctx_lens: list[int], seed: int = 5) -> Case:
 
 
 @gpu
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_persistent_equals_staged_and_float64_at_ouro_shapes(rows):
+@pytest.mark.parametrize("rows, joint", [(1, False), (3, False), (8, False), (3, True), (8, True)])
+def test_persistent_equals_staged_and_float64_at_ouro_shapes(rows, joint):
     from looptrace.engine.kernels import persistent_loop as pl
 
+    tiles = pl.LoopTiles(joint_rows=joint)
     case = _ouro_case(4, [300 + 97 * i for i in range(rows)])
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    out = pl.loop_persistent(*case.args(kc, vc))
+    out = pl.loop_persistent(*case.args(kc, vc), tiles=tiles)
     kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
-    staged = pl.loop_staged(*case.args(kc2, vc2))
+    staged = pl.loop_staged(*case.args(kc2, vc2), tiles=tiles)
     assert torch.equal(out, staged) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
     ref, ref_k, ref_v = reference_loop(case)
     got_k, got_v = written_rows(case, kc, vc)
@@ -330,20 +352,22 @@ def test_persistent_equals_staged_and_float64_at_ouro_shapes(rows):
 
 
 @gpu
-def test_persistent_loop_repeats_replays_and_keeps_a_rows_bits_in_any_batch():
+@pytest.mark.parametrize("joint", [False, True])
+def test_persistent_loop_repeats_replays_and_keeps_a_rows_bits_in_any_batch(joint):
     from looptrace.engine.kernels import persistent_loop as pl
 
+    tiles = pl.LoopTiles(joint_rows=joint)
     case = _ouro_case(2, [512, 77, 1000])
-    out = pl.loop_persistent(*case.args())
-    assert all(torch.equal(out, pl.loop_persistent(*case.args())) for _ in range(3))
-    alone = [pl.loop_persistent(*case.rows([r]).args()) for r in range(3)]
+    out = pl.loop_persistent(*case.args(), tiles=tiles)
+    assert all(torch.equal(out, pl.loop_persistent(*case.args(), tiles=tiles)) for _ in range(3))
+    alone = [pl.loop_persistent(*case.rows([r]).args(), tiles=tiles) for r in range(3)]
     assert all(torch.equal(alone[r][0], out[r]) for r in range(3))
-    assert torch.equal(pl.loop_persistent(*case.rows([2, 0]).args()), out[[2, 0]])
+    assert torch.equal(pl.loop_persistent(*case.rows([2, 0]).args(), tiles=tiles), out[[2, 0]])
     args = case.args()
-    pl.loop_persistent(*args)
+    pl.loop_persistent(*args, tiles=tiles)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = pl.loop_persistent(*args)
+        captured = pl.loop_persistent(*args, tiles=tiles)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
