@@ -177,7 +177,7 @@ def parse_tiles(spec: str) -> pl.LoopTiles:
     joint = "j" in rest
     look = [int(x) for x in rest if x != "j"]
     return pl.LoopTiles(block_k=int(bk), num_warps=int(warps), split_keys=int(split),
-                        lookahead=look[0] if look else None, joint_rows=joint)  # fmt: skip
+                        lookahead=look[0] if look else 1, joint_rows=joint)  # fmt: skip
 
 
 def main() -> int:

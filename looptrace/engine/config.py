@@ -253,7 +253,7 @@ class KernelConfig:
     # `kernels/launch_mode.py`): a kernel starts while the one before finishes and waits for its results
     # before touching any data. Changes when kernels start, not what they compute (R0); CUDA sm_90+ only.
     pdl: bool = field(default=False, metadata=_meta("R0"))
-    # Beyond the paper: a decode loop of Ouro (every layer, then the final norm) at up to 8 rows as one
+    # Beyond the paper: a decode loop of Ouro (every layer, then the final norm) at one row as one
     # persistent Triton launch (`kernels/persistent_loop.py`): one program per SM streams every stage's
     # weights and waits for the others at stage boundaries through a device counter, not a launch. Its own
     # arithmetic (fp32 sums per 8-row unit, bf16 where the eager model rounds): R3; a row's bits do not

@@ -738,21 +738,15 @@ class LoopTiles:
     block_k: int = 2048
     split_keys: int = 64
     num_warps: int = 8
-    lookahead: int | None = None  # weight tiles in flight per program (1-3); None: `_lookahead`
+    # weight tiles in flight per program (1-3). One: on an H100 at one row (24 layers, the same call,
+    # interleaved) a loop took 1.86 ms with one, 1.92 with two, 1.98 with three; and compiled for sm_90a
+    # two spill 702 bytes at four rows and 7.8 KB at eight (bench/kernel_persistent_loop_compile.py)
+    lookahead: int = 1
     # every row's sums of an item in one reduction (one cross-warp exchange per item) instead of one per row
     joint_rows: bool = False
 
 
 DEFAULT_TILES = LoopTiles()
-
-
-def _lookahead(tiles: LoopTiles, rows_pad: int) -> int:
-    """Weight tiles in flight: the ring's registers (32 per tile at 8 warps) come on top of the rows' own,
-    and compiled for sm_90a (bench/kernel_persistent_loop_compile.py) two tiles spill 112 bytes at one row
-    but 702 at four rows and 7.8 KB at eight (where one tile spills 752), so two up to two rows, else one."""
-    if tiles.lookahead is not None:
-        return tiles.lookahead
-    return 2 if rows_pad <= 2 else 1
 
 
 def _pow2(n: int) -> int:
@@ -859,7 +853,7 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
-                                     STAGE=stage, LOOK=_lookahead(tiles, rows_pad), JOINT=tiles.joint_rows,
+                                     STAGE=stage, LOOK=tiles.lookahead, JOINT=tiles.joint_rows,
                                      num_warps=tiles.num_warps,
                                      num_stages=1, **pdl_args())  # fmt: skip
 

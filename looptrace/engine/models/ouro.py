@@ -340,6 +340,11 @@ class PersistentLoop(nn.Module):
     module of its own, so probes put a range around the launch and the profile's roofline prices it."""
 
     op_kind = "persistent_loop"
+    # Decode rows the engine sends through the launch. The kernel takes up to 8 (and its own checks pass
+    # there), but on an H100 the engine's `fast` at 8 concurrent requests hit an illegal memory access
+    # with the launch on, cause not yet found, while one row ran clean through every call; so more rows
+    # take the layer-by-layer path until a GPU run finds it.
+    max_rows = 1
 
     def __init__(self, weights) -> None:
         super().__init__()
@@ -354,8 +359,10 @@ class PersistentLoop(nn.Module):
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import persistent_loop as pl  # imports Triton: only where it runs
 
-        return ctx.packed is None and pl.loop_fusable(
-            state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables
+        return (
+            ctx.packed is None
+            and state.shape[0] <= self.max_rows
+            and pl.loop_fusable(state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables)
         )
 
     def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -369,9 +376,9 @@ class PersistentLoop(nn.Module):
 
 
 class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
-    """`kernels.persistent_loop` (with `residual_norm`): a loop of at most 8 decode rows through the
-    `PersistentLoop` op `assemble` attaches (`persistent`); other loops (prefill, more rows, shapes the
-    kernel refuses) take the chained layer-by-layer path."""
+    """`kernels.persistent_loop` (with `residual_norm`): a loop of `PersistentLoop.max_rows` decode rows
+    through the `PersistentLoop` op `assemble` attaches (`persistent`); other loops (prefill, more rows,
+    shapes the kernel refuses) take the chained layer-by-layer path."""
 
     def loop(self, state, ctx):
         op = getattr(self, "persistent", None)

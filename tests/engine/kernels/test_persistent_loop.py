@@ -377,9 +377,9 @@ def test_persistent_loop_repeats_replays_and_keeps_a_rows_bits_in_any_batch(join
 
 @gpu
 def test_fast_decodes_through_the_persistent_loop_and_repeats_its_tokens(monkeypatch):
-    """`fast` + the persistent loop on Ouro-1.4B's shapes (4 layers): the setting is active, decode batches
-    of 1 and 3 rows go through it (seen when their graphs are captured), and a request's greedy tokens
-    repeat."""
+    """`fast` + the persistent loop on Ouro-1.4B's shapes (4 layers): the setting is active, a one-row
+    decode batch goes through it (seen when its graph is captured) and a three-row batch does not
+    (`PersistentLoop.max_rows`), and a request's greedy tokens repeat."""
     from looptrace.engine import LLMEngine, SamplingParams
     from looptrace.engine.kernels import persistent_loop as pl
     from looptrace.engine.model_config import resolve_preset, with_overrides
@@ -406,5 +406,27 @@ def test_fast_decodes_through_the_persistent_loop_and_repeats_its_tokens(monkeyp
     first = engine.generate(prompts[:1], params)
     assert engine.generate(prompts[:1], params) == first
     engine.generate(prompts, params)
-    assert 1 in rows_seen and 3 in rows_seen
+    assert 1 in rows_seen and 3 not in rows_seen
     assert pl.barrier_timeouts() == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+def test_the_engine_sends_one_row_loops_through_the_launch():
+    """`PersistentLoop.fits`: a one-row decode loop the kernel takes goes through the launch; the same rows
+    two at a time (which the kernel itself takes, `loop_fusable`) and packed prefill rows do not."""
+    from looptrace.engine.kernels import persistent_loop as pl
+    from looptrace.engine.layers import AttnContext
+    from looptrace.engine.models.ouro import PersistentLoop
+
+    case = make_case(torch.Generator().manual_seed(3), (4, 2, 16), 64, 48, 2, [11, 3])
+
+    def context(c: Case, packed=None) -> AttnContext:
+        return AttnContext(c.k_cache, c.v_cache, c.write_entry, c.write_offset, c.tables, c.ctx_lens, c.cos,
+                           c.sin, c.tables.shape[1], c.page, packed=packed)  # fmt: skip
+
+    op = PersistentLoop(case.weights)
+    one, two = case.rows([0]), case
+    assert pl.loop_fusable(two.state, two.weights, two.cos, two.sin, two.k_cache, two.v_cache, two.tables)
+    assert op.fits(one.state, context(one))
+    assert not op.fits(two.state, context(two))
+    assert not op.fits(one.state, context(one, packed=object()))
