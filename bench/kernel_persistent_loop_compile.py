@@ -5,7 +5,7 @@ the SASS holds (instructions, CTA barriers, warp shuffles, shared-memory stores)
 any device time is spent on timing it.
 
     python bench/kernel_persistent_loop_compile.py --out DIR [--rows 1,4,8] [--lookahead 1,2,3]
-        [--warps 8] [--staged-rows 1,8] [--joint 0,1]
+        [--warps 8] [--staged-rows 1,8] [--joint 0,1] [--dump DIR]
 
 Forms: the persistent launch (`STAGE = -1`) at each rows x lookahead x warps, and each stage of the staged
 twin (q/k/v, attention, o, gate/up, down, final norm) at `--staged-rows` with lookahead 2. Ouro-1.4B's
@@ -43,7 +43,9 @@ STAGE_NAMES = {0: "q/k/v", 1: "attention", 2: "o", 3: "gate/up", 4: "down", 5: "
 SASS_COUNTS = {"BAR.SYNC": r"\bBAR\.SYNC\b", "SHFL": r"\bSHFL\.", "STS": r"\bSTS\b", "LDG": r"\bLDG\."}
 
 
-def compile_form(stage: int, rows_pad: int, lookahead: int, warps: int, joint: bool = False) -> dict:
+def compile_form(
+    stage: int, rows_pad: int, lookahead: int, warps: int, joint: bool = False, dump: Path | None = None
+) -> dict:
     """Compile one launch form to PTX with Triton, then to a cubin with Triton's own ptxas."""
     fn = pl._loop_kernel
     constexprs = dict(SHAPES, RP=rows_pad, STAGE=stage, LOOK=lookahead, JOINT=joint, PDL=True)
@@ -68,6 +70,11 @@ def compile_form(stage: int, rows_pad: int, lookahead: int, warps: int, joint: b
                                 capture_output=True, text=True, check=True)  # fmt: skip
         sass = subprocess.run([NVIDIA_BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
+    if dump is not None:  # the code itself, to read (which registers a loop waits on, where)
+        stem = f"stage{stage}_rows{rows_pad}_look{lookahead}_warps{warps}" + ("_joint" if joint else "")
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{stem}.ttgir").write_text(kernel.asm["ttgir"])
+        (dump / f"{stem}.sass").write_text(sass)
     text = report.stdout + report.stderr
     registers = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
@@ -99,6 +106,7 @@ def main() -> int:
     ap.add_argument(
         "--joint", type=ints, default=[0], help="joint_rows: 0 (one reduction per row), 1, or 0,1"
     )
+    ap.add_argument("--dump", type=Path, default=None, help="also write each form's TTGIR and SASS here")
     args = ap.parse_args()
     if any(r not in (1, 2, 4, 8) for r in args.rows + args.staged_rows):
         print(
@@ -118,7 +126,7 @@ def main() -> int:
     for name, stage, rows, look, warps, joint in forms:
         res = {"form": name + (" joint rows" if joint else ""), "stage": stage, "rows": rows,
                "lookahead": look, "warps": warps, "joint_rows": joint,
-               **compile_form(stage, rows, look, warps, joint)}  # fmt: skip
+               **compile_form(stage, rows, look, warps, joint, args.dump)}  # fmt: skip
         print(json.dumps(res), flush=True)
         results.append(res)
     lines = [
