@@ -13,6 +13,7 @@
 #   bash bench/device.sh diffs                 diff exactloop fast at real shape; diff base exactloop (tiny)
 #   bash bench/device.sh kernels               decode attention, GEMV and exact-kernel micro-benchmarks
 #   bash bench/device.sh persistent-loop [ARGS] the persistent Ouro loop kernel alone (bench/kernel_persistent_loop.py)
+#   bash bench/device.sh persistent-loop-faults [ARGS] which launch shapes and engine runs of it fault
 #   bash bench/device.sh reference-judge       serve Ouro-1.4B in bf16, judged by our fp32 engine on the GPU
 #
 # CARD (h100, h200, ...) is read from nvidia-smi; file results under bench/results/CARD/WHAT/ as
@@ -77,10 +78,13 @@ case "$MODE" in
   persistent-loop)
     measure 560 persistent-loop -- "$@"
     cat "$OUT/persistent_loop.md" 2>/dev/null ;;
+  persistent-loop-faults)
+    measure 560 persistent-loop-faults -- "$@"
+    cat "$OUT/persistent_loop_faults.md" 2>/dev/null ;;
   reference-judge)
     measure 580 reference-judge
     cat "$OUT/reference_judge_summary.json" 2>/dev/null ;;
   *)
-    echo "bench/device.sh: unknown mode '${MODE}' (tests, token, profiles, table2, fast-cells, diffs, kernels, persistent-loop, reference-judge)" >&2
+    echo "bench/device.sh: unknown mode '${MODE}' (tests, token, profiles, table2, fast-cells, diffs, kernels, persistent-loop, persistent-loop-faults, reference-judge)" >&2
     exit 2 ;;
 esac

@@ -115,6 +115,11 @@ MODES: dict[str, Mode] = {
         "cuda",
         script("kernel_persistent_loop.py", "--out {out}"),
     ),
+    "persistent-loop-faults": Mode(
+        "where the persistent Ouro loop faults: each launch shape alone in a child, then the engine at 8 rows",
+        "cuda",
+        script("persistent_loop_faults.py", "--out {out}"),
+    ),
     "persistent-loop-compile": Mode(
         "the persistent Ouro loop kernel compiled for sm_90a (no GPU): registers, spills, SASS per form",
         "any",
