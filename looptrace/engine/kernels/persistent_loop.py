@@ -9,7 +9,10 @@ the programs stream every stage's weights and wait for one another at the stage 
 device counter (`_grid_barrier`), not a launch. A program's GEMV items of the whole loop (every layer's
 q/k/v, o, gate/up and down units) form one stream, and a ring of `LOOK` weight tiles runs ahead of it
 (`_fetch`): weights are never written, so the ring crosses stage and layer boundaries, and the next
-stage's bytes are in flight while the slowest program finishes the stage before.
+stage's bytes are in flight while the slowest program finishes the stage before. Tiles are loaded as int32
+words of bf16 pairs and each stream position keeps one ring slot (`_weight_tile`, `_take`): held as bf16
+values, or moved between slots, a tile was repacked or copied by instructions that read its registers, and
+those waited for the load at once (bench/kernel_persistent_loop_compile.py's tile-load overlap).
 
 Stages of layer l (every program takes units `pid, pid + P, ...` of each):
 - QKV: the residual stream h (the loop input at l = 0; else M + post2(down) of layer l - 1, stored by program
@@ -154,27 +157,51 @@ def _unit_rows(u, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr
 
 @triton.jit
 def _weight_tile(w_ptr, stride_w, rows, k0, K: tl.constexpr, BK: tl.constexpr, live):
-    k = k0 + tl.arange(0, BK)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :]
+    """`[8, BK // 2]` int32 words, each two bf16 weights (columns 2j, 2j + 1; zeros where not live).
+
+    Words, not bf16 values: a tile held across loop iterations is then plain 32-bit registers. Held as bf16
+    it was repacked two halves at a time (`PRMT`) wherever the compiler merged it, and a repack reads the
+    loaded registers, so it waited for the load it was meant to leave in flight."""
+    kp = k0 // 2 + tl.arange(0, BK // 2)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    ptrs = words + rows[:, None].to(tl.int64) * (stride_w // 2) + kp[None, :]
     if K % BK:
-        return tl.load(ptrs, mask=live & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
-    return tl.load(ptrs, mask=live, other=0.0, eviction_policy="evict_first")  # whole tiles: vector loads
+        return tl.load(ptrs, mask=live & (kp < K // 2)[None, :], other=0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=live, other=0, eviction_policy="evict_first")  # whole tiles: vector loads
+
+
+@triton.jit
+def _unpack(words):
+    """int32 words of bf16 pairs -> (even, odd) values as fp32 (a bf16 is the top half of its fp32)."""
+    even = (words << 16).to(tl.float32, bitcast=True)
+    odd = (words & -65536).to(tl.float32, bitcast=True)
+    return even, odd
 
 
 @triton.jit
 def _unit_tile(w_ptr, stride_w, u, kt, live, PAIR_OFF: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
                K: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The weight tile of (unit u, K tile kt): `[8, BK]` bf16 (zeros where not live)."""
+    """The weight tile of (unit u, K tile kt): `[8, BK // 2]` words of bf16 pairs (zeros where not live)."""
     rows = _unit_rows(u, PAIR_OFF, HALF, HEAD)
     return _weight_tile(w_ptr, stride_w, rows, kt * BK, K, BK, live)
 
 
 @triton.jit
-def _x_tile(x_ptr, k, live, K: tl.constexpr, BK: tl.constexpr):
-    """One row's x at columns k (written by this launch: through L2)."""
+def _x_words(x_ptr, stride_x, R, RP: tl.constexpr, kp, K: tl.constexpr, BK: tl.constexpr):
+    """x's rows at word columns kp as (even, odd) fp32 `[RP, BK // 2]` (rows >= R: 0; written by this
+    launch: through L2)."""
+    rows = tl.arange(0, RP)
+    ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_x // 2) + kp[None, :]
+    mask = (rows < R)[:, None]
     if K % BK:
-        return tl.load(x_ptr + k, mask=live & (k < K), other=0.0, cache_modifier=".cg")
-    return tl.load(x_ptr + k, mask=live, other=0.0, cache_modifier=".cg")  # whole tiles: vector loads
+        mask = mask & (kp < K // 2)[None, :]
+    return _unpack(tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg"))
+
+
+@triton.jit
+def _split_columns(x, RP: tl.constexpr, BK: tl.constexpr):
+    """`[RP, BK]` fp32 -> (even columns, odd columns), each `[RP, BK // 2]`."""
+    return tl.split(tl.reshape(x, [RP, BK // 2, 2]))
 
 
 @triton.jit
@@ -233,29 +260,56 @@ def _fetch(e, counts, weights, L, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.c
 @triton.jit
 def _fill_ring(e, fetch, LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
                HK: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """The ring of tiles in flight: items e .. e + LOOK - 1 (LOOK <= 3)."""
+    """The ring of tiles in flight: items e .. e + LOOK - 1 (LOOK <= 3), the item at stream position p in
+    slot p % LOOK (`_take`)."""
     counts, weights, L = fetch
-    t0 = _fetch(e, counts, weights, L, H, INTER, HQ, HK, D, BK)
+    t0 = _fetch(e + (0 - e % LOOK + LOOK) % LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK)
     if LOOK == 1:
         ring = (t0,)
     elif LOOK == 2:
-        ring = (t0, _fetch(e + 1, counts, weights, L, H, INTER, HQ, HK, D, BK))
+        ring = (t0, _fetch(e + (1 - e % LOOK + LOOK) % LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK))
     else:
-        t1 = _fetch(e + 1, counts, weights, L, H, INTER, HQ, HK, D, BK)
-        ring = (t0, t1, _fetch(e + 2, counts, weights, L, H, INTER, HQ, HK, D, BK))
+        t1 = _fetch(e + (1 - e % LOOK + LOOK) % LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        ring = (t0, t1, _fetch(e + (2 - e % LOOK + LOOK) % LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK))
     return ring
 
 
 @triton.jit
-def _advance(ring, new, LOOK: tl.constexpr):
-    """The ring after its oldest tile is taken and `new` is fetched."""
+def _take(ring, e, fetch, LOOK: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr,
+          HK: tl.constexpr, D: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Item e's tile as fp32 (even, odd) columns, and the ring with item e + LOOK fetched into the slot it
+    leaves.
+
+    Each stream position p has the fixed slot p % LOOK, so no tile ever moves between slots: a move of a
+    tile's registers is an instruction that reads them, which waits for their load. (Rotating the ring as
+    a queue compiled to such moves, and each item waited for the tile it had just asked for.) The tile is
+    unpacked before the slot is refilled, so the new load can take the slot's own registers."""
+    counts, weights, L = fetch
     if LOOK == 1:
-        out = (new,)
+        wf = _unpack(ring[0])
+        ring = (_fetch(e + 1, counts, weights, L, H, INTER, HQ, HK, D, BK),)
     elif LOOK == 2:
-        out = (ring[1], new)
+        r0, r1 = ring
+        if e % 2 == 0:
+            wf = _unpack(r0)
+            r0 = _fetch(e + 2, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        else:
+            wf = _unpack(r1)
+            r1 = _fetch(e + 2, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        ring = (r0, r1)
     else:
-        out = (ring[1], ring[2], new)
-    return out
+        r0, r1, r2 = ring
+        if e % 3 == 0:
+            wf = _unpack(r0)
+            r0 = _fetch(e + 3, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        elif e % 3 == 1:
+            wf = _unpack(r1)
+            r1 = _fetch(e + 3, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        else:
+            wf = _unpack(r2)
+            r2 = _fetch(e + 3, counts, weights, L, H, INTER, HQ, HK, D, BK)
+        ring = (r0, r1, r2)
+    return wf, ring
 
 
 @triton.jit
@@ -277,26 +331,26 @@ def _gemv_stage(ring, e, fetch, x_ptr, stride_x, x_rows, R, U, out, RP: tl.const
     # layout the reduction left them, with no exchange; transposed once per unit for the epilogue
     acc = tl.zeros([8, RP], tl.float32)
     row_ids = tl.arange(0, RP)
-    k_all = tl.arange(0, BK)
+    words = tl.arange(0, BK // 2)
     if KT == 1:  # one K tile: x is the same for every item (taken once per stage, held in registers)
         if isinstance(x_rows, tl.tensor) and x_rows.shape[1] == BK:
-            x_held = x_rows.to(tl.bfloat16)  # in registers already (bf16 values): no round trip through L2
+            x_even, x_odd = _split_columns(x_rows, RP, BK)  # in registers already: no round trip through L2
         else:
-            x_held = _load_rows(x_ptr, stride_x, R, RP, k_all, K).to(tl.bfloat16)
+            x_even, x_odd = _x_words(x_ptr, stride_x, R, RP, words, K, BK)
     item = items * 0  # a while loop: the interpreter's range() refuses a computed bound (numpy >= 2)
     while item < items:
-        w = ring[0]
-        ring = _advance(ring, _fetch(e + LOOK, counts, weights, L, H, INTER, HQ, HK, D, BK), LOOK)
+        tile, ring = _take(ring, e, fetch, LOOK, H, INTER, HQ, HK, D, BK)
+        w_even, w_odd = tile
         kt = item % KT
-        k = kt * BK + k_all
-        wf = w.to(tl.float32)
+        if KT > 1:
+            x_even, x_odd = _x_words(x_ptr, stride_x, R, RP, kt * (BK // 2) + words, K, BK)
         if JOINT:  # every row in one reduction: one cross-warp exchange per item, not one per row
-            xs = x_held if KT == 1 else _load_rows(x_ptr, stride_x, R, RP, k, K)
-            acc += tl.trans(tl.sum(wf[None, :, :] * xs.to(tl.float32)[:, None, :], axis=2))
+            prod = w_even[None, :, :] * x_even[:, None, :] + w_odd[None, :, :] * x_odd[:, None, :]
+            acc += tl.trans(tl.sum(prod, axis=2))
         else:
             for r in tl.static_range(RP):  # one row at a time: a row's sums never depend on the others
-                xr = _row(x_held, r, RP) if KT == 1 else _x_tile(x_ptr + r * stride_x, k, r < R, K, BK)
-                part = tl.sum(wf * xr.to(tl.float32)[None, :], axis=1)
+                xe, xo = _row(x_even, r, RP), _row(x_odd, r, RP)
+                part = tl.sum(w_even * xe[None, :] + w_odd * xo[None, :], axis=1)
                 acc += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
         if kt == KT - 1:
             u = pid + (item // KT) * P
