@@ -116,7 +116,7 @@ MODES: dict[str, Mode] = {
         script("kernel_persistent_loop.py", "--out {out}"),
     ),
     "persistent-loop-faults": Mode(
-        "where the persistent Ouro loop faults: each launch shape alone in a child, then the engine at 8 rows",
+        "where the persistent Ouro loop faults: each launch shape alone in a child, then the engine, 8 rows",
         "cuda",
         script("persistent_loop_faults.py", "--out {out}"),
     ),

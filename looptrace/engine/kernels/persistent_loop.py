@@ -793,8 +793,9 @@ class LoopTiles:
     split_keys: int = 64
     num_warps: int = 8
     # weight tiles in flight per program (1-3). One: on an H100 at one row (24 layers, the same call,
-    # interleaved) a loop took 1.86 ms with one, 1.92 with two, 1.98 with three; and compiled for sm_90a
-    # two spill 702 bytes at four rows and 7.8 KB at eight (bench/kernel_persistent_loop_compile.py)
+    # interleaved; bf16 tiles, before the int32 words) a loop took 1.86 ms with one, 1.92 with two, 1.98
+    # with three; compiled for sm_90a, two tiles still read their loads within one item (the tile-load
+    # overlap of bench/kernel_persistent_loop_compile.py does not grow) and spill more
     lookahead: int = 1
     # every row's sums of an item in one reduction (one cross-warp exchange per item) instead of one per row
     joint_rows: bool = False
