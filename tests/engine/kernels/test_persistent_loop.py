@@ -190,6 +190,22 @@ def rel_err(a, ref) -> float:
     return ((a.double().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _alone_batched_and_float64(pl, case: Case, tiles, name: str) -> dict:
+    """`{name}_alone_vs_batched_bitwise` (each row alone = the same row in the batch) and `{name}_vs_float64`
+    for the staged form under `tiles`."""
+    out = pl.loop_staged(*case.args(), tiles=tiles)
+    rows = case.state.shape[0]
+    alone = [pl.loop_staged(*case.rows([r]).args(), tiles=tiles) for r in range(rows)]
+    err = rel_err(out, reference_loop(case)[0])
+    return {
+        f"{name}_alone_vs_batched_bitwise": [
+            all(torch.equal(alone[r][0], out[r]) for r in range(rows)),
+            None,
+        ],
+        f"{name}_vs_float64": [err < 0.05, err],
+    }
+
+
 def _cpu_checks() -> dict:
     """Runs in the child (TRITON_INTERPRET=1); returns {check: [ok, detail]}."""
     from looptrace.engine.kernels import persistent_loop as pl
@@ -244,29 +260,11 @@ def _cpu_checks() -> dict:
     # one K tile per unit (block_k >= every K): one row takes x once per stage, not once per item
     case = make_case(gen, (4, 4, 16), 64, 48, 2, [11, 3])
     one_tile = pl.LoopTiles(programs=5, block_k=64, split_keys=8)
-    out = pl.loop_staged(*case.args(), tiles=one_tile)
-    alone = [pl.loop_staged(*case.rows([r]).args(), tiles=one_tile) for r in range(2)]
-    res["one_k_tile_alone_vs_batched_bitwise"] = [
-        all(torch.equal(alone[r][0], out[r]) for r in range(2)),
-        None,
-    ]
-    res["one_k_tile_vs_float64"] = [
-        rel_err(out, reference_loop(case)[0]) < 0.05,
-        rel_err(out, reference_loop(case)[0]),
-    ]
+    res.update(_alone_batched_and_float64(pl, case, one_tile, "one_k_tile"))
     # every row's sums of an item in one reduction (`joint_rows`): the same per-row contract
     case = make_case(gen, (4, 2, 16), 64, 48, 2, [11, 3, 17])
     joint = pl.LoopTiles(programs=5, block_k=32, split_keys=8, joint_rows=True)
-    out = pl.loop_staged(*case.args(), tiles=joint)
-    alone = [pl.loop_staged(*case.rows([r]).args(), tiles=joint) for r in range(3)]
-    res["joint_rows_alone_vs_batched_bitwise"] = [
-        all(torch.equal(alone[r][0], out[r]) for r in range(3)),
-        None,
-    ]
-    res["joint_rows_vs_float64"] = [
-        rel_err(out, reference_loop(case)[0]) < 0.05,
-        rel_err(out, reference_loop(case)[0]),
-    ]
+    res.update(_alone_batched_and_float64(pl, case, joint, "joint_rows"))
     one = pl.LoopTiles(programs=1, block_k=32, split_keys=8, lookahead=2, joint_rows=True)
     res["joint_rows_persistent_equals_staged"] = [
         torch.equal(pl.loop_persistent(*case.args(), tiles=one), pl.loop_staged(*case.args(), tiles=one)),
