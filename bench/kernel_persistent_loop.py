@@ -139,10 +139,23 @@ def stage_anatomy(case, tiles: pl.LoopTiles, floor_gbs: float) -> list[str]:
     return lines
 
 
-def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_per_graph: int = 4) -> dict:
+def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_per_graph: int = 4,
+               streams: dict | None = None) -> dict:  # fmt: skip
     """ms per loop launch: a CUDA graph of `loops_per_graph` launches (a token's loops) replayed 10 times per
-    sample, every (rows, tiles) arm once per round, interleaved; the median of `rounds` samples."""
+    sample, every (rows, tiles) arm once per round, interleaved; the median of `rounds` samples. `streams`:
+    one-row forms of `stream_loop` by name (each timed at one row, under tiles index -1)."""
     graphs = {}
+    for name, fn in (streams or {}).items():
+        if 1 not in cases:
+            break
+        args = cases[1].args()
+        fn(*args)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(loops_per_graph):
+                fn(*args)
+        graphs[(1, -1, name)] = g
     for rows, case in cases.items():
         for ti, tiles in enumerate(tile_list):
             for form, fn in (("persistent", pl.loop_persistent), ("staged", pl.loop_staged)):
@@ -171,6 +184,43 @@ def time_loops(cases: dict, tile_list: list[pl.LoopTiles], rounds: int, loops_pe
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
+def stream_checks(case, fn, tiles: pl.LoopTiles) -> dict:
+    """A one-row `stream_loop` form: against float64 and the register form, repeated, graph against eager."""
+    res = {}
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    out = fn(*case.args(kc, vc))
+    torch.cuda.synchronize()
+    res["barrier_timeouts"] = pl.barrier_timeouts()
+    ref, ref_k, ref_v = reference_loop(case)
+    got_k, got_v = written_rows(case, kc, vc)
+    res["rel_err_state_vs_float64"] = rel_err(out, ref)
+    res["rel_err_kv_vs_float64"] = max(rel_err(got_k, ref_k), rel_err(got_v, ref_v))
+    registers = pl.loop_staged(*case.args(), tiles=tiles)
+    res["rel_diff_vs_register_form"] = rel_err(out, registers.double())
+    res["register_form_vs_float64"] = rel_err(registers, ref)
+    res["repeat_bitwise_5"] = all(torch.equal(out, fn(*case.args())) for _ in range(5))
+    args = case.args()
+    fn(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    res["graph_eq_eager"] = bool(torch.equal(captured, out))
+    return res
+
+
+def parse_streams(spec: str) -> dict:
+    """`SLOTS:WARPS` entries -> one-row `stream_loop` forms by name."""
+    from looptrace.engine.kernels import stream_loop as sl
+
+    forms = {}
+    for item in filter(None, spec.split(",")):
+        slots, warps = (int(x) for x in item.split(":"))
+        forms[f"stream {item}"] = lambda *a, s=slots, w=warps: sl.loop_streamed(*a, slots=s, num_warps=w)
+    return forms
+
+
 def parse_tiles(spec: str) -> pl.LoopTiles:
     """`BK:warps:split_keys[:lookahead][:j]` (j: every row's sums in one reduction, `joint_rows`)."""
     bk, warps, split, *rest = spec.split(":")
@@ -192,6 +242,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     ap.add_argument("--check-tiles", default="0", help="which --tiles entries (0-based) get the checks")
+    ap.add_argument("--stream", default="", help="one-row TMA-ring forms (stream_loop) as SLOTS:WARPS,...")
     args = ap.parse_args()
     args.check_tiles = [int(i) for i in args.check_tiles.split(",")]
     if not torch.cuda.is_available():
@@ -247,7 +298,12 @@ def main() -> int:
             res = checks(case, tiles)
             result["checks"][f"{tag}/{name}"] = res
             print(tag, name, res, f"{time.time() - t0:.0f}s", flush=True)
-    times = time_loops(cases, tile_list, args.rounds)
+    streams = parse_streams(args.stream)
+    for name, fn in streams.items():  # checked at one row before any timing
+        res = stream_checks(check_case.rows([0]), fn, tile_list[0])
+        result["checks"][f"{name}/rows1"] = res
+        print(name, res, f"{time.time() - t0:.0f}s", flush=True)
+    times = time_loops(cases, tile_list, args.rounds, streams=streams)
     wbytes = weight_bytes(cases[rows_list[0]])
     floor_ms = wbytes / floor / 1e6
     lines = [
@@ -260,7 +316,7 @@ def main() -> int:
         "|---|---|---|---|---|---|",
     ]
     for (rows, ti, form), ms in sorted(times.items()):
-        tag = args.tiles.split(",")[ti]
+        tag = args.tiles.split(",")[ti] if ti >= 0 else "TMA ring"
         result["ms_per_loop"][f"{rows}/{tag}/{form}"] = ms
         lines.append(
             f"| {rows} | {tag} | {form} | {ms:.4f} | {ms / floor_ms:.2f} | {wbytes / ms / 1e6:.0f} |"

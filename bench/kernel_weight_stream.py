@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import weight_stream_kernel as wsk  # noqa: E402
+from gluon_compile import compile_sm90, tile_descriptor  # noqa: E402
 
 HIDDEN, INTER, NQKV, BK, XROWS = 2048, 5632, 3 * 2048, 256, 32
 
@@ -58,11 +56,6 @@ def constexprs(bn: int, slots: int, warps: int, barriers: bool = True) -> dict:
 
 def compile_only(bn: int, slots: int, warps: int) -> dict:
     """Compile one shape for sm_90a with Triton's own ptxas: no GPU needed."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    layout = tile_layout()
-    desc = f"tensordesc<bf16[{bn}, {BK}],{layout!r}>"
     fn = wsk.weight_stream_kernel
     cx = constexprs(bn, slots, warps)
     signature = {}
@@ -70,31 +63,12 @@ def compile_only(bn: int, slots: int, warps: int) -> dict:
         if name in cx:
             signature[name] = "constexpr"
         elif name.startswith("d_"):
-            signature[name] = desc
+            signature[name] = tile_descriptor(bn, BK)
         elif name.endswith("_ptr"):
             signature[name] = "*i32" if name == "bar_ptr" else "*fp32"
         else:
             signature[name] = "i32"
-    kernel = triton.compile(
-        GluonASTSource(fn, signature, cx, {}), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)
-    )
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "k.ptx").write_text(kernel.asm["ptx"])
-        report = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", Path(tmp, "k.ptx"), "-o", Path(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    text = report.stdout + report.stderr
-    spills = re.search(r"(\d+) bytes spill stores", text)
-    return dict(
-        shape=f"{bn}:{slots}:{warps}",
-        registers=int(re.search(r"Used (\d+) registers", text).group(1)),
-        spill_bytes=int(spills.group(1)) if spills else 0,
-        shared_bytes=kernel.metadata.shared,
-    )
+    return dict(shape=f"{bn}:{slots}:{warps}", **compile_sm90(fn, signature, cx, warps))
 
 
 class Skeleton:

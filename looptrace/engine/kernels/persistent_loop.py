@@ -855,7 +855,7 @@ class _Workspace:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def _workspace(device, programs: int, rows_pad: int, weights: LoopWeights, max_splits: int) -> _Workspace:
+def workspace(device, programs: int, rows_pad: int, weights: LoopWeights, max_splits: int) -> _Workspace:
     """Scratch for one launch shape, kept for the life of the process (captured graphs hold its addresses);
     inside a capture a new one is made for that graph alone."""
     key = (device, programs, rows_pad, weights.shape, weights.heads, max_splits)
@@ -898,7 +898,7 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
     rows_pad = _pow2(rows)
     # a power of two: eager steps of every table width share a few workspaces
     max_splits = _pow2(triton.cdiv(tables.shape[1] * page, tiles.split_keys))
-    ws = _workspace(state.device, programs, rows_pad, weights, max_splits)
+    ws = workspace(state.device, programs, rows_pad, weights, max_splits)
     block_k = min(tiles.block_k, _pow2(max(hidden, inter, hq * d)))
     return _loop_kernel[(programs,)](state, out, weights.qkv, weights.o, weights.gate_up, weights.down,
                                      weights.norms, weights.final_norm, cos, sin, k_cache, v_cache,

@@ -1,0 +1,699 @@
+"""One Ouro loop at one decode row as one persistent Gluon launch whose weights stream through a ring of
+shared-memory tiles by TMA: `kernels.persistent_loop`'s one-row form on Hopper (sm_90). Imports Triton.
+
+Why a second form: `persistent_loop.py` holds its weight tiles in registers, and Triton's `tl.load` cannot
+keep several of them in flight across an item (the compiler moves or repacks the loaded registers and
+waits), so each SM has about one 32 KB tile in flight and the loop runs near twice the copy floor. Here each
+program owns a ring of SLOTS tiles in shared memory, each with an mbarrier: it asks TMA for its tile q + SLOTS
+as soon as it has read tile q, and the mbarrier says when a tile's bytes have landed. A program's tiles of
+the whole loop (every layer's q/k/v, o, gate/up and down items) form one stream, and weights are never
+written, so the ring runs ahead across stage and layer boundaries: while a program waits at a grid barrier,
+its next stage's tiles keep arriving. (`bench/kernel_weight_stream.py` measures that structure alone.)
+
+Items: 16 W rows = two TMA boxes of 8 rows, a unit's first rows and their partners (q/k/v: 8 rotate-half
+pairs of one head, so RoPE stays in the program; gate/up: 8 gate rows and their up rows; o and down: 16
+consecutive rows), every K tile of them in order; program p takes units p, p + P, ... of each stage.
+
+The stages of a layer and their arithmetic are `persistent_loop.py`'s at one row (R3 over exactloop): the
+residual h lives in every program's registers (each computes the norms itself, the same code and so the same
+bits), products are summed in fp32 per item over K tiles in a fixed order, and values are rounded to bf16
+where the eager model stores a bf16 tensor. Split-KV attention draws tickets; the last split of a head
+combines the partials in split order. So a launch repeats bit for bit; its bits are its own (not the
+register form's: the reduction trees differ).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.experimental.gluon.language as gl
+from triton.experimental import gluon
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from looptrace.engine.kernels import persistent_loop as pl
+
+BOX_ROWS = 8  # W rows per TMA box: an item is two boxes (a unit's first rows and their partners)
+BLOCK_K = 256  # columns per weight tile (TMA boxes are at most 256 elements a side)
+MAX_SPINS = 1 << 24  # polls of a grid barrier before it gives up: counted, never a hang
+COMBINE = gl.constexpr(16)  # attention partials per load of the combine
+QKV, O_PROJ, GATE_UP, DOWN = (gl.constexpr(e) for e in range(4))  # GEMV epilogues
+
+# Thread 0 polls the arrival counter with acquire loads; the CTA barrier after it passes what it saw to the
+# other threads (cooperative groups' grid sync). Returns the last count seen (the target on other threads).
+_WAIT_ASM = gl.constexpr(f"""{{
+.reg .pred %p_lead, %p_more;
+.reg .b32 %sl_tid, %spins;
+mov.u32 %sl_tid, %tid.x;
+setp.eq.u32 %p_lead, %sl_tid, 0;
+mov.u32 $0, $2;
+@!%p_lead bra DONE;
+mov.u32 %spins, 0;
+POLL:
+ld.acquire.gpu.global.b32 $0, [$1];
+add.u32 %spins, %spins, 1;
+setp.lt.s32 %p_more, $0, $2;
+setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
+@%p_more bra POLL;
+DONE:
+}}""")
+
+
+@gluon.jit
+def _grid_barrier(bar_ptr, target):
+    """Every program's stores before it are visible to every program after it; a wait that gives up (a
+    program never arrived) is counted in bar_ptr[2]."""
+    gl.thread_barrier()
+    gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    seen = gl.inline_asm_elementwise(
+        _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=gl.int32, is_pure=False, pack=1
+    )
+    if seen < target:
+        gl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _bf16(x):
+    """Round fp32 to bf16 and widen back (the eager model stores a bf16 tensor here)."""
+    return x.to(gl.bfloat16).to(gl.float32)
+
+
+@gluon.jit
+def _share(units, pid, programs):
+    """How many of a stage's units this program takes (units pid, pid + P, ...)."""
+    return (units + programs - 1 - pid) // programs
+
+
+# ------------------------------------------------------------------------------------------ the stream
+
+
+@gluon.jit
+def _issue(
+    q,
+    stream,
+    ring,
+    bars,
+    descs,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    NQKV: gl.constexpr,
+    KO: gl.constexpr,
+    D: gl.constexpr,
+    BK: gl.constexpr,
+    SLOTS: gl.constexpr,
+):
+    """Ask TMA for this program's tile q (its tiles in consumption order over every layer and stage) into
+    ring slot q % SLOTS: two boxes of 8 rows, the unit's first rows and their partners. Past the stream's
+    end: nothing."""
+    total, per_layer, t0, t1, t2, pid, programs = stream
+    d_qkv, d_o, d_gu, d_down = descs
+    KH: gl.constexpr = H // BK
+    KTO: gl.constexpr = KO // BK
+    KI: gl.constexpr = INTER // BK
+    if q < total:
+        layer = q // per_layer
+        r = q % per_layer
+        slot = q % SLOTS
+        bar = bars.index(slot)
+        first = ring.index(slot).slice(0, 8)
+        partner = ring.index(slot).slice(8, 8)
+        mbarrier.expect(bar, 2 * 8 * BK * 2)
+        if r < t0:  # q/k/v: unit u holds pairs 8u .. 8u + 7 of one head
+            pair = (pid + (r // KH) * programs) * 8
+            row = layer * NQKV + (pair // (D // 2)) * D + pair % (D // 2)
+            col = (r % KH) * BK
+            tma.async_copy_global_to_shared(d_qkv, [row, col], bar, first)
+            tma.async_copy_global_to_shared(d_qkv, [row + D // 2, col], bar, partner)
+        elif r < t0 + t1:  # o: 16 consecutive rows
+            r = r - t0
+            row = layer * H + (pid + (r // KTO) * programs) * 16
+            col = (r % KTO) * BK
+            tma.async_copy_global_to_shared(d_o, [row, col], bar, first)
+            tma.async_copy_global_to_shared(d_o, [row + 8, col], bar, partner)
+        elif r < t0 + t1 + t2:  # gate/up: 8 gate rows and the up rows of the same outputs
+            r = r - t0 - t1
+            row = layer * 2 * INTER + (pid + (r // KH) * programs) * 8
+            col = (r % KH) * BK
+            tma.async_copy_global_to_shared(d_gu, [row, col], bar, first)
+            tma.async_copy_global_to_shared(d_gu, [row + INTER, col], bar, partner)
+        else:  # down: 16 consecutive rows
+            r = r - t0 - t1 - t2
+            row = layer * H + (pid + (r // KI) * programs) * 16
+            col = (r % KI) * BK
+            tma.async_copy_global_to_shared(d_down, [row, col], bar, first)
+            tma.async_copy_global_to_shared(d_down, [row + 8, col], bar, partner)
+
+
+@gluon.jit
+def _gemv(
+    q,
+    units,
+    KT: gl.constexpr,
+    EPI: gl.constexpr,
+    out,
+    x_tiles,
+    stream,
+    ring,
+    bars,
+    descs,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    NQKV: gl.constexpr,
+    KO: gl.constexpr,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    D: gl.constexpr,
+    BK: gl.constexpr,
+    SLOTS: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """This program's `units` items of one GEMV stage against x (`x_tiles`: [K tiles, BK] fp32 in shared
+    memory), each item's sums handed to the epilogue EPI. Reading a tile frees its slot for the tile SLOTS
+    further on in the stream (near the stage's end, the next stage's). Returns the stream position after."""
+    tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    _total, _per_layer, _t0, _t1, _t2, pid, programs = stream
+    for i in range(units):
+        acc_first = gl.zeros([8, BK], gl.float32, tile)
+        acc_partner = gl.zeros([8, BK], gl.float32, tile)
+        for kt in range(KT):
+            slot = q % SLOTS
+            mbarrier.wait(bars.index(slot), (q // SLOTS) & 1)
+            w_first = ring.index(slot).slice(0, 8).load(tile)
+            w_partner = ring.index(slot).slice(8, 8).load(tile)
+            gl.thread_barrier()  # every warp has read the slot before TMA refills it
+            _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
+            x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
+            acc_first += w_first.to(gl.float32) * x
+            acc_partner += w_partner.to(gl.float32) * x
+            q += 1
+        unit = pid + i * programs
+        first = gl.sum(acc_first, axis=1)
+        partner = gl.sum(acc_partner, axis=1)
+        j = gl.arange(0, 8, layout=gl.SliceLayout(1, tile))
+        if EPI == QKV:
+            _rope_out(first, partner, unit * 8 + j, out, HQ, HK, D)
+        elif EPI == GATE_UP:
+            act_ptr = out
+            gate, up = _bf16(first), _bf16(partner)
+            gl.store(act_ptr + unit * 8 + j, (_bf16(gate / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16))
+        else:
+            out_ptr = out
+            gl.store(out_ptr + unit * 16 + j, first.to(gl.bfloat16))
+            gl.store(out_ptr + unit * 16 + 8 + j, partner.to(gl.bfloat16))
+    return q
+
+
+@gluon.jit
+def _rope_out(first, partner, pair, out, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr):
+    """RoPE (rotate-half, each eager bf16 term rounded) of a q/k unit; q to its buffer, k and v (v without
+    RoPE) into the cache slot (write_entry + layer, write_offset); a padding row (entry < 0) writes none."""
+    q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, entry, offset, layer, stride_e, stride_s, stride_ch = out
+    HALF: gl.constexpr = D // 2
+    x1, x2 = _bf16(first), _bf16(partner)
+    head, d = pair // HALF, pair % HALF
+    c1 = gl.load(cos_ptr + d).to(gl.float32)
+    c2 = gl.load(cos_ptr + d + HALF).to(gl.float32)
+    s1 = gl.load(sin_ptr + d).to(gl.float32)
+    s2 = gl.load(sin_ptr + d + HALF).to(gl.float32)
+    o1 = _bf16(_bf16(x1 * c1) - _bf16(x2 * s1))
+    o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
+    is_q = head < HQ
+    gl.store(q_ptr + head * D + d, o1.to(gl.bfloat16), mask=is_q)
+    gl.store(q_ptr + head * D + d + HALF, o2.to(gl.bfloat16), mask=is_q)
+    kv = head - HQ  # k heads, then v heads
+    is_k = (kv >= 0) & (kv < HK) & (entry >= 0)
+    is_v = (kv >= HK) & (entry >= 0)
+    kv_head = gl.where(kv >= HK, kv - HK, kv).to(gl.int64)
+    dst = (entry + layer) * stride_e + offset * stride_s + kv_head * stride_ch + d
+    gl.store(kc_ptr + dst, o1.to(gl.bfloat16), mask=is_k)
+    gl.store(kc_ptr + dst + HALF, o2.to(gl.bfloat16), mask=is_k)
+    gl.store(vc_ptr + dst, x1.to(gl.bfloat16), mask=is_v)
+    gl.store(vc_ptr + dst + HALF, x2.to(gl.bfloat16), mask=is_v)
+
+
+# ---------------------------------------------------------------------------------------- the vectors
+
+
+@gluon.jit
+def _offsets(ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
+    """Offsets of a vector held as [ROWS, BK] (the shape of the x tiles in shared memory)."""
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    return gl.expand_dims(r, 1) * BK + gl.expand_dims(c, 0)
+
+
+@gluon.jit
+def _made(ptr, n, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
+    """A bf16 vector other programs of this launch wrote, as fp32 [ROWS, BK] (through L2: `.cg`; 0 past n)."""
+    offs = _offsets(ROWS, BK, layout)
+    return gl.load(ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg").to(gl.float32)
+
+
+@gluon.jit
+def _norm(x, w_ptr, N: gl.constexpr, eps, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
+    """Eager RMSNorm of one fp32 row holding bf16 values: bf16(bf16(x rsqrt(mean(x^2) + eps)) w)."""
+    w = gl.load(w_ptr + _offsets(ROWS, BK, layout)).to(gl.float32)
+    ms = gl.sum(gl.sum(x * x, axis=1), axis=0) / N
+    return _bf16(_bf16(x * gl.rsqrt(ms + eps)) * w)
+
+
+@gluon.jit
+def _set_x(xs, x, ROWS: gl.constexpr):
+    """x into this program's shared x tiles (every warp's reads of the stage before are done: a barrier
+    precedes every call); the CTA barrier after lets every warp read all of it."""
+    xs.slice(0, ROWS).store(x)
+    gl.thread_barrier()
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+@gluon.jit
+def _attend(
+    layer,
+    ctx,
+    attn,
+    pid,
+    programs,
+    qk_scale,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    D: gl.constexpr,
+    PAGE: gl.constexpr,
+    SPLIT: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Split-KV attention of every head: split s holds keys [s SPLIT, (s + 1) SPLIT) (fixed by the key count,
+    not the grid); the last split of a head to draw a ticket combines the partials in split order."""
+    (
+        q_ptr,
+        out_ptr,
+        kc_ptr,
+        vc_ptr,
+        tab_ptr,
+        part_ptr,
+        ticket_ptr,
+        max_splits,
+        stride_e,
+        stride_s,
+        stride_ch,
+    ) = attn
+    keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    key = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, keys))
+    splits = (ctx + SPLIT - 1) // SPLIT
+    for item in range(pid, HQ * splits, programs):
+        split, head = item // HQ, item % HQ
+        q = gl.load(q_ptr + head * D + d, cache_modifier=".cg").to(gl.float32) * qk_scale
+        pos = split * SPLIT + key
+        live = pos < ctx
+        page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
+        live = live & (page >= 0)  # a table's -1 padding: never read
+        kv_off = (head // (HQ // HK)).to(gl.int64) * stride_ch + d
+        rows = (page + layer) * stride_e + (pos % PAGE) * stride_s
+        kv = gl.expand_dims(rows, 1) + gl.expand_dims(kv_off, 0)
+        k = gl.load(kc_ptr + kv, mask=gl.expand_dims(live, 1), other=0.0, cache_modifier=".cg").to(gl.float32)
+        v = gl.load(vc_ptr + kv, mask=gl.expand_dims(live, 1), other=0.0, cache_modifier=".cg").to(gl.float32)
+        score = gl.where(live, gl.sum(k * gl.expand_dims(q, 0), axis=1), float("-inf"))
+        m_i = gl.max(score, axis=0)
+        p = gl.exp(score - m_i)
+        l_i = gl.sum(p, axis=0)
+        acc = gl.sum(gl.expand_dims(p, 1) * v, axis=0)
+        base = (head * max_splits + split) * (D + 2)
+        gl.store(part_ptr + base + d, acc)
+        gl.store(part_ptr + base + D, m_i)
+        gl.store(part_ptr + base + D + 1, l_i)
+        gl.thread_barrier()  # this program's stores happen before its ticket releases them
+        if gl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            out = _combine(part_ptr + head * max_splits * (D + 2), splits, D, keys)
+            gl.store(out_ptr + head * D + d, out.to(gl.bfloat16))
+            gl.store(ticket_ptr + head, 0)  # every split has drawn: zero again for the next layer
+
+
+@gluon.jit
+def _combine(part_ptr, splits, D: gl.constexpr, keys: gl.constexpr):
+    """softmax(q K^T) V of one head from its split partials, COMBINE splits per load in split order."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    c = gl.arange(0, COMBINE, layout=gl.SliceLayout(1, keys))
+    m = gl.max(gl.full([COMBINE], float("-inf"), gl.float32, gl.SliceLayout(1, keys)), axis=0)
+    for s in range(0, splits, COMBINE):
+        m_s = gl.load(
+            part_ptr + (s + c) * (D + 2) + D, mask=s + c < splits, other=float("-inf"), cache_modifier=".cg"
+        )
+        m = gl.maximum(m, gl.max(m_s, axis=0))
+    total = gl.sum(gl.zeros([COMBINE], gl.float32, gl.SliceLayout(1, keys)), axis=0)
+    acc = gl.zeros([D], gl.float32, gl.SliceLayout(0, keys))
+    for s in range(0, splits, COMBINE):
+        live = s + c < splits
+        row = part_ptr + (s + c) * (D + 2)
+        scale = gl.exp(gl.load(row + D, mask=live, other=float("-inf"), cache_modifier=".cg") - m)
+        total += gl.sum(gl.load(row + D + 1, mask=live, other=0.0, cache_modifier=".cg") * scale, axis=0)
+        parts = gl.load(
+            gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+            mask=gl.expand_dims(live, 1),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += gl.sum(parts * gl.expand_dims(scale, 1), axis=0)
+    return acc / total
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+
+
+@gluon.jit(do_not_specialize=["L", "max_splits"])
+def _stream_kernel(
+    d_qkv,
+    d_o,
+    d_gu,
+    d_down,
+    h_in_ptr,
+    state_ptr,
+    wn_ptr,
+    wf_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    went_ptr,
+    woff_ptr,
+    tab_ptr,
+    ctx_ptr,
+    q_ptr,
+    attn_ptr,
+    o_ptr,
+    act_ptr,
+    d_ptr,
+    part_ptr,
+    ticket_ptr,
+    bar_ptr,
+    L,
+    max_splits,
+    eps,
+    qk_scale,
+    stride_e,
+    stride_s,
+    stride_ch,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    D: gl.constexpr,
+    PAGE: gl.constexpr,
+    BK: gl.constexpr,
+    SPLIT: gl.constexpr,
+    SLOTS: gl.constexpr,
+    XROWS: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    vec: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    NQKV: gl.constexpr = (HQ + 2 * HK) * D
+    KO: gl.constexpr = HQ * D
+    KH: gl.constexpr = H // BK
+    KTO: gl.constexpr = KO // BK
+    KI: gl.constexpr = INTER // BK
+
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 16, BK], d_qkv.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    # x as [K tiles, BK]: written whole through `xs`, read a K tile at a time through `x_tiles` (same bytes)
+    xs = gl.allocate_shared_memory(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_tiles = xs._reinterpret(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for s in gl.static_range(SLOTS):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    n_qkv = _share(NQKV // 16, pid, programs)
+    n_o = _share(H // 16, pid, programs)
+    n_gu = _share(INTER // 8, pid, programs)
+    n_down = _share(H // 16, pid, programs)
+    t0, t1, t2 = n_qkv * KH, n_o * KTO, n_gu * KH
+    per_layer = t0 + t1 + t2 + n_down * KI
+    stream = (L * per_layer, per_layer, t0, t1, t2, pid, programs)
+    descs = (d_qkv, d_o, d_gu, d_down)
+    for s in gl.static_range(SLOTS):  # the ring's first fill
+        _issue(s, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
+
+    ctx = gl.load(ctx_ptr)
+    entry = gl.load(went_ptr).to(gl.int64)
+    offset = gl.load(woff_ptr).to(gl.int64)
+    attn = (
+        q_ptr,
+        attn_ptr,
+        kc_ptr,
+        vc_ptr,
+        tab_ptr,
+        part_ptr,
+        ticket_ptr,
+        max_splits,
+        stride_e,
+        stride_s,
+        stride_ch,
+    )
+    h = gl.load(h_in_ptr + _offsets(KH, BK, vec)).to(gl.float32)
+    q = pid * 0
+    arrivals = programs * 0
+    for layer in range(L):
+        if layer > 0:  # h = M + post2(down) of the layer before
+            h = _bf16(
+                h
+                + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((layer - 1) * 4 + 3) * H, H, eps, KH, BK, vec)
+            )
+        _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 0) * H, H, eps, KH, BK, vec), KH)
+        rope = (
+            q_ptr,
+            kc_ptr,
+            vc_ptr,
+            cos_ptr,
+            sin_ptr,
+            entry,
+            offset,
+            layer.to(gl.int64),
+            stride_e,
+            stride_s,
+            stride_ch,
+        )
+        q = _gemv(
+            q,
+            n_qkv,
+            KH,
+            QKV,
+            rope,
+            x_tiles,
+            stream,
+            ring,
+            bars,
+            descs,
+            H,
+            INTER,
+            NQKV,
+            KO,
+            HQ,
+            HK,
+            D,
+            BK,
+            SLOTS,
+            WARPS,
+        )
+        arrivals += programs
+        _grid_barrier(bar_ptr, arrivals)
+        _attend(layer.to(gl.int64), ctx, attn, pid, programs, qk_scale, HQ, HK, D, PAGE, SPLIT, WARPS)
+        arrivals += programs
+        _grid_barrier(bar_ptr, arrivals)
+        _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
+        q = _gemv(
+            q,
+            n_o,
+            KTO,
+            O_PROJ,
+            o_ptr,
+            x_tiles,
+            stream,
+            ring,
+            bars,
+            descs,
+            H,
+            INTER,
+            NQKV,
+            KO,
+            HQ,
+            HK,
+            D,
+            BK,
+            SLOTS,
+            WARPS,
+        )
+        arrivals += programs
+        _grid_barrier(bar_ptr, arrivals)
+        # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
+        h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), wn_ptr + (layer * 4 + 1) * H, H, eps, KH, BK, vec))
+        _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 2) * H, H, eps, KH, BK, vec), KH)
+        q = _gemv(
+            q,
+            n_gu,
+            KH,
+            GATE_UP,
+            act_ptr,
+            x_tiles,
+            stream,
+            ring,
+            bars,
+            descs,
+            H,
+            INTER,
+            NQKV,
+            KO,
+            HQ,
+            HK,
+            D,
+            BK,
+            SLOTS,
+            WARPS,
+        )
+        arrivals += programs
+        _grid_barrier(bar_ptr, arrivals)
+        _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
+        q = _gemv(
+            q,
+            n_down,
+            KI,
+            DOWN,
+            d_ptr,
+            x_tiles,
+            stream,
+            ring,
+            bars,
+            descs,
+            H,
+            INTER,
+            NQKV,
+            KO,
+            HQ,
+            HK,
+            D,
+            BK,
+            SLOTS,
+            WARPS,
+        )
+        arrivals += programs
+        _grid_barrier(bar_ptr, arrivals)
+    h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((L - 1) * 4 + 3) * H, H, eps, KH, BK, vec))
+    state = _norm(h, wf_ptr, H, eps, KH, BK, vec)
+    if pid == 0:
+        gl.store(state_ptr + _offsets(KH, BK, vec), state.to(gl.bfloat16))
+    # the last program to leave: every program is past its waits, the counters go back to zero
+    if gl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        gl.store(bar_ptr, 0)
+        gl.store(bar_ptr + 1, 0)
+
+
+# -------------------------------------------------------------------------------------------------- host
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
+    """Whether `loop_streamed` runs this loop: `persistent_loop.loop_fusable` at one row, on a Hopper GPU,
+    with weights TMA can read as tiles (contiguous stacks, K multiples of BLOCK_K with a power-of-two count
+    of tiles for the hidden width, rows in whole 16-row items)."""
+    hq, hk, d = weights.heads
+    _layers, hidden, inter = weights.shape
+    return (
+        state.is_cuda
+        and torch.cuda.get_device_capability(state.device)[0] == 9
+        and state.shape[0] == 1
+        and pl.loop_fusable(state, weights, cos, sin, k_cache, v_cache, tables)
+        and all(w.is_contiguous() for w in (weights.qkv, weights.o, weights.gate_up, weights.down))
+        and hidden % BLOCK_K == 0
+        and _pow2(hidden // BLOCK_K) == hidden // BLOCK_K
+        and hq * d == hidden
+        and inter % BLOCK_K == 0
+        and (d // 2) % 8 == 0
+        and inter % 8 == 0
+        and state.is_contiguous()
+    )
+
+
+def loop_streamed(
+    state,
+    weights: pl.LoopWeights,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    write_entry,
+    write_offset,
+    tables,
+    ctx_lens,
+    page: int,
+    slots: int = 10,
+    num_warps: int = 4,
+    split_keys: int = 64,
+) -> torch.Tensor:
+    """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
+    through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
+    Call where `stream_fusable`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    hq, hk, d = weights.heads
+    layers, hidden, inter = weights.shape
+    programs = torch.cuda.get_device_properties(state.device).multi_processor_count
+    max_splits = _pow2(triton.cdiv(tables.shape[1] * page, split_keys))
+    ws = pl.workspace(state.device, programs, 1, weights, max_splits)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    descs = [
+        TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [BOX_ROWS, BLOCK_K], layout)
+        for w in (weights.qkv, weights.o, weights.gate_up, weights.down)
+    ]
+    out = torch.empty_like(state)
+    _stream_kernel[(programs,)](
+        *descs,
+        state,
+        out,
+        weights.norms,
+        weights.final_norm,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        write_entry,
+        write_offset,
+        tables,
+        ctx_lens,
+        ws.q,
+        ws.attn,
+        ws.o,
+        ws.act,
+        ws.down,
+        ws.part,
+        ws.tickets,
+        ws.barrier,
+        layers,
+        max_splits,
+        weights.eps,
+        d**-0.5,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        H=hidden,
+        INTER=inter,
+        HQ=hq,
+        HK=hk,
+        D=d,
+        PAGE=page,
+        BK=BLOCK_K,
+        SPLIT=split_keys,
+        SLOTS=slots,
+        XROWS=_pow2(max(inter, hidden) // BLOCK_K),
+        WARPS=num_warps,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+__all__ = ["BLOCK_K", "loop_streamed", "stream_fusable"]
