@@ -125,6 +125,16 @@ MODES: dict[str, Mode] = {
         "any",
         script("kernel_persistent_loop_compile.py", "--out {out}"),
     ),
+    "weight-stream": Mode(
+        "a probe: every weight of an Ouro loop through a TMA ring (Gluon), against the copy floor and cuBLAS",
+        "cuda",
+        script("kernel_weight_stream.py", "--out {out}"),
+    ),
+    "stream-loop-compile": Mode(
+        "the one-row TMA-ring Ouro loop kernel compiled for sm_90a (no GPU): registers, spills, shared bytes",
+        "any",
+        script("kernel_stream_loop_compile.py", "--out {out}"),
+    ),
     "attention": Mode(
         "decode attention (split-KV) against its byte floor, Ouro and Huginn heads, 1-64 rows",
         "cuda",

@@ -45,4 +45,4 @@ def test_a_bad_shape_is_refused_in_one_line(tmp_path, shape, says):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without CUDA")
 def test_without_cuda_the_timing_refuses_in_one_line(tmp_path):
     done = run("--out", str(tmp_path))
-    assert done.returncode == 2 and "need CUDA" in done.stderr and list(tmp_path.iterdir()) == []
+    assert done.returncode == 2 and "needs CUDA" in done.stderr and list(tmp_path.iterdir()) == []
