@@ -51,6 +51,7 @@ from looptrace.engine.models.ouro import (
     PersistentLoop,
     PersistentOuroForCausalLM,
     RopeWriteOuroAttention,
+    StreamedPersistentLoop,
 )
 from looptrace.engine.models.raven_blocks import ExactRavenAttention, ExactRavenMLP, RavenAttention, RavenMLP
 from looptrace.engine.plan import EnginePlan
@@ -99,6 +100,8 @@ VARIANTS: dict[str, tuple[tuple[type, type, Callable[[nn.Module], bool] | None],
     "kernels.gemv_norm_out": ((OuroLayer, GemvNormOutOuroLayer, None),),
     "kernels.gemv_rope_out": ((FusedQKVOuroAttention, GemvRopeOuroAttention, None),),
     "kernels.persistent_loop": ((ChainedOuroForCausalLM, PersistentOuroForCausalLM, None),),
+    # after kernels.persistent_loop (registry order), which attaches the op this variant replaces
+    "kernels.persistent_loop_tma": ((PersistentLoop, StreamedPersistentLoop, None),),
 }
 
 

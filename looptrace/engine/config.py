@@ -260,6 +260,12 @@ class KernelConfig:
     # depend on the other rows. Ouro only, CUDA only; more rows, prefill and other shapes take the
     # layer-by-layer path.
     persistent_loop: bool = field(default=False, metadata=_meta("R3"))
+    # Beyond the paper, with `persistent_loop`: its one-row loops as one persistent Gluon launch whose
+    # weights stream through a ring of shared-memory tiles that TMA fills (`kernels/stream_loop.py`): the
+    # ring runs ahead across stage and layer boundaries, where register tiles could not stay in flight.
+    # Its own arithmetic (fp32 sums per 16-row item, bf16 where the eager model rounds): R3. Hopper only;
+    # other rows and devices keep the register form or the layer-by-layer path.
+    persistent_loop_tma: bool = field(default=False, metadata=_meta("R3"))
 
     def __post_init__(self) -> None:
         _validate_on_build(self)

@@ -26,6 +26,7 @@ from looptrace.engine.models.ouro import (
     OuroMLP,
     PersistentLoop,
     PersistentOuroForCausalLM,
+    StreamedPersistentLoop,
 )
 from looptrace.engine.plan import resolve_plan
 from looptrace.engine.projections import stack_loop_weights
@@ -76,7 +77,8 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
         ),
         # a family without the fused forms: the kernel could run, the family has no variant for it
         (
-            "huginn-tiny", "fast", ("kernels.gemv_norm=true", "kernels.persistent_loop=true"), True,
+            "huginn-tiny", "fast", ("kernels.gemv_norm=true", "kernels.persistent_loop=true",
+                                    "kernels.persistent_loop_tma=true"), True,
             {
                 "kernels.residual_norm": "no fused kernel for the huginn family",
                 "kernels.rope_kv_write": "no fused kernel for the huginn family",
@@ -84,7 +86,24 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
                 "kernels.gemv_silu_out": "no fused GEMV form for the huginn family",
                 "kernels.gemv_rope_out": "no fused GEMV form for the huginn family",
                 "kernels.persistent_loop": "no persistent loop kernel for the huginn family",
+                "kernels.persistent_loop_tma": "no TMA-ring loop kernel for the huginn family",
             },
+        ),
+        # the TMA ring: Hopper's TMA and mbarriers (the compute capability check), and the op it replaces
+        (
+            "ouro-tiny", "fast", ("kernels.persistent_loop=true", "kernels.persistent_loop_tma=true"), False,
+            {
+                "kernels.pdl": "programmatic dependent launch needs a CUDA GPU of compute capability 9+",
+                "kernels.gemv_preload": "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)",
+                "kernels.attn_prefetch": "needs kernels.pdl active (CUDA sm_90+) and Triton attention",
+                "kernels.persistent_loop_tma": (
+                    "the TMA ring needs a CUDA GPU of compute capability 9+ (TMA and mbarriers)"
+                ),
+            },
+        ),
+        (
+            "ouro-tiny", "fast", ("kernels.persistent_loop_tma=true",), True,
+            {"kernels.persistent_loop_tma": "needs kernels.persistent_loop active (one-row loops)"},
         ),
         # the persistent loop replaces the chained loop: without it, or with the perturbation's layer hooks,
         # it stays off with its reason
@@ -154,8 +173,9 @@ def test_every_ouro_variant_of_fast_keeps_the_plain_models_bits_on_cpu():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable")
 def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bits_on_cpu():
     """`stack_loop_weights` re-points every layer's weights (and the fused q/k/v, gate/up tensors) at views
-    of one stack per kind: same names, same values. On CPU the persistent variant's
-    loop falls back to the chained one (fp32 rows, no CUDA), so the model computes the plain bits."""
+    of one stack per kind: same names, same values. On CPU the persistent variant's loop (with the TMA
+    ring's op over it) falls back to the chained one (fp32 rows, no CUDA), so the model computes the plain
+    bits."""
     plain_out, plain = _states((), kernels__fused_projections=True)
     engine = build_engine("ouro-tiny", noise="sequential", kernels__fused_projections=True)
     model = engine.model
@@ -164,6 +184,8 @@ def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bit
         install_variants(model, setting)
     weights = stack_loop_weights(model)
     model.persistent = PersistentLoop(weights)
+    assert install_variants(model, "kernels.persistent_loop_tma") == 1  # on the op, as assemble does
+    assert isinstance(model.persistent, StreamedPersistentLoop)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     hq, hk, d = weights.heads

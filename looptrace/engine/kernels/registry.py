@@ -170,6 +170,17 @@ ENTRIES: tuple[KernelEntry, ...] = (
         "PersistentOuroForCausalLM (the loop's weights stacked by layer: stack_loop_weights)",
         families=_OURO,
     ),
+    KernelEntry(
+        "kernels.persistent_loop_tma",
+        "stream_loop",
+        (
+            Requirement(PDL, "the TMA ring needs a CUDA GPU of compute capability 9+ (TMA and mbarriers)"),
+            Requirement("kernels.persistent_loop", "needs kernels.persistent_loop active (one-row loops)"),
+            Requirement(FAMILY, "no TMA-ring loop kernel for the {family} family"),
+        ),
+        "StreamedPersistentLoop (one-row loops through stream_loop.loop_streamed)",
+        families=_OURO,
+    ),
 )
 
 BY_SETTING = {entry.setting: entry for entry in ENTRIES}

@@ -375,6 +375,24 @@ class PersistentLoop(nn.Module):
         )  # fmt: skip
 
 
+class StreamedPersistentLoop(PersistentLoop):
+    """`kernels.persistent_loop_tma`: the `PersistentLoop` op whose one-row loops run as one Gluon launch
+    streaming the weights through a TMA ring in shared memory (`kernels/stream_loop.py`) where that form
+    runs (a Hopper GPU, shapes it takes); any other loop the op takes goes through the register form."""
+
+    def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels import stream_loop as sl  # imports Triton: only where it runs
+
+        w = self.weights
+        if sl.stream_fusable(state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables):
+            return sl.loop_streamed(
+                state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
+                ctx.tables, ctx.ctx_lens, ctx.block_size,
+            )  # fmt: skip
+        return super().forward(state, ctx)
+
+
 class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
     """`kernels.persistent_loop` (with `residual_norm`): a loop of `PersistentLoop.max_rows` decode rows
     through the `PersistentLoop` op `assemble` attaches (`persistent`); other loops (prefill, more rows,
