@@ -29,8 +29,10 @@ import triton
 import triton.experimental.gluon.language as gl
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from looptrace.engine.kernels import persistent_loop as pl
+from looptrace.engine.kernels.launch_mode import pdl_args
 
 BOX_ROWS = 8  # W rows per TMA box: an item is two boxes (a unit's first rows and their partners)
 BLOCK_K = 256  # columns per weight tile (TMA boxes are at most 256 elements a side)
@@ -56,6 +58,24 @@ setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
 @%p_more bra POLL;
 DONE:
 }}""")
+
+
+# The PDL preamble (`device_helpers.await_inputs`) in Gluon, which cannot call a `triton.jit` function.
+@gluon.jit
+def let_dependents_launch(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def wait_for_inputs(PDL: gl.constexpr):
+    """Nothing another kernel writes may be read, nor anything it reads written, before this returns."""
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
 
 @gluon.jit
@@ -405,7 +425,9 @@ def _stream_kernel(
     SLOTS: gl.constexpr,
     XROWS: gl.constexpr,
     WARPS: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
+    let_dependents_launch(PDL)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     vec: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -435,6 +457,8 @@ def _stream_kernel(
     descs = (d_qkv, d_o, d_gu, d_down)
     for s in gl.static_range(SLOTS):  # the ring's first fill
         _issue(s, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
+    # weights are never written: the first tiles stream while the kernel before ends; all else waits
+    wait_for_inputs(PDL)
 
     ctx = gl.load(ctx_ptr)
     entry = gl.load(went_ptr).to(gl.int64)
@@ -637,8 +661,6 @@ def loop_streamed(
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
     Call where `stream_fusable`."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
@@ -692,6 +714,7 @@ def loop_streamed(
         WARPS=num_warps,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        **pdl_args(),
     )
     return out
 

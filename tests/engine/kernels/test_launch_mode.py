@@ -95,6 +95,12 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             allowed |= {"tl.zeros", "weight_tile"}  # the GEMV's weight preload (weights: never written)
             # the persistent loop's stream position (index math) and its first weight tiles (never written)
             allowed |= {"_item_counts", "_stage_start", "_fill_ring"}
+            # the TMA-ring loop (Gluon): its layouts, shared memory and mbarriers, its stream's counts and the
+            # ring's first fill (weights: never written)
+            allowed |= {"gl.program_id", "gl.num_programs", "gl.BlockedLayout", "gl.SwizzledSharedLayout"}
+            allowed |= {"gl.allocate_shared_memory", "mbarrier.MBarrierLayout", "xs._reinterpret"}
+            allowed |= {"gl.static_range", "mbarrier.init", "bars.index", "fence_async_shared"}
+            allowed |= {"gl.thread_barrier", "_share", "_issue"}
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
             assert set(before_wait) <= allowed, f"{path.name}:{kernel.name}: {before_wait} before the wait"
