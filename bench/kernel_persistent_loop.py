@@ -196,7 +196,7 @@ def stream_checks(case, fn, tiles: pl.LoopTiles) -> dict:
     res["rel_err_state_vs_float64"] = rel_err(out, ref)
     res["rel_err_kv_vs_float64"] = max(rel_err(got_k, ref_k), rel_err(got_v, ref_v))
     registers = pl.loop_staged(*case.args(), tiles=tiles)
-    res["rel_diff_vs_register_form"] = rel_err(out, registers.double())
+    res["rel_diff_vs_register_form"] = rel_err(out, registers.double().cpu())
     res["register_form_vs_float64"] = rel_err(registers, ref)
     res["repeat_bitwise_5"] = all(torch.equal(out, fn(*case.args())) for _ in range(5))
     args = case.args()
@@ -217,8 +217,32 @@ def parse_streams(spec: str) -> dict:
     forms = {}
     for item in filter(None, spec.split(",")):
         slots, warps = (int(x) for x in item.split(":"))
-        forms[f"stream {item}"] = lambda *a, s=slots, w=warps: sl.loop_streamed(*a, slots=s, num_warps=w)
+        forms[f"stream {item}"] = lambda *a, s=slots, w=warps, **kw: sl.loop_streamed(
+            *a, slots=s, num_warps=w, **kw
+        )
     return forms
+
+
+def stream_anatomy(case, streams: dict, floor_gbs: float) -> list[str]:
+    """Each one-row `stream_loop` form's stages as program 0 saw them (the GPU clock after every grid barrier,
+    `loop_streamed(times=...)`), µs per layer (median over the layers) against each stage's bytes."""
+    layers = case.weights.shape[0]
+    nbytes = stage_bytes(case)
+    lines = ["| form | stage | µs per layer | % of copy bandwidth |", "|---|---|---|---|"]
+    for name, fn in streams.items():
+        times = torch.zeros(2 + 5 * layers, dtype=torch.int64, device="cuda")
+        for _ in range(3):  # the last of three: compiled, caches warm
+            fn(*case.args(), times=times)
+        torch.cuda.synchronize()
+        stamps = times.cpu().tolist()
+        per_stage = [[(stamps[1 + 5 * layer + st] - stamps[5 * layer + st]) / 1e3 for layer in range(layers)]
+                     for st in range(5)]  # fmt: skip
+        for st, stage in enumerate(STAGE_NAMES):
+            us = statistics.median(per_stage[st])
+            share = 100 * nbytes[stage] / layers / (us * 1e-6) / (floor_gbs * 1e9)
+            lines.append(f"| {name} | {stage} | {us:.2f} | {share:.0f} |")
+        lines.append(f"| {name} | whole loop | {(stamps[-1] - stamps[0]) / 1e3 / layers:.2f} | |")
+    return lines
 
 
 def parse_tiles(spec: str) -> pl.LoopTiles:
@@ -325,6 +349,15 @@ def main() -> int:
     anatomy = stage_anatomy(cases[rows_list[0]], tile_list[0], floor)  # the first row count and launch shape
     lines += ["", "## Stage anatomy", "", *anatomy]
     print("\n".join(anatomy), flush=True)
+    if streams and 1 in cases:
+        stream_lines = stream_anatomy(cases[1], streams, floor)
+        lines += [
+            "",
+            "## Stage anatomy of the TMA-ring forms (one launch, program 0's clock)",
+            "",
+            *stream_lines,
+        ]
+        print("\n".join(stream_lines), flush=True)
     lines += [
         "",
         f"barrier waits that gave up: {result['barrier_timeouts']}",

@@ -25,8 +25,8 @@ from gluon_compile import compile_sm90, tile_descriptor  # noqa: E402
 from looptrace.engine.kernels import stream_loop as sl  # noqa: E402
 
 SHAPES = dict(H=2048, INTER=5632, HQ=16, HK=16, D=128, PAGE=16, BK=sl.BLOCK_K, SPLIT=64, XROWS=32)
-POINTER_TYPES = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "bar_ptr": "*i32", "went_ptr": "*i64",
-                 "woff_ptr": "*i64", "tab_ptr": "*i64", "ctx_ptr": "*i64"}  # fmt: skip
+POINTER_TYPES = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "bar_ptr": "*i32", "times_ptr": "*i64",
+                 "went_ptr": "*i64", "woff_ptr": "*i64", "tab_ptr": "*i64", "ctx_ptr": "*i64"}  # fmt: skip
 DESCRIPTORS = ("d_qkv", "d_o", "d_gu", "d_down")
 
 

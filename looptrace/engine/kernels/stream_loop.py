@@ -92,6 +92,19 @@ def _grid_barrier(bar_ptr, target):
     gl.thread_barrier()
 
 
+_CLOCK_ASM = gl.constexpr("mov.u64 $0, %globaltimer;")
+
+
+@gluon.jit
+def _stamp(times_ptr, index, pid, TIMED: gl.constexpr):
+    """Program 0 records the GPU's nanosecond clock at `index` (`loop_streamed(times=...)`: the stage anatomy;
+    past every barrier, so each interval is one stage of the whole grid)."""
+    if TIMED:  # noqa: SIM102 (a constexpr test: `TIMED and pid == 0` does not compile)
+        if pid == 0:
+            now = gl.inline_asm_elementwise(_CLOCK_ASM, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+            gl.store(times_ptr + index, now)
+
+
 @gluon.jit
 def _bf16(x):
     """Round fp32 to bf16 and widen back (the eager model stores a bf16 tensor here)."""
@@ -407,6 +420,7 @@ def _stream_kernel(
     part_ptr,
     ticket_ptr,
     bar_ptr,
+    times_ptr,
     L,
     max_splits,
     eps,
@@ -426,6 +440,7 @@ def _stream_kernel(
     XROWS: gl.constexpr,
     WARPS: gl.constexpr,
     PDL: gl.constexpr = False,
+    TIMED: gl.constexpr = False,
 ):
     let_dependents_launch(PDL)
     pid = gl.program_id(0)
@@ -459,6 +474,7 @@ def _stream_kernel(
         _issue(s, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
     # weights are never written: the first tiles stream while the kernel before ends; all else waits
     wait_for_inputs(PDL)
+    _stamp(times_ptr, 0, pid, TIMED)
 
     ctx = gl.load(ctx_ptr)
     entry = gl.load(went_ptr).to(gl.int64)
@@ -523,9 +539,11 @@ def _stream_kernel(
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
+        _stamp(times_ptr, 1 + layer * 5 + 0, pid, TIMED)
         _attend(layer.to(gl.int64), ctx, attn, pid, programs, qk_scale, HQ, HK, D, PAGE, SPLIT, WARPS)
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
+        _stamp(times_ptr, 1 + layer * 5 + 1, pid, TIMED)
         _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
         q = _gemv(
             q,
@@ -551,6 +569,7 @@ def _stream_kernel(
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
+        _stamp(times_ptr, 1 + layer * 5 + 2, pid, TIMED)
         # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
         h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), wn_ptr + (layer * 4 + 1) * H, H, eps, KH, BK, vec))
         _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 2) * H, H, eps, KH, BK, vec), KH)
@@ -578,6 +597,7 @@ def _stream_kernel(
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
+        _stamp(times_ptr, 1 + layer * 5 + 3, pid, TIMED)
         _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
         q = _gemv(
             q,
@@ -603,10 +623,12 @@ def _stream_kernel(
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
+        _stamp(times_ptr, 1 + layer * 5 + 4, pid, TIMED)
     h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((L - 1) * 4 + 3) * H, H, eps, KH, BK, vec))
     state = _norm(h, wf_ptr, H, eps, KH, BK, vec)
     if pid == 0:
         gl.store(state_ptr + _offsets(KH, BK, vec), state.to(gl.bfloat16))
+    _stamp(times_ptr, 1 + L * 5, pid, TIMED)
     # the last program to leave: every program is past its waits, the counters go back to zero
     if gl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         gl.store(bar_ptr, 0)
@@ -657,10 +679,12 @@ def loop_streamed(
     slots: int = 10,
     num_warps: int = 4,
     split_keys: int = 64,
+    times: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
-    Call where `stream_fusable`."""
+    `times` (int64 `[1 + 5 L + 1]`, optional): the GPU clock in ns at the start and after each stage of each
+    layer (its grid barrier), then at the end: the stage anatomy. Call where `stream_fusable`."""
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
@@ -694,6 +718,7 @@ def loop_streamed(
         ws.part,
         ws.tickets,
         ws.barrier,
+        ws.barrier if times is None else times,  # never written when untimed
         layers,
         max_splits,
         weights.eps,
@@ -714,6 +739,7 @@ def loop_streamed(
         WARPS=num_warps,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        TIMED=times is not None,
         **pdl_args(),
     )
     return out
