@@ -37,6 +37,7 @@ from looptrace.engine.kernels.launch_mode import pdl_args
 BOX_ROWS = 8  # W rows per TMA box: an item is two boxes (a unit's first rows and their partners)
 BLOCK_K = 256  # columns per weight tile (TMA boxes are at most 256 elements a side)
 MAX_SPINS = 1 << 24  # polls of a grid barrier before it gives up: counted, never a hang
+PRODUCER_REGS = gl.constexpr(40)  # registers of the warp-specialized producer warp (setmaxnreg)
 COMBINE = gl.constexpr(16)  # attention partials per load of the combine
 QKV, O_PROJ, GATE_UP, DOWN = (gl.constexpr(e) for e in range(4))  # GEMV epilogues
 
@@ -188,6 +189,7 @@ def _gemv(
     stream,
     ring,
     bars,
+    empty,
     descs,
     H: gl.constexpr,
     INTER: gl.constexpr,
@@ -199,10 +201,13 @@ def _gemv(
     BK: gl.constexpr,
     SLOTS: gl.constexpr,
     WARPS: gl.constexpr,
+    WS: gl.constexpr,
 ):
     """This program's `units` items of one GEMV stage against x (`x_tiles`: [K tiles, BK] fp32 in shared
     memory), each item's sums handed to the epilogue EPI. Reading a tile frees its slot for the tile SLOTS
-    further on in the stream (near the stage's end, the next stage's). Returns the stream position after."""
+    further on in the stream (near the stage's end, the next stage's): these warps ask TMA for it, or with
+    WS (warp-specialized) they arrive on the slot's `empty` barrier and the producer warp asks. Returns the
+    stream position after."""
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     _total, _per_layer, _t0, _t1, _t2, pid, programs = stream
     for i in range(units):
@@ -213,8 +218,11 @@ def _gemv(
             mbarrier.wait(bars.index(slot), (q // SLOTS) & 1)
             w_first = ring.index(slot).slice(0, 8).load(tile)
             w_partner = ring.index(slot).slice(8, 8).load(tile)
-            gl.thread_barrier()  # every warp has read the slot before TMA refills it
-            _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
+            if WS:  # the arrive follows a barrier of these warps: every one has read the slot
+                mbarrier.arrive(empty.index(slot))
+            else:
+                gl.thread_barrier()  # every warp has read the slot before TMA refills it
+                _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
             x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
             acc_first += w_first.to(gl.float32) * x
             acc_partner += w_partner.to(gl.float32) * x
@@ -441,11 +449,11 @@ def _stream_kernel(
     WARPS: gl.constexpr,
     PDL: gl.constexpr = False,
     TIMED: gl.constexpr = False,
+    WS: gl.constexpr = False,
 ):
     let_dependents_launch(PDL)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    vec: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     NQKV: gl.constexpr = (HQ + 2 * HK) * D
     KO: gl.constexpr = HQ * D
     KH: gl.constexpr = H // BK
@@ -453,12 +461,14 @@ def _stream_kernel(
     KI: gl.constexpr = INTER // BK
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 16, BK], d_qkv.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a slot's bytes landed
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a slot was read (WS)
     # x as [K tiles, BK]: written whole through `xs`, read a K tile at a time through `x_tiles` (same bytes)
     xs = gl.allocate_shared_memory(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     x_tiles = xs._reinterpret(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for s in gl.static_range(SLOTS):
         mbarrier.init(bars.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -476,6 +486,100 @@ def _stream_kernel(
     wait_for_inputs(PDL)
     _stamp(times_ptr, 0, pid, TIMED)
 
+    io = (
+        h_in_ptr,
+        state_ptr,
+        wn_ptr,
+        wf_ptr,
+        cos_ptr,
+        sin_ptr,
+        kc_ptr,
+        vc_ptr,
+        went_ptr,
+        woff_ptr,
+        tab_ptr,
+        ctx_ptr,
+    )
+    bufs = (q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_ptr)
+    scalars = (L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch)
+    smem = (ring, bars, empty, xs, x_tiles)
+    counts = (n_qkv, n_o, n_gu, n_down)
+    if WS:  # these warps compute; one more warp keeps the ring full (waits for a slot's reads, then asks TMA)
+        gl.warp_specialize(
+            [(_layers, (io, bufs, scalars, smem, stream, counts, descs, H, INTER, HQ, HK, D, PAGE, BK, SPLIT,
+                        SLOTS, XROWS, WARPS, TIMED, WS)),
+             (_producer, (stream, ring, bars, empty, descs, H, INTER, NQKV, KO, D, BK, SLOTS))],
+            [1],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        _layers(
+            io,
+            bufs,
+            scalars,
+            smem,
+            stream,
+            counts,
+            descs,
+            H,
+            INTER,
+            HQ,
+            HK,
+            D,
+            PAGE,
+            BK,
+            SPLIT,
+            SLOTS,
+            XROWS,
+            WARPS,
+            TIMED,
+            WS,
+        )
+
+
+@gluon.jit
+def _producer(stream, ring, bars, empty, descs, H: gl.constexpr, INTER: gl.constexpr, NQKV: gl.constexpr,
+              KO: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, SLOTS: gl.constexpr):  # fmt: skip
+    """The warp-specialized ring's producer: tile q goes into its slot once the computing warps have read
+    tile q - SLOTS there (the slot's `empty` barrier); the first SLOTS were asked for before the split."""
+    total = stream[0]
+    for q in range(SLOTS, total):
+        mbarrier.wait(empty.index(q % SLOTS), ((q // SLOTS) - 1) & 1)
+        _issue(q, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
+
+
+@gluon.jit
+def _layers(io, bufs, scalars, smem, stream,
+    counts, descs, H: gl.constexpr, INTER: gl.constexpr, HQ: gl.constexpr,
+            HK: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr,
+            SLOTS: gl.constexpr, XROWS: gl.constexpr, WARPS: gl.constexpr, TIMED: gl.constexpr,
+            WS: gl.constexpr):  # fmt: skip
+    """Every layer of the loop, then the final norm: the computing warps' work."""
+    (
+        h_in_ptr,
+        state_ptr,
+        wn_ptr,
+        wf_ptr,
+        cos_ptr,
+        sin_ptr,
+        kc_ptr,
+        vc_ptr,
+        went_ptr,
+        woff_ptr,
+        tab_ptr,
+        ctx_ptr,
+    ) = io
+    q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_ptr = bufs
+    L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch = scalars
+    ring, bars, empty, xs, x_tiles = smem
+    n_qkv, n_o, n_gu, n_down = counts
+    _total, _per_layer, _t0, _t1, _t2, pid, programs = stream
+    vec: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    NQKV: gl.constexpr = (HQ + 2 * HK) * D
+    KO: gl.constexpr = HQ * D
+    KH: gl.constexpr = H // BK
+    KTO: gl.constexpr = KO // BK
+    KI: gl.constexpr = INTER // BK
     ctx = gl.load(ctx_ptr)
     entry = gl.load(went_ptr).to(gl.int64)
     offset = gl.load(woff_ptr).to(gl.int64)
@@ -525,6 +629,7 @@ def _stream_kernel(
             stream,
             ring,
             bars,
+            empty,
             descs,
             H,
             INTER,
@@ -536,6 +641,7 @@ def _stream_kernel(
             BK,
             SLOTS,
             WARPS,
+            WS,
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
@@ -555,6 +661,7 @@ def _stream_kernel(
             stream,
             ring,
             bars,
+            empty,
             descs,
             H,
             INTER,
@@ -566,6 +673,7 @@ def _stream_kernel(
             BK,
             SLOTS,
             WARPS,
+            WS,
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
@@ -583,6 +691,7 @@ def _stream_kernel(
             stream,
             ring,
             bars,
+            empty,
             descs,
             H,
             INTER,
@@ -594,6 +703,7 @@ def _stream_kernel(
             BK,
             SLOTS,
             WARPS,
+            WS,
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
@@ -609,6 +719,7 @@ def _stream_kernel(
             stream,
             ring,
             bars,
+            empty,
             descs,
             H,
             INTER,
@@ -620,6 +731,7 @@ def _stream_kernel(
             BK,
             SLOTS,
             WARPS,
+            WS,
         )
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
@@ -680,11 +792,14 @@ def loop_streamed(
     num_warps: int = 4,
     split_keys: int = 64,
     times: torch.Tensor | None = None,
+    specialized: bool = False,
 ) -> torch.Tensor:
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
-    `times` (int64 `[1 + 5 L + 1]`, optional): the GPU clock in ns at the start and after each stage of each
-    layer (its grid barrier), then at the end: the stage anatomy. Call where `stream_fusable`."""
+    `specialized`: one more warp (the producer) keeps the ring full, and the computing warps only arrive on
+    a slot's barrier once they have read it. `times` (int64 `[1 + 5 L + 1]`, optional): the GPU clock in ns
+    at the start and after each stage of each layer (its grid barrier), then at the end: the stage anatomy.
+    Call where `stream_fusable`."""
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
@@ -740,6 +855,7 @@ def loop_streamed(
         num_warps=num_warps,
         enable_fp_fusion=False,
         TIMED=times is not None,
+        WS=specialized,
         **pdl_args(),
     )
     return out
