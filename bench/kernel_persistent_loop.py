@@ -226,6 +226,28 @@ def parse_streams(spec: str) -> dict:
     return forms
 
 
+def stream_anatomy(case, streams: dict, floor_gbs: float) -> list[str]:
+    """Each one-row `stream_loop` form's stages as program 0 saw them (the GPU clock after every grid barrier,
+    `loop_streamed(times=...)`), µs per layer (median over the layers) against each stage's bytes."""
+    layers = case.weights.shape[0]
+    nbytes = stage_bytes(case)
+    lines = ["| form | stage | µs per layer | % of copy bandwidth |", "|---|---|---|---|"]
+    for name, fn in streams.items():
+        times = torch.zeros(2 + 5 * layers, dtype=torch.int64, device="cuda")
+        for _ in range(3):  # the last of three: compiled, caches warm
+            fn(*case.args(), times=times)
+        torch.cuda.synchronize()
+        stamps = times.cpu().tolist()
+        per_stage = [[(stamps[1 + 5 * layer + st] - stamps[5 * layer + st]) / 1e3 for layer in range(layers)]
+                     for st in range(5)]  # fmt: skip
+        for st, stage in enumerate(STAGE_NAMES):
+            us = statistics.median(per_stage[st])
+            share = 100 * nbytes[stage] / layers / (us * 1e-6) / (floor_gbs * 1e9)
+            lines.append(f"| {name} | {stage} | {us:.2f} | {share:.0f} |")
+        lines.append(f"| {name} | whole loop | {(stamps[-1] - stamps[0]) / 1e3 / layers:.2f} | |")
+    return lines
+
+
 def parse_tiles(spec: str) -> pl.LoopTiles:
     """`BK:warps:split_keys[:lookahead][:j]` (j: every row's sums in one reduction, `joint_rows`)."""
     bk, warps, split, *rest = spec.split(":")
@@ -247,7 +269,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     ap.add_argument("--check-tiles", default="0", help="which --tiles entries (0-based) get the checks")
-    ap.add_argument("--stream", default="", help="one-row TMA-ring forms (stream_loop) as SLOTS:WARPS[:ws],...")
+    ap.add_argument("--stream", default="", help="one-row TMA-ring forms (stream_loop): SLOTS:WARPS[:ws],...")
     args = ap.parse_args()
     args.check_tiles = [int(i) for i in args.check_tiles.split(",")]
     if not torch.cuda.is_available():
