@@ -224,8 +224,9 @@ def _gemv(
                 gl.thread_barrier()  # every warp has read the slot before TMA refills it
                 _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
             x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
-            acc_first += w_first.to(gl.float32) * x
-            acc_partner += w_partner.to(gl.float32) * x
+            # one FMA per weight (the launch turns off fp fusion for the rounding the epilogues copy)
+            acc_first = gl.fma(w_first.to(gl.float32), x, acc_first)
+            acc_partner = gl.fma(w_partner.to(gl.float32), x, acc_partner)
             q += 1
         unit = pid + i * programs
         first = gl.sum(acc_first, axis=1)
