@@ -38,7 +38,8 @@ BOX_ROWS = 8  # W rows per TMA box: an item is two boxes (a unit's first rows an
 BLOCK_K = 256  # columns per weight tile (TMA boxes are at most 256 elements a side)
 MAX_SPINS = 1 << 24  # polls of a grid barrier before it gives up: counted, never a hang
 PRODUCER_REGS = gl.constexpr(40)  # registers of the warp-specialized producer warp (setmaxnreg)
-COMBINE = gl.constexpr(16)  # attention partials per load of the combine
+COMBINE = gl.constexpr(16)  # attention partials per load of the combine (at least ATTN_SPLITS)
+ATTN_SPLITS = gl.constexpr(8)  # splits per head: Ouro's 16 heads x 8 = 128 items, one per program
 QKV, O_PROJ, GATE_UP, DOWN = (gl.constexpr(e) for e in range(4))  # GEMV epilogues
 
 # Thread 0 polls the arrival counter with acquire loads; the CTA barrier after it passes what it saw to the
@@ -94,6 +95,13 @@ def _grid_barrier(bar_ptr, target):
 
 
 _CLOCK_ASM = gl.constexpr("mov.u64 $0, %globaltimer;")
+# `cp.async.bulk.prefetch.L2` of $2 bytes at $1 where $3 is not 0 (as `l2_prefetch.BULK_ASM`)
+_L2_ASM = gl.constexpr("""{
+ .reg .pred p;
+ setp.ne.b32 p, $3, 0;
+ @p cp.async.bulk.prefetch.L2.global [$1], $2;
+ mov.u32 $0, 0;
+}""")
 
 
 @gluon.jit
@@ -311,56 +319,106 @@ def _set_x(xs, x, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _attend(
-    layer,
-    ctx,
-    attn,
-    pid,
-    programs,
-    qk_scale,
-    HQ: gl.constexpr,
-    HK: gl.constexpr,
-    D: gl.constexpr,
-    PAGE: gl.constexpr,
-    SPLIT: gl.constexpr,
-    WARPS: gl.constexpr,
-):
-    """Split-KV attention of every head: split s holds keys [s SPLIT, (s + 1) SPLIT) (fixed by the key count,
-    not the grid); the last split of a head to draw a ticket combines the partials in split order."""
-    (
-        q_ptr,
-        out_ptr,
-        kc_ptr,
-        vc_ptr,
-        tab_ptr,
-        part_ptr,
-        ticket_ptr,
-        max_splits,
-        stride_e,
-        stride_s,
-        stride_ch,
-    ) = attn
+def _split_keys(ctx, SPLIT: gl.constexpr):
+    """Keys per split: the context over ATTN_SPLITS splits, in whole blocks of SPLIT keys (fixed by the key
+    count alone, so a row's bits depend on neither the grid nor the run)."""
+    return ((ctx + ATTN_SPLITS - 1) // ATTN_SPLITS + SPLIT - 1) // SPLIT * SPLIT
+
+
+@gluon.jit
+def _key_block(layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+               PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """K and V (bf16 [SPLIT, D], 0 where masked) of one block of keys of one (split, head) item, every key but
+    the newest (ctx - 1), which the q/k/v stage is writing: safe to load before the barrier after it."""
+    _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
     keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
-    key = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, keys))
-    splits = (ctx + SPLIT - 1) // SPLIT
+    per_split = _split_keys(ctx, SPLIT)
+    pos = split * per_split + block + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, keys))
+    live = (pos < ctx - 1) & (pos < (split + 1) * per_split)
+    page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
+    live = live & (page >= 0)  # a table's -1 padding: never read
+    kv_off = (head // (HQ // HK)).to(gl.int64) * stride_ch + d
+    kv = gl.expand_dims((page + layer) * stride_e + (pos % PAGE) * stride_s, 1) + gl.expand_dims(kv_off, 0)
+    mask = gl.expand_dims(live, 1)
+    k = gl.load(kc_ptr + kv, mask=mask, other=0.0, cache_modifier=".cg")
+    v = gl.load(vc_ptr + kv, mask=mask, other=0.0, cache_modifier=".cg")
+    return k, v
+
+
+@gluon.jit
+def _newest_key(layer, ctx, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+                PAGE: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """K and V (bf16 [D]) of the newest key (ctx - 1) of a head, written by the q/k/v stage of this launch."""
+    _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
+    keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    newest = ctx - 1
+    page = gl.load(tab_ptr + newest // PAGE).to(gl.int64)
+    row = (
+        (page + layer) * stride_e + (newest % PAGE) * stride_s + (head // (HQ // HK)).to(gl.int64) * stride_ch
+    )
+    k = gl.load(kc_ptr + row + d, cache_modifier=".cg")
+    v = gl.load(vc_ptr + row + d, cache_modifier=".cg")
+    return k, v
+
+
+@gluon.jit
+def _prefetch_block(layer, ctx, attn, pid, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+                    PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Ask L2 for the K and V rows of the first key block of this program's first attention item, all but the
+    newest key (`cp.async.bulk.prefetch.L2`: a hint, no registers, no values): issued before the barrier after
+    the q/k/v stage, so the rows come from HBM during the wait (earlier keys never change)."""
+    _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
+    one_key: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    split, head = pid // HQ, pid % HQ
+    pos = split * _split_keys(ctx, SPLIT) + gl.arange(0, SPLIT, layout=one_key)
+    live = (pos < ctx - 1) & (split < ATTN_SPLITS)
+    page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
+    live = live & (page >= 0)
+    row = (page + layer) * stride_e + (pos % PAGE) * stride_s + (head // (HQ // HK)).to(gl.int64) * stride_ch
+    size = gl.full([SPLIT], D * 2, gl.int32, one_key)  # bf16 rows
+    flag = live.to(gl.int32)
+    gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [kc_ptr + row, size, flag], dtype=gl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+    gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [vc_ptr + row, size, flag], dtype=gl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _attend(layer, ctx, attn, pid, programs, qk_scale, HQ: gl.constexpr, HK: gl.constexpr,
+            D: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Split-KV attention of every head: ATTN_SPLITS splits per head (16 heads x 8 = 128 items: one per
+    program on a 132-SM Hopper whatever the context), each a run of SPLIT-key blocks with an online softmax;
+    the last split of a head to draw a ticket combines the partials in split order. Every key but the newest
+    is read from the cache as it was before the launch's q/k/v stage; the newest, written by that stage, is
+    read once per item and put in its place."""
+    q_ptr, out_ptr, _kc, _vc, _tab, part_ptr, ticket_ptr, max_splits, _se, _ss, _sc = attn
+    keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    per_split = _split_keys(ctx, SPLIT)
+    splits = (ctx + per_split - 1) // per_split
     for item in range(pid, HQ * splits, programs):
         split, head = item // HQ, item % HQ
         q = gl.load(q_ptr + head * D + d, cache_modifier=".cg").to(gl.float32) * qk_scale
-        pos = split * SPLIT + key
-        live = pos < ctx
-        page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
-        live = live & (page >= 0)  # a table's -1 padding: never read
-        kv_off = (head // (HQ // HK)).to(gl.int64) * stride_ch + d
-        rows = (page + layer) * stride_e + (pos % PAGE) * stride_s
-        kv = gl.expand_dims(rows, 1) + gl.expand_dims(kv_off, 0)
-        k = gl.load(kc_ptr + kv, mask=gl.expand_dims(live, 1), other=0.0, cache_modifier=".cg").to(gl.float32)
-        v = gl.load(vc_ptr + kv, mask=gl.expand_dims(live, 1), other=0.0, cache_modifier=".cg").to(gl.float32)
-        score = gl.where(live, gl.sum(k * gl.expand_dims(q, 0), axis=1), float("-inf"))
-        m_i = gl.max(score, axis=0)
-        p = gl.exp(score - m_i)
-        l_i = gl.sum(p, axis=0)
-        acc = gl.sum(gl.expand_dims(p, 1) * v, axis=0)
+        m_i = gl.max(gl.full([SPLIT], float("-inf"), gl.float32, gl.SliceLayout(1, keys)), axis=0)
+        l_i = gl.sum(gl.zeros([SPLIT], gl.float32, gl.SliceLayout(1, keys)), axis=0)
+        acc = gl.zeros([D], gl.float32, gl.SliceLayout(0, keys))
+        k_last, v_last = _newest_key(layer, ctx, head, attn, HQ, HK, D, PAGE, WARPS)
+        for block in range(0, gl.minimum(per_split, ctx - split * per_split), SPLIT):
+            k_old, v_old = _key_block(layer, ctx, split, block, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
+            pos = split * per_split + block + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, keys))
+            live = (pos < ctx) & (pos < (split + 1) * per_split)
+            is_last = gl.expand_dims(pos == ctx - 1, 1)  # the newest key: in no prefetched block
+            k = gl.where(is_last, gl.expand_dims(k_last, 0), k_old)  # bf16: widened inside the products
+            v = gl.where(is_last, gl.expand_dims(v_last, 0), v_old)
+            score = gl.where(live, gl.sum(k.to(gl.float32) * gl.expand_dims(q, 0), axis=1), float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(score, axis=0))
+            alpha = gl.exp(m_i - m_new)
+            p = gl.exp(score - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * v.to(gl.float32), axis=0)
+            m_i = m_new
         base = (head * max_splits + split) * (D + 2)
         gl.store(part_ptr + base + d, acc)
         gl.store(part_ptr + base + D, m_i)
@@ -374,30 +432,20 @@ def _attend(
 
 @gluon.jit
 def _combine(part_ptr, splits, D: gl.constexpr, keys: gl.constexpr):
-    """softmax(q K^T) V of one head from its split partials, COMBINE splits per load in split order."""
+    """softmax(q K^T) V of one head from its split partials (at most ATTN_SPLITS, all in one load), summed in
+    split order."""
+    gl.static_assert(ATTN_SPLITS <= COMBINE)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
     c = gl.arange(0, COMBINE, layout=gl.SliceLayout(1, keys))
-    m = gl.max(gl.full([COMBINE], float("-inf"), gl.float32, gl.SliceLayout(1, keys)), axis=0)
-    for s in range(0, splits, COMBINE):
-        m_s = gl.load(
-            part_ptr + (s + c) * (D + 2) + D, mask=s + c < splits, other=float("-inf"), cache_modifier=".cg"
-        )
-        m = gl.maximum(m, gl.max(m_s, axis=0))
-    total = gl.sum(gl.zeros([COMBINE], gl.float32, gl.SliceLayout(1, keys)), axis=0)
-    acc = gl.zeros([D], gl.float32, gl.SliceLayout(0, keys))
-    for s in range(0, splits, COMBINE):
-        live = s + c < splits
-        row = part_ptr + (s + c) * (D + 2)
-        scale = gl.exp(gl.load(row + D, mask=live, other=float("-inf"), cache_modifier=".cg") - m)
-        total += gl.sum(gl.load(row + D + 1, mask=live, other=0.0, cache_modifier=".cg") * scale, axis=0)
-        parts = gl.load(
-            gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-            mask=gl.expand_dims(live, 1),
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += gl.sum(parts * gl.expand_dims(scale, 1), axis=0)
-    return acc / total
+    live = c < splits
+    row = part_ptr + c * (D + 2)
+    m_s = gl.load(row + D, mask=live, other=float("-inf"), cache_modifier=".cg")
+    l_s = gl.load(row + D + 1, mask=live, other=0.0, cache_modifier=".cg")
+    parts = gl.load(gl.expand_dims(row, 1) + gl.expand_dims(d, 0), mask=gl.expand_dims(live, 1), other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+    scale = gl.exp(m_s - gl.max(m_s, axis=0))
+    total = gl.sum(l_s * scale, axis=0)
+    return gl.sum(parts * gl.expand_dims(scale, 1), axis=0) / total
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -644,6 +692,7 @@ def _layers(io, bufs, scalars, smem, stream,
             WARPS,
             WS,
         )
+        _prefetch_block(layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS)
         arrivals += programs
         _grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 0, pid, TIMED)
@@ -789,18 +838,19 @@ def loop_streamed(
     tables,
     ctx_lens,
     page: int,
-    slots: int = 10,
+    slots: int = 20,
     num_warps: int = 4,
     split_keys: int = 64,
     times: torch.Tensor | None = None,
-    specialized: bool = False,
+    specialized: bool = True,
 ) -> torch.Tensor:
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
-    `specialized`: one more warp (the producer) keeps the ring full, and the computing warps only arrive on
-    a slot's barrier once they have read it. `times` (int64 `[1 + 5 L + 1]`, optional): the GPU clock in ns
-    at the start and after each stage of each layer (its grid barrier), then at the end: the stage anatomy.
-    Call where `stream_fusable`."""
+    `specialized` (default): one more warp (the producer) keeps the ring full, and the computing warps only
+    arrive on a slot's barrier once they have read it (on an H100, 20 slots: 1.246 ms per 24-layer loop
+    against 1.310 ms for 10 slots without it; bench/results/h100/kernels/). `times` (int64 `[1 + 5 L + 1]`,
+    optional): the GPU clock in ns at the start and after each stage of each layer (its grid barrier), then
+    at the end: the stage anatomy. Call where `stream_fusable`."""
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count

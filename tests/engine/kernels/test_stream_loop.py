@@ -51,17 +51,20 @@ def test_the_kernel_compiles_for_hopper_without_spills():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
-@pytest.mark.parametrize("slots", [4, 20])
-def test_stream_loop_tracks_float64_like_the_register_form(slots):
+@pytest.mark.parametrize(
+    "slots, specialized, ctx", [(4, False, 300), (20, True, 300), (20, True, 640), (10, True, 1500)]
+)
+def test_stream_loop_tracks_float64_like_the_register_form(slots, specialized, ctx):
+    """Short and long contexts: 8 splits per head past 512 keys, several key blocks per split at 1,500."""
     from looptrace.engine.kernels import persistent_loop as pl
     from looptrace.engine.kernels import stream_loop as sl
 
-    case = _ouro_case(4, [300]).rows([0])
+    case = _ouro_case(4, [ctx]).rows([0])
     assert sl.stream_fusable(
         case.state, case.weights, case.cos, case.sin, case.k_cache, case.v_cache, case.tables
     )
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    out = sl.loop_streamed(*case.args(kc, vc), slots=slots)
+    out = sl.loop_streamed(*case.args(kc, vc), slots=slots, specialized=specialized)
     ref, ref_k, ref_v = reference_loop(case)
     got_k, got_v = written_rows(case, kc, vc)
     registers = pl.loop_staged(*case.args())
