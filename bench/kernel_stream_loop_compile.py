@@ -1,9 +1,10 @@
 """The one-row TMA-ring loop kernel (`kernels/stream_loop.py`) compiled for Hopper (sm_90a) on any machine, no
 GPU needed: registers per thread, spill bytes and shared memory for each ring size and warp count.
 
-    python bench/kernel_stream_loop_compile.py --out DIR [--forms 10:4,20:4,20:8]
+    python bench/kernel_stream_loop_compile.py --out DIR [--forms 20:4:ws,10:4:ws,10:4]
 
-A form is SLOTS:WARPS. Ouro-1.4B's shapes (hidden 2048, intermediate 5632, 16 heads of 128, pages of 16).
+A form is SLOTS:WARPS[:ws] (ws: the warp-specialized ring, `loop_streamed`'s default). Ouro-1.4B's shapes
+(hidden 2048, intermediate 5632, 16 heads of 128, pages of 16).
 Writes DIR/stream_loop_compile.md and .json.
 """
 
@@ -30,9 +31,9 @@ POINTER_TYPES = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "bar_ptr": "*i32", "
 DESCRIPTORS = ("d_qkv", "d_o", "d_gu", "d_down")
 
 
-def compile_form(slots: int, warps: int) -> dict:
+def compile_form(slots: int, warps: int, ws: bool = False) -> dict:
     fn = sl._stream_kernel
-    constexprs = dict(SHAPES, SLOTS=slots, WARPS=warps)
+    constexprs = dict(SHAPES, SLOTS=slots, WARPS=warps, WS=ws)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -43,24 +44,26 @@ def compile_form(slots: int, warps: int) -> dict:
             signature[name] = POINTER_TYPES.get(name, "*bf16")
         else:
             signature[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
-    return dict(form=f"{slots}:{warps}", **compile_sm90(fn, signature, constexprs, warps, fp_fusion=False))
+    form = f"{slots}:{warps}" + (":ws" if ws else "")
+    return dict(form=form, **compile_sm90(fn, signature, constexprs, warps, fp_fusion=False))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--forms", default="10:4,20:4,20:8")
+    ap.add_argument("--forms", default="20:4:ws,10:4:ws,10:4")
     args = ap.parse_args()
     rows = []
     for item in args.forms.split(","):
         parts = item.split(":")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS, e.g. 20:4", file=sys.stderr)
+        ws = parts[2:] == ["ws"]
+        if len(parts) - ws != 2 or not all(p.isdigit() for p in parts[:2]):
+            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws], e.g. 20:4:ws", file=sys.stderr)
             return 2
-        rows.append(compile_form(int(parts[0]), int(parts[1])))
+        rows.append(compile_form(int(parts[0]), int(parts[1]), ws))
     command = "python bench/kernel_stream_loop_compile.py " + " ".join(sys.argv[1:])
     lines = [f"`{command}` (sm_90a, compiled on the CPU; triton {triton.__version__})", "",
-             "| SLOTS:WARPS | registers | spill bytes | shared bytes |", "|---|---|---|---|"]  # fmt: skip
+             "| SLOTS:WARPS[:ws] | registers | spills (B) | shared bytes |", "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['form']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |" for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(command=command, forms=rows)

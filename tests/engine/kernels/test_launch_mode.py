@@ -99,7 +99,7 @@ def test_every_kernel_opens_with_the_pdl_preamble():
             # ring's first fill (weights: never written)
             allowed |= {"gl.program_id", "gl.num_programs", "gl.BlockedLayout", "gl.SwizzledSharedLayout"}
             allowed |= {"gl.allocate_shared_memory", "mbarrier.MBarrierLayout", "xs._reinterpret"}
-            allowed |= {"gl.static_range", "mbarrier.init", "bars.index", "fence_async_shared"}
+            allowed |= {"gl.static_range", "mbarrier.init", "bars.index", "empty.index", "fence_async_shared"}
             allowed |= {"gl.thread_barrier", "_share", "_issue"}
             # the attention's addressing and its K/V prefetch (kernels.attn_prefetch: hints only)
             allowed |= {"tl.program_id(0).to", "layer_id.to", "(head // GROUP).to", "_prefetch_segment"}
