@@ -17,7 +17,9 @@ consecutive rows), every K tile of them in order; program p takes units p, p + P
 The stages of a layer and their arithmetic are `persistent_loop.py`'s at one row (R3 over exactloop): the
 residual h lives in every program's registers (each computes the norms itself, the same code and so the same
 bits), products are summed in fp32 per item over K tiles in a fixed order, and values are rounded to bf16
-where the eager model stores a bf16 tensor. Split-KV attention draws tickets; the last split of a head
+where the eager model stores a bf16 tensor. The attention takes 8 splits per head whatever the context
+(Ouro's 16 heads: 128 items, one per program; blocks of 64 keys inside a split, an online softmax), asks L2
+for the first block's K/V before the barrier that precedes it, and draws tickets: the last split of a head
 combines the partials in split order. So a launch repeats bit for bit; its bits are its own (not the
 register form's: the reduction trees differ).
 """

@@ -3,7 +3,8 @@
 CPU: what `stream_fusable` refuses (no CUDA, more than one row) and the kernel compiled for sm_90a without
 spills within one SM's shared memory.
 GPU (`gpu` marker, Hopper): at Ouro-1.4B's shapes, against the float64 loop (state and the K/V it writes) as
-closely as the register form, repeated bit for bit, replayed in a CUDA graph against eager.
+closely as the register form, repeated bit for bit, replayed in a CUDA graph against eager; `fast` with the
+ring decoding one-row loops through it.
 """
 
 from __future__ import annotations
@@ -91,4 +92,36 @@ def test_stream_loop_repeats_and_replays_bit_for_bit():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, out)
+    assert pl.barrier_timeouts() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+def test_fast_with_the_ring_decodes_one_row_loops_through_it_and_repeats_its_tokens(monkeypatch):
+    """`fast` + `kernels.persistent_loop_tma` on Ouro-1.4B's shapes (4 layers): both settings active, a
+    one-row decode goes through `loop_streamed` (seen when its graph is captured), and a request's greedy
+    tokens repeat."""
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.engine.kernels import persistent_loop as pl
+    from looptrace.engine.kernels import stream_loop as sl
+    from looptrace.engine.model_config import resolve_preset, with_overrides
+    from looptrace.recipes import load_recipe
+
+    rows_seen: list[int] = []
+    real = sl.loop_streamed
+
+    def spy(state, *args, **kwargs):
+        rows_seen.append(state.shape[0])
+        return real(state, *args, **kwargs)
+
+    monkeypatch.setattr(sl, "loop_streamed", spy)
+    spec = with_overrides(resolve_preset("ouro-1.4b", "cuda"), n_core=4)
+    sets = ["kernels.persistent_loop=true", "kernels.persistent_loop_tma=true", "kv.prefix_caching=false"]
+    sets += ["scheduler.max_model_len=512", "kv.num_blocks=1024"]
+    engine = LLMEngine.from_spec(spec, load_recipe("fast", sets).config, device="cuda", seed=1)
+    assert not {"kernels.persistent_loop", "kernels.persistent_loop_tma"} & set(engine.inactive_settings)
+    params = SamplingParams(max_tokens=8)
+    first = engine.generate([[3 + j for j in range(40)]], params)
+    assert engine.generate([[3 + j for j in range(40)]], params) == first
+    assert rows_seen and set(rows_seen) == {1}
     assert pl.barrier_timeouts() == 0
