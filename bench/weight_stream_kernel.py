@@ -31,39 +31,7 @@ import triton.experimental.gluon.language as gl
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-MAX_SPINS = 1 << 24  # polls of a grid barrier before it gives up: a fault, never a hang
-
-# Thread 0 polls the arrival counter with acquire loads until it reaches the target (or MAX_SPINS polls);
-# the CTA barrier after it passes what it saw to the other threads, as cooperative groups' grid sync does.
-_WAIT_ASM = gl.constexpr(f"""{{
-.reg .pred %p_lead, %p_more;
-.reg .b32 %ws_tid, %spins;
-mov.u32 %ws_tid, %tid.x;
-setp.eq.u32 %p_lead, %ws_tid, 0;
-mov.u32 $0, $2;
-@!%p_lead bra DONE;
-mov.u32 %spins, 0;
-POLL:
-ld.acquire.gpu.global.b32 $0, [$1];
-add.u32 %spins, %spins, 1;
-setp.lt.s32 %p_more, $0, $2;
-setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
-@%p_more bra POLL;
-DONE:
-}}""")
-
-
-@gluon.jit
-def _grid_barrier(bar_ptr, target):
-    """Every program's stores before it are visible to every program after it."""
-    gl.thread_barrier()
-    gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = gl.inline_asm_elementwise(
-        _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=gl.int32, is_pure=False, pack=1
-    )
-    if seen < target:  # a program never arrived: count it (the bench reports it) rather than hang
-        gl.atomic_add(bar_ptr + 1, 1, sem="relaxed", scope="gpu")
-    gl.thread_barrier()
+from looptrace.engine.kernels.stream_loop import grid_barrier  # a wait that gives up counts in bar[2]
 
 
 @gluon.jit
@@ -289,135 +257,35 @@ def weight_stream_kernel(
     for _ in range(L):
         xs.slice(0, KH).store(h)
         gl.thread_barrier()
-        q = _gemv_stage(
-            q,
-            c0,
-            KH,
-            qkv_ptr,
-            x_tiles,
-            total,
-            per_layer,
-            t0,
-            t1,
-            t2,
-            pid,
-            programs,
-            ring,
-            bars,
-            d_qkv,
-            d_o,
-            d_gu,
-            d_down,
-            H,
-            NQKV,
-            INTER,
-            BN,
-            BK,
-            SLOTS,
-            WARPS,
-        )
+        q = _gemv_stage(q, c0, KH, qkv_ptr, x_tiles, total, per_layer, t0, t1, t2, pid, programs, ring,
+                        bars, d_qkv, d_o, d_gu, d_down, H, NQKV, INTER, BN, BK, SLOTS, WARPS)  # fmt: skip
         if BARRIERS:
             target += programs
-            _grid_barrier(bar_ptr, target)
+            grid_barrier(bar_ptr, target)
         xs.slice(0, KH).store(_vector(qkv_ptr, KH, BK, H, vec))
         gl.thread_barrier()
-        q = _gemv_stage(
-            q,
-            c1,
-            KH,
-            o_ptr,
-            x_tiles,
-            total,
-            per_layer,
-            t0,
-            t1,
-            t2,
-            pid,
-            programs,
-            ring,
-            bars,
-            d_qkv,
-            d_o,
-            d_gu,
-            d_down,
-            H,
-            NQKV,
-            INTER,
-            BN,
-            BK,
-            SLOTS,
-            WARPS,
-        )
+        q = _gemv_stage(q, c1, KH, o_ptr, x_tiles, total, per_layer, t0, t1, t2, pid, programs, ring, bars,
+                        d_qkv, d_o, d_gu, d_down, H, NQKV, INTER, BN, BK, SLOTS, WARPS)  # fmt: skip
         if BARRIERS:
             target += programs
-            _grid_barrier(bar_ptr, target)
+            grid_barrier(bar_ptr, target)
         h = h + _vector(o_ptr, KH, BK, H, vec)
         xs.slice(0, KH).store(h)
         gl.thread_barrier()
-        q = _gemv_stage(
-            q,
-            c2,
-            KH,
-            gu_ptr,
-            x_tiles,
-            total,
-            per_layer,
-            t0,
-            t1,
-            t2,
-            pid,
-            programs,
-            ring,
-            bars,
-            d_qkv,
-            d_o,
-            d_gu,
-            d_down,
-            H,
-            NQKV,
-            INTER,
-            BN,
-            BK,
-            SLOTS,
-            WARPS,
-        )
+        q = _gemv_stage(q, c2, KH, gu_ptr, x_tiles, total, per_layer, t0, t1, t2, pid, programs, ring, bars,
+                        d_qkv, d_o, d_gu, d_down, H, NQKV, INTER, BN, BK, SLOTS, WARPS)  # fmt: skip
         if BARRIERS:
             target += programs
-            _grid_barrier(bar_ptr, target)
+            grid_barrier(bar_ptr, target)
         g = _vector(gu_ptr, XROWS, BK, INTER, vec)
         u = _vector(gu_ptr + INTER, XROWS, BK, INTER, vec)
         xs.store(g / (1.0 + gl.exp(-g)) * u)
         gl.thread_barrier()
-        q = _gemv_stage(
-            q,
-            c3,
-            KI,
-            dn_ptr,
-            x_tiles,
-            total,
-            per_layer,
-            t0,
-            t1,
-            t2,
-            pid,
-            programs,
-            ring,
-            bars,
-            d_qkv,
-            d_o,
-            d_gu,
-            d_down,
-            H,
-            NQKV,
-            INTER,
-            BN,
-            BK,
-            SLOTS,
-            WARPS,
-        )
+        q = _gemv_stage(q, c3, KI, dn_ptr, x_tiles, total, per_layer, t0, t1, t2, pid, programs, ring, bars,
+                        d_qkv, d_o, d_gu, d_down, H, NQKV, INTER, BN, BK, SLOTS, WARPS)  # fmt: skip
         if BARRIERS:
             target += programs
-            _grid_barrier(bar_ptr, target)
+            grid_barrier(bar_ptr, target)
         h = h + _vector(dn_ptr, KH, BK, H, vec)
     if pid == 0:
         gl.store(out_ptr + _offsets(KH, BK, vec), h)

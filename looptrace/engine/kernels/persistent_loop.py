@@ -83,7 +83,7 @@ def _program():
 # Thread 0 polls the arrival counter (`ld.acquire.gpu`) until it reaches the target or MAX_SPINS polls pass;
 # the other threads skip the loop (a CTA's bar.sync after it holds them). Returns the last count seen (the
 # target on the other threads). Labels inside `{}` are local to the block, so the asm may appear many times.
-_WAIT_ASM = tl.constexpr(f"""{{
+WAIT_PTX = f"""{{
 .reg .pred %p_lead, %p_more;
 .reg .b32 %lt_tid, %spins;
 mov.u32 %lt_tid, %tid.x;
@@ -98,7 +98,8 @@ setp.lt.s32 %p_more, $0, $2;
 setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
 @%p_more bra POLL;
 DONE:
-}}""")
+}}"""
+_WAIT_ASM = tl.constexpr(WAIT_PTX)
 
 
 @triton.jit

@@ -34,34 +34,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from looptrace.engine.kernels import persistent_loop as pl
+from looptrace.engine.kernels.l2_prefetch import BULK_ASM
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 BOX_ROWS = 8  # W rows per TMA box: an item is two boxes (a unit's first rows and their partners)
 BLOCK_K = 256  # columns per weight tile (TMA boxes are at most 256 elements a side)
-MAX_SPINS = 1 << 24  # polls of a grid barrier before it gives up: counted, never a hang
 PRODUCER_REGS = gl.constexpr(40)  # registers of the warp-specialized producer warp (setmaxnreg)
 COMBINE = gl.constexpr(16)  # attention partials per load of the combine (at least ATTN_SPLITS)
 ATTN_SPLITS = gl.constexpr(8)  # splits per head: Ouro's 16 heads x 8 = 128 items, one per program
 QKV, O_PROJ, GATE_UP, DOWN = (gl.constexpr(e) for e in range(4))  # GEMV epilogues
 
-# Thread 0 polls the arrival counter with acquire loads; the CTA barrier after it passes what it saw to the
-# other threads (cooperative groups' grid sync). Returns the last count seen (the target on other threads).
-_WAIT_ASM = gl.constexpr(f"""{{
-.reg .pred %p_lead, %p_more;
-.reg .b32 %sl_tid, %spins;
-mov.u32 %sl_tid, %tid.x;
-setp.eq.u32 %p_lead, %sl_tid, 0;
-mov.u32 $0, $2;
-@!%p_lead bra DONE;
-mov.u32 %spins, 0;
-POLL:
-ld.acquire.gpu.global.b32 $0, [$1];
-add.u32 %spins, %spins, 1;
-setp.lt.s32 %p_more, $0, $2;
-setp.lt.and.u32 %p_more, %spins, {MAX_SPINS}, %p_more;
-@%p_more bra POLL;
-DONE:
-}}""")
+# The grid barrier's poll and the L2 prefetch: the register form's and `l2_prefetch`'s PTX, for Gluon.
+_WAIT_ASM = gl.constexpr(pl.WAIT_PTX)
+_L2_ASM = gl.constexpr(BULK_ASM.value)
 
 
 # The PDL preamble (`device_helpers.await_inputs`) in Gluon, which cannot call a `triton.jit` function.
@@ -83,7 +68,7 @@ def wait_for_inputs(PDL: gl.constexpr):
 
 
 @gluon.jit
-def _grid_barrier(bar_ptr, target):
+def grid_barrier(bar_ptr, target):
     """Every program's stores before it are visible to every program after it; a wait that gives up (a
     program never arrived) is counted in bar_ptr[2]."""
     gl.thread_barrier()
@@ -97,13 +82,6 @@ def _grid_barrier(bar_ptr, target):
 
 
 _CLOCK_ASM = gl.constexpr("mov.u64 $0, %globaltimer;")
-# `cp.async.bulk.prefetch.L2` of $2 bytes at $1 where $3 is not 0 (as `l2_prefetch.BULK_ASM`)
-_L2_ASM = gl.constexpr("""{
- .reg .pred p;
- setp.ne.b32 p, $3, 0;
- @p cp.async.bulk.prefetch.L2.global [$1], $2;
- mov.u32 $0, 0;
-}""")
 
 
 @gluon.jit
@@ -670,123 +648,35 @@ def _layers(io, bufs, scalars, smem, stream,
             stride_s,
             stride_ch,
         )
-        q = _gemv(
-            q,
-            n_qkv,
-            KH,
-            QKV,
-            rope,
-            x_tiles,
-            stream,
-            ring,
-            bars,
-            empty,
-            descs,
-            H,
-            INTER,
-            NQKV,
-            KO,
-            HQ,
-            HK,
-            D,
-            BK,
-            SLOTS,
-            WARPS,
-            WS,
-        )
+        q = _gemv(q, n_qkv, KH, QKV, rope, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
+                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
         _prefetch_block(layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS)
         arrivals += programs
-        _grid_barrier(bar_ptr, arrivals)
+        grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 0, pid, TIMED)
         _attend(layer.to(gl.int64), ctx, attn, pid, programs, qk_scale, HQ, HK, D, PAGE, SPLIT, WARPS)
         arrivals += programs
-        _grid_barrier(bar_ptr, arrivals)
+        grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 1, pid, TIMED)
         _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
-        q = _gemv(
-            q,
-            n_o,
-            KTO,
-            O_PROJ,
-            o_ptr,
-            x_tiles,
-            stream,
-            ring,
-            bars,
-            empty,
-            descs,
-            H,
-            INTER,
-            NQKV,
-            KO,
-            HQ,
-            HK,
-            D,
-            BK,
-            SLOTS,
-            WARPS,
-            WS,
-        )
+        q = _gemv(q, n_o, KTO, O_PROJ, o_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
+                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
         arrivals += programs
-        _grid_barrier(bar_ptr, arrivals)
+        grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 2, pid, TIMED)
         # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
         h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), wn_ptr + (layer * 4 + 1) * H, H, eps, KH, BK, vec))
         _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 2) * H, H, eps, KH, BK, vec), KH)
-        q = _gemv(
-            q,
-            n_gu,
-            KH,
-            GATE_UP,
-            act_ptr,
-            x_tiles,
-            stream,
-            ring,
-            bars,
-            empty,
-            descs,
-            H,
-            INTER,
-            NQKV,
-            KO,
-            HQ,
-            HK,
-            D,
-            BK,
-            SLOTS,
-            WARPS,
-            WS,
-        )
+        q = _gemv(q, n_gu, KH, GATE_UP, act_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV,
+                  KO, HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
         arrivals += programs
-        _grid_barrier(bar_ptr, arrivals)
+        grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 3, pid, TIMED)
         _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
-        q = _gemv(
-            q,
-            n_down,
-            KI,
-            DOWN,
-            d_ptr,
-            x_tiles,
-            stream,
-            ring,
-            bars,
-            empty,
-            descs,
-            H,
-            INTER,
-            NQKV,
-            KO,
-            HQ,
-            HK,
-            D,
-            BK,
-            SLOTS,
-            WARPS,
-            WS,
-        )
+        q = _gemv(q, n_down, KI, DOWN, d_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
+                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
         arrivals += programs
-        _grid_barrier(bar_ptr, arrivals)
+        grid_barrier(bar_ptr, arrivals)
         _stamp(times_ptr, 1 + layer * 5 + 4, pid, TIMED)
     h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((L - 1) * 4 + 3) * H, H, eps, KH, BK, vec))
     state = _norm(h, wf_ptr, H, eps, KH, BK, vec)
@@ -914,4 +804,4 @@ def loop_streamed(
     return out
 
 
-__all__ = ["BLOCK_K", "loop_streamed", "stream_fusable"]
+__all__ = ["BLOCK_K", "grid_barrier", "loop_streamed", "stream_fusable"]
