@@ -805,8 +805,15 @@ class LoopTiles:
 DEFAULT_TILES = LoopTiles()
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def split_slots(tables: torch.Tensor, page: int, split_keys: int) -> int:
+    """Attention partials per (row, head) a workspace holds: the table width's splits, a power of two, so
+    eager steps of every table width share a few workspaces."""
+    return pow2(triton.cdiv(tables.shape[1] * page, split_keys))
 
 
 def loop_fusable(state: torch.Tensor, weights: LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
@@ -896,18 +903,17 @@ def _launch(stage: int, layer: int, state, weights: LoopWeights, cos, sin, k_cac
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     rows = state.shape[0]
-    rows_pad = _pow2(rows)
-    # a power of two: eager steps of every table width share a few workspaces
-    max_splits = _pow2(triton.cdiv(tables.shape[1] * page, tiles.split_keys))
+    rows_pad = pow2(rows)
+    max_splits = split_slots(tables, page, tiles.split_keys)
     ws = workspace(state.device, programs, rows_pad, weights, max_splits)
-    block_k = min(tiles.block_k, _pow2(max(hidden, inter, hq * d)))
+    block_k = min(tiles.block_k, pow2(max(hidden, inter, hq * d)))
     return _loop_kernel[(programs,)](state, out, weights.qkv, weights.o, weights.gate_up, weights.down,
                                      weights.norms, weights.final_norm, cos, sin, k_cache, v_cache,
                                      write_entry, write_offset, tables, ctx_lens, ws.x, ws.h, ws.m, ws.q,
                                      ws.attn, ws.o, ws.act, ws.down, ws.part, ws.tickets, ws.barrier, rows,
                                      layers, layer, max_splits, weights.eps, d**-0.5, state.stride(0),
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     tables.stride(0), H=hidden, BH=_pow2(hidden), INTER=inter, HQ=hq,
+                                     tables.stride(0), H=hidden, BH=pow2(hidden), INTER=inter, HQ=hq,
                                      HK=hk, D=d, PAGE=page, RP=rows_pad, BK=block_k, SPLIT=tiles.split_keys,
                                      STAGE=stage, LOOK=tiles.lookahead, JOINT=tiles.joint_rows,
                                      num_warps=tiles.num_warps,

@@ -27,7 +27,6 @@ register form's: the reduction trees differ).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.experimental.gluon.language as gl
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -692,10 +691,6 @@ def _layers(io, bufs, scalars, smem, stream,
 # -------------------------------------------------------------------------------------------------- host
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
     """Whether `loop_streamed` runs this loop: `persistent_loop.loop_fusable` at one row, on a Hopper GPU,
     with weights TMA can read as tiles (contiguous stacks, K multiples of BLOCK_K with a power-of-two count
@@ -709,7 +704,7 @@ def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cac
         and pl.loop_fusable(state, weights, cos, sin, k_cache, v_cache, tables)
         and all(w.is_contiguous() for w in (weights.qkv, weights.o, weights.gate_up, weights.down))
         and hidden % BLOCK_K == 0
-        and _pow2(hidden // BLOCK_K) == hidden // BLOCK_K
+        and pl.pow2(hidden // BLOCK_K) == hidden // BLOCK_K
         and hq * d == hidden
         and inter % BLOCK_K == 0
         and (d // 2) % 8 == 0
@@ -746,7 +741,7 @@ def loop_streamed(
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
-    max_splits = _pow2(triton.cdiv(tables.shape[1] * page, split_keys))
+    max_splits = pl.split_slots(tables, page, split_keys)
     ws = pl.workspace(state.device, programs, 1, weights, max_splits)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     descs = [
@@ -793,7 +788,7 @@ def loop_streamed(
         BK=BLOCK_K,
         SPLIT=split_keys,
         SLOTS=slots,
-        XROWS=_pow2(max(inter, hidden) // BLOCK_K),
+        XROWS=pl.pow2(max(inter, hidden) // BLOCK_K),
         WARPS=num_warps,
         num_warps=num_warps,
         enable_fp_fusion=False,
