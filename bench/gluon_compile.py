@@ -17,14 +17,18 @@ def tile_descriptor(rows: int, cols: int) -> str:
     return f"tensordesc<bf16[{rows}, {cols}],{layout}fp4_padded=False, cga_layout=[])>"
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, fp_fusion: bool = True) -> dict:
+def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, fp_fusion: bool = True,
+                 aligned: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """registers per thread, spill bytes and shared bytes of one launch form of Gluon kernel `fn` (compiled
-    with the launch's own `enable_fp_fusion`)."""
+    with the launch's own `enable_fp_fusion`). `aligned`: arguments known to be multiples of 16 (bytes for
+    pointers), as a launch specializes them at real shapes."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    names = [p.name for p in fn.params]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     kernel = triton.compile(
-        GluonASTSource(fn, signature, constexprs, {}),
+        GluonASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=warps, enable_fp_fusion=fp_fusion),
     )

@@ -210,42 +210,93 @@ def stream_checks(case, fn, tiles: pl.LoopTiles) -> dict:
     return res
 
 
+ABLATIONS = {"noattn": 1, "nofma": 2, "nobar": 4}  # stream_loop's NO_* bits: timing only, outputs wrong
+
+
 def parse_streams(spec: str) -> dict:
-    """`SLOTS:WARPS[:ws]` entries -> one-row `stream_loop` forms by name (ws: warp-specialized producer)."""
+    """`SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]` entries -> one-row `stream_loop` forms by name
+    (ws: the warp-specialized producer; kvN: the attention's first N key blocks copied to shared memory as
+    each layer starts, kv0 none, 2 when not given; the rest leave a part out to time what it costs, so those
+    forms are not checked)."""
     from looptrace.engine.kernels import stream_loop as sl
 
     forms = {}
     for item in filter(None, spec.split(",")):
         slots, warps, *rest = item.split(":")
-        ws = rest == ["ws"]
+        kv = [f for f in rest if f.startswith("kv") and f[2:].isdigit()]
+        unknown = set(rest) - {"ws", *ABLATIONS, *kv}
+        if unknown or not (slots.isdigit() and warps.isdigit()):
+            what = f"unknown flag {sorted(unknown)[0]!r}" if unknown else "SLOTS and WARPS must be numbers"
+            syntax = "SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]"
+            raise ValueError(f"--stream entry {item!r}: {what} ({syntax})")
+        ablate = sum(ABLATIONS[f] for f in rest if f in ABLATIONS)
 
-        def form(*a, s=int(slots), w=int(warps), ws=ws, **kw):
-            return sl.loop_streamed(*a, slots=s, num_warps=w, specialized=ws, **kw)
+        options = dict(kv_blocks=int(kv[-1][2:])) if kv else {}  # none given: `loop_streamed`'s default
 
+        def form(*a, s=int(slots), w=int(warps), ws="ws" in rest, ab=ablate, opts=options, **kw):
+            return sl.loop_streamed(*a, slots=s, num_warps=w, specialized=ws, ablate=ab, **opts, **kw)
+
+        form.ablated = bool(ablate)
         forms[f"stream {item}"] = form
     return forms
 
 
-def stream_anatomy(case, streams: dict, floor_gbs: float) -> list[str]:
-    """Each one-row `stream_loop` form's stages as program 0 saw them (the GPU clock after every grid barrier,
-    `loop_streamed(times=...)`), µs per layer (median over the layers) against each stage's bytes."""
+def stream_anatomy(case, streams: dict, floor_gbs: float) -> tuple[list[str], dict]:
+    """Each one-row `stream_loop` form's stages from every program's clock (`loop_streamed(times=...)`: its
+    arrival at and departure from each grid barrier), medians over the layers: a stage's work (a program's
+    departure from the barrier before to its arrival at the barrier after: mean and slowest program), its
+    wait at the barrier (mean), the release (first departure after the last arrival), the stage's wall time
+    (median departures), and which programs arrive last most often."""
+    from collections import Counter
+
+    from looptrace.engine.kernels import stream_loop as sl
+
     layers = case.weights.shape[0]
     nbytes = stage_bytes(case)
-    lines = ["| form | stage | µs per layer | % of copy bandwidth |", "|---|---|---|---|"]
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = [
+        "| form | stage | wall µs | % of copy | work mean | work max | wait mean | release | last in |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary: dict = {}
     for name, fn in streams.items():
-        times = torch.zeros(2 + 5 * layers, dtype=torch.int64, device="cuda")
+        times = torch.zeros(programs, sl.stamp_count(layers), dtype=torch.int64, device="cuda")
         for _ in range(3):  # the last of three: compiled, caches warm
             fn(*case.args(), times=times)
         torch.cuda.synchronize()
-        stamps = times.cpu().tolist()
-        per_stage = [[(stamps[1 + 5 * layer + st] - stamps[5 * layer + st]) / 1e3 for layer in range(layers)]
-                     for st in range(5)]  # fmt: skip
-        for st, stage in enumerate(STAGE_NAMES):
-            us = statistics.median(per_stage[st])
-            share = 100 * nbytes[stage] / layers / (us * 1e-6) / (floor_gbs * 1e9)
-            lines.append(f"| {name} | {stage} | {us:.2f} | {share:.0f} |")
-        lines.append(f"| {name} | whole loop | {(stamps[-1] - stamps[0]) / 1e3 / layers:.2f} | |")
-    return lines
+        t = times.double().cpu() / 1e3  # µs
+        rows = {}
+        prev, merged = t[:, 0], ""
+        for layer in range(layers):
+            for k, stage in enumerate(STAGE_NAMES):
+                arrive, leave = t[:, 1 + 10 * layer + 2 * k], t[:, 2 + 10 * layer + 2 * k]
+                if not bool(leave.any()):  # an ablated barrier: its stage's work counts in the next
+                    merged = f"{stage}+"
+                    continue
+                stage, merged = merged + stage, ""
+                r = rows.setdefault(stage, {key: [] for key in ("wall", "mean", "max", "wait", "rel")})
+                r.setdefault("last", Counter())
+                work = arrive - prev
+                r["wall"].append(float(leave.median() - prev.median()))
+                r["mean"].append(float(work.mean()))
+                r["max"].append(float(work.max()))
+                r["wait"].append(float((leave - arrive).mean()))
+                r["rel"].append(float(leave.min() - arrive.max()))
+                r["last"][int(arrive.argmax())] += 1
+                prev = leave
+        per_layer = float((t[:, -1].median() - t[:, 0].median()) / layers)
+        summary[name] = {"us_per_layer": per_layer, "stages": {}}
+        for stage, r in rows.items():
+            med = {key: statistics.median(r[key]) for key in ("wall", "mean", "max", "wait", "rel")}
+            stage_bytes_ = sum(nbytes[part] for part in stage.split("+"))
+            share = 100 * stage_bytes_ / layers / (med["wall"] * 1e-6) / (floor_gbs * 1e9)
+            last = ", ".join(f"{p} ({n})" for p, n in r["last"].most_common(3))
+            summary[name]["stages"][stage] = dict(med, last=r["last"].most_common(3))
+            numbers = [f"{med[key]:.2f}" for key in ("wall", "mean", "max", "wait", "rel")]
+            cells = [name, stage, numbers[0], f"{share:.0f}", *numbers[1:], last]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | whole layer | {per_layer:.2f} | | | | | | |")
+    return lines, summary
 
 
 def parse_tiles(spec: str) -> pl.LoopTiles:
@@ -269,9 +320,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     ap.add_argument("--check-tiles", default="0", help="which --tiles entries (0-based) get the checks")
-    ap.add_argument("--stream", default="", help="one-row TMA-ring forms (stream_loop): SLOTS:WARPS[:ws],...")
+    forms = "SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar],..."
+    ap.add_argument("--stream", default="", help=f"one-row TMA-ring forms (stream_loop): {forms}")
     args = ap.parse_args()
     args.check_tiles = [int(i) for i in args.check_tiles.split(",")]
+    try:
+        streams = parse_streams(args.stream)
+    except ValueError as e:
+        print(f"bench/kernel_persistent_loop.py: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench/kernel_persistent_loop.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
@@ -325,8 +382,9 @@ def main() -> int:
             res = checks(case, tiles)
             result["checks"][f"{tag}/{name}"] = res
             print(tag, name, res, f"{time.time() - t0:.0f}s", flush=True)
-    streams = parse_streams(args.stream)
     for name, fn in streams.items():  # checked at one row before any timing
+        if fn.ablated:
+            continue
         res = stream_checks(check_case.rows([0]), fn, tile_list[0])
         result["checks"][f"{name}/rows1"] = res
         print(name, res, f"{time.time() - t0:.0f}s", flush=True)
@@ -353,10 +411,10 @@ def main() -> int:
     lines += ["", "## Stage anatomy", "", *anatomy]
     print("\n".join(anatomy), flush=True)
     if streams and 1 in cases:
-        stream_lines = stream_anatomy(cases[1], streams, floor)
+        stream_lines, result["stream_anatomy"] = stream_anatomy(cases[1], streams, floor)
         lines += [
             "",
-            "## Stage anatomy of the TMA-ring forms (one launch, program 0's clock)",
+            "## Stage anatomy of the TMA-ring forms (one launch, every program's clock, µs per layer)",
             "",
             *stream_lines,
         ]

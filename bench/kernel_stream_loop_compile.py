@@ -1,7 +1,7 @@
 """The one-row TMA-ring loop kernel (`kernels/stream_loop.py`) compiled for Hopper (sm_90a) on any machine, no
 GPU needed: registers per thread, spill bytes and shared memory for each ring size and warp count.
 
-    python bench/kernel_stream_loop_compile.py --out DIR [--forms 20:4:ws,10:4:ws,10:4]
+    python bench/kernel_stream_loop_compile.py --out DIR [--forms 16:4:ws,10:4:ws,10:4]
 
 A form is SLOTS:WARPS[:ws] (ws: the warp-specialized ring, `loop_streamed`'s default). Ouro-1.4B's shapes
 (hidden 2048, intermediate 5632, 16 heads of 128, pages of 16).
@@ -11,6 +11,7 @@ Writes DIR/stream_loop_compile.md and .json.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -31,9 +32,13 @@ POINTER_TYPES = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "bar_ptr": "*i32", "
 DESCRIPTORS = ("d_qkv", "d_o", "d_gu", "d_down")
 
 
-def compile_form(slots: int, warps: int, ws: bool = False) -> dict:
+def compile_form(slots: int, warps: int, ws: bool = False, **options) -> dict:
+    """One form's registers, spills and shared memory; `options`: other constexprs of the kernel (KV_BLOCKS,
+    TIMED, ...), the rest at their defaults, as `loop_streamed` passes them."""
     fn = sl._stream_kernel
-    constexprs = dict(SHAPES, SLOTS=slots, WARPS=warps, WS=ws)
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in SHAPES}
+    constexprs = dict(SHAPES, **{k: v for k, v in defaults.items() if v is not inspect.Parameter.empty})
+    constexprs.update(SLOTS=slots, WARPS=warps, WS=ws, **options)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -45,20 +50,22 @@ def compile_form(slots: int, warps: int, ws: bool = False) -> dict:
         else:
             signature[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
     form = f"{slots}:{warps}" + (":ws" if ws else "")
-    return dict(form=form, **compile_sm90(fn, signature, constexprs, warps, fp_fusion=False))
+    # pointers and cache strides: multiples of 16 at Ouro's shapes, as the launch specializes them
+    aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_"))
+    return dict(form=form, **compile_sm90(fn, signature, constexprs, warps, fp_fusion=False, aligned=aligned))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--forms", default="20:4:ws,10:4:ws,10:4")
+    ap.add_argument("--forms", default="16:4:ws,10:4:ws,10:4")
     args = ap.parse_args()
     rows = []
     for item in args.forms.split(","):
         parts = item.split(":")
         ws = parts[2:] == ["ws"]
         if len(parts) - ws != 2 or not all(p.isdigit() for p in parts[:2]):
-            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws], e.g. 20:4:ws", file=sys.stderr)
+            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws], e.g. 16:4:ws", file=sys.stderr)
             return 2
         rows.append(compile_form(int(parts[0]), int(parts[1]), ws))
     command = "python bench/kernel_stream_loop_compile.py " + " ".join(sys.argv[1:])

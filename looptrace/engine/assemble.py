@@ -50,6 +50,7 @@ from looptrace.engine.models.ouro import (
     OuroMLP,
     PersistentLoop,
     PersistentOuroForCausalLM,
+    RingOnlyLoop,
     RopeWriteOuroAttention,
     StreamedPersistentLoop,
 )
@@ -100,8 +101,11 @@ VARIANTS: dict[str, tuple[tuple[type, type, Callable[[nn.Module], bool] | None],
     "kernels.gemv_norm_out": ((OuroLayer, GemvNormOutOuroLayer, None),),
     "kernels.gemv_rope_out": ((FusedQKVOuroAttention, GemvRopeOuroAttention, None),),
     "kernels.persistent_loop": ((ChainedOuroForCausalLM, PersistentOuroForCausalLM, None),),
-    # after kernels.persistent_loop (registry order), which attaches the op this variant replaces
-    "kernels.persistent_loop_tma": ((PersistentLoop, StreamedPersistentLoop, None),),
+    # after kernels.persistent_loop (registry order): over its op where it attached one, else its own
+    "kernels.persistent_loop_tma": (
+        (ChainedOuroForCausalLM, PersistentOuroForCausalLM, None),
+        (PersistentLoop, StreamedPersistentLoop, None),
+    ),
 }
 
 
@@ -165,6 +169,8 @@ def assemble(model: nn.Module, plan: EnginePlan, device: torch.device, dtype: to
         # after fused_projections (registry order): the stacks re-point its fused tensors too
         if setting == "kernels.persistent_loop":
             model.persistent = PersistentLoop(stack_loop_weights(model))
+        if setting == "kernels.persistent_loop_tma" and getattr(model, "persistent", None) is None:
+            model.persistent = RingOnlyLoop(stack_loop_weights(model))
         if setting == "kernels.exact":
             kernels.warmup(device, specs=[kernel_shapes(model.spec)])
     return checked_rungs

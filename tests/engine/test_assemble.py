@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from looptrace.engine.models.ouro import (
     OuroMLP,
     PersistentLoop,
     PersistentOuroForCausalLM,
+    RingOnlyLoop,
     StreamedPersistentLoop,
 )
 from looptrace.engine.plan import resolve_plan
@@ -62,6 +64,9 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
                 "kernels.pdl": "programmatic dependent launch needs a CUDA GPU of compute capability 9+",
                 "kernels.gemv_preload": "needs kernels.gemv and kernels.pdl active (CUDA sm_90+)",
                 "kernels.attn_prefetch": "needs kernels.pdl active (CUDA sm_90+) and Triton attention",
+                "kernels.persistent_loop_tma": (
+                    "the TMA ring needs a CUDA GPU of compute capability 9+ (TMA and mbarriers)"
+                ),
             },
         ),
         # a requirement of a requirement: the first unmet one is reported
@@ -102,8 +107,12 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
             },
         ),
         (
-            "ouro-tiny", "fast", ("kernels.persistent_loop_tma=true",), True,
-            {"kernels.persistent_loop_tma": "needs kernels.persistent_loop active (one-row loops)"},
+            "ouro-tiny", "exactloop", ("kernels.persistent_loop_tma=true",), False,
+            {
+                "kernels.persistent_loop_tma": (
+                    "the TMA ring needs a CUDA GPU of compute capability 9+ (TMA and mbarriers)"
+                ),
+            },
         ),
         # the persistent loop replaces the chained loop: without it, or with the perturbation's layer hooks,
         # it stays off with its reason
@@ -114,6 +123,9 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
                 "kernels.persistent_loop": (
                     "needs kernels.residual_norm active (the chained loop it replaces)"
                 ),
+                "kernels.persistent_loop_tma": (
+                    "needs kernels.residual_norm active (the chained loop it replaces)"
+                ),
             },
         ),
         (
@@ -121,6 +133,9 @@ def test_fast_on_an_h100_runs_every_kernel_it_asks_for():
             {
                 "kernels.persistent_loop": (
                     "debug.perturb hooks layer ops, which the persistent loop does not run"
+                ),
+                "kernels.persistent_loop_tma": (
+                    "debug.perturb hooks layer ops, which the TMA-ring loop does not run"
                 ),
             },
         ),
@@ -184,7 +199,8 @@ def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bit
         install_variants(model, setting)
     weights = stack_loop_weights(model)
     model.persistent = PersistentLoop(weights)
-    assert install_variants(model, "kernels.persistent_loop_tma") == 1  # on the op, as assemble does
+    # the model (already the persistent variant) and the op, as assemble does
+    assert install_variants(model, "kernels.persistent_loop_tma") == 2
     assert isinstance(model.persistent, StreamedPersistentLoop)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
@@ -204,3 +220,33 @@ def test_the_persistent_loop_stacks_the_weights_as_views_and_keeps_the_plain_bit
         out = engine.generate([[5, 9, 13, 7, 21], [6, 9, 15]], SamplingParams(max_tokens=4))
     assert out == plain_out and rec.states.keys() == plain.keys()
     assert [key for key, h in plain.items() if not torch.equal(h, rec.states[key])] == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable")
+def test_the_tma_ring_alone_attaches_its_own_op_and_leaves_what_it_cannot_take_to_the_chain(monkeypatch):
+    """`kernels.persistent_loop_tma` without `kernels.persistent_loop` (as `fast` has it): `assemble` makes
+    the model the persistent variant with a ring op of its own, whose loops the ring cannot take go back to
+    the chained path, not to the register form (which the op swapped over `persistent_loop`'s keeps); on
+    CPU every loop goes the chained way, so the model computes the plain bits."""
+    from looptrace.engine.assemble import assemble
+
+    plain_out, _plain = _states((), kernels__fused_projections=True)
+    engine = build_engine("ouro-tiny", noise="sequential", kernels__fused_projections=True)
+    model = engine.model
+    plan = SimpleNamespace(
+        kernels=SimpleNamespace(active=["kernels.residual_norm", "kernels.persistent_loop_tma"])
+    )
+    assemble(model, plan, torch.device("cpu"), torch.float32)
+    assert isinstance(model, PersistentOuroForCausalLM) and isinstance(
+        model.persistent, StreamedPersistentLoop
+    )
+    alone = model.persistent
+    assert isinstance(alone, RingOnlyLoop)
+    swapped = StreamedPersistentLoop(alone.weights)  # the class as swapped over the register form's op
+    monkeypatch.setattr(StreamedPersistentLoop, "ring_takes", lambda self, state, ctx: False)
+    monkeypatch.setattr(PersistentLoop, "fits", lambda self, state, ctx: True)  # the register form would
+    assert (alone.fits(None, None), swapped.fits(None, None)) == (False, True)
+    monkeypatch.undo()
+    with K.graph_warmup():
+        out = engine.generate([[5, 9, 13, 7, 21], [6, 9, 15]], SamplingParams(max_tokens=4))
+    assert out == plain_out

@@ -175,10 +175,14 @@ ENTRIES: tuple[KernelEntry, ...] = (
         "stream_loop",
         (
             Requirement(PDL, "the TMA ring needs a CUDA GPU of compute capability 9+ (TMA and mbarriers)"),
-            Requirement("kernels.persistent_loop", "needs kernels.persistent_loop active (one-row loops)"),
+            Requirement(
+                "kernels.residual_norm", "needs kernels.residual_norm active (the chained loop it replaces)"
+            ),
+            Requirement(NO_PERTURB, "debug.perturb hooks layer ops, which the TMA-ring loop does not run"),
             Requirement(FAMILY, "no TMA-ring loop kernel for the {family} family"),
         ),
-        "StreamedPersistentLoop (one-row loops through stream_loop.loop_streamed)",
+        "PersistentOuroForCausalLM with a RingOnlyLoop op (one-row loops through stream_loop.loop_streamed), "
+        "or StreamedPersistentLoop over kernels.persistent_loop's op where that is on too",
         families=_OURO,
     ),
 )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton.experimental.gluon.language as gl
 from triton.experimental import gluon
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from looptrace.engine.kernels import persistent_loop as pl
@@ -42,6 +42,10 @@ PRODUCER_REGS = gl.constexpr(40)  # registers of the warp-specialized producer w
 COMBINE = gl.constexpr(16)  # attention partials per load of the combine (at least ATTN_SPLITS)
 ATTN_SPLITS = gl.constexpr(8)  # splits per head: Ouro's 16 heads x 8 = 128 items, one per program
 QKV, O_PROJ, GATE_UP, DOWN = (gl.constexpr(e) for e in range(4))  # GEMV epilogues
+# `ablate` bits (bench/kernel_persistent_loop.py): parts left out to see what each costs; outputs are wrong
+NO_ATTENTION = gl.constexpr(1)  # no attention stage and no barrier before it
+NO_FMA = gl.constexpr(2)  # the GEMVs wait for and free every tile but compute nothing
+NO_BARRIERS = gl.constexpr(4)  # no grid barrier waits anywhere
 
 # The grid barrier's poll and the L2 prefetch: the register form's and `l2_prefetch`'s PTX, for Gluon.
 _WAIT_ASM = gl.constexpr(pl.WAIT_PTX)
@@ -67,11 +71,17 @@ def wait_for_inputs(PDL: gl.constexpr):
 
 
 @gluon.jit
-def grid_barrier(bar_ptr, target):
-    """Every program's stores before it are visible to every program after it; a wait that gives up (a
-    program never arrived) is counted in bar_ptr[2]."""
+def grid_arrive(bar_ptr):
+    """This program's arrival at a grid barrier: every thread's stores before it are released to every program
+    past the matching `grid_wait` (work that needs no other program may run between the two)."""
     gl.thread_barrier()
     gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def grid_wait(bar_ptr, target):
+    """Wait until the grid has arrived `target` times in all (thread 0 polls with acquire loads, then a CTA
+    barrier passes what it saw on); a wait that gives up (a program never arrived) counts in bar_ptr[2]."""
     seen = gl.inline_asm_elementwise(
         _WAIT_ASM, "=r,l,r", [bar_ptr, target], dtype=gl.int32, is_pure=False, pack=1
     )
@@ -80,17 +90,23 @@ def grid_barrier(bar_ptr, target):
     gl.thread_barrier()
 
 
+@gluon.jit
+def grid_barrier(bar_ptr, target):
+    """Every program's stores before it are visible to every program after it."""
+    grid_arrive(bar_ptr)
+    grid_wait(bar_ptr, target)
+
+
 _CLOCK_ASM = gl.constexpr("mov.u64 $0, %globaltimer;")
 
 
 @gluon.jit
-def _stamp(times_ptr, index, pid, TIMED: gl.constexpr):
-    """Program 0 records the GPU's nanosecond clock at `index` (`loop_streamed(times=...)`: the stage anatomy;
-    past every barrier, so each interval is one stage of the whole grid)."""
-    if TIMED:  # noqa: SIM102 (a constexpr test: `TIMED and pid == 0` does not compile)
-        if pid == 0:
-            now = gl.inline_asm_elementwise(_CLOCK_ASM, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-            gl.store(times_ptr + index, now)
+def _stamp(times_row, index, TIMED: gl.constexpr):
+    """Record the GPU's nanosecond clock at `times_row[index]` (this program's row of
+    `loop_streamed(times=...)`: when it arrives at and leaves each grid barrier)."""
+    if TIMED:
+        now = gl.inline_asm_elementwise(_CLOCK_ASM, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(times_row + index, now)
 
 
 @gluon.jit
@@ -189,6 +205,7 @@ def _gemv(
     SLOTS: gl.constexpr,
     WARPS: gl.constexpr,
     WS: gl.constexpr,
+    ABLATE: gl.constexpr = 0,
 ):
     """This program's `units` items of one GEMV stage against x (`x_tiles`: [K tiles, BK] fp32 in shared
     memory), each item's sums handed to the epilogue EPI. Reading a tile frees its slot for the tile SLOTS
@@ -210,10 +227,11 @@ def _gemv(
             else:
                 gl.thread_barrier()  # every warp has read the slot before TMA refills it
                 _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
-            x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
-            # one FMA per weight (the launch turns off fp fusion for the rounding the epilogues copy)
-            acc_first = gl.fma(w_first.to(gl.float32), x, acc_first)
-            acc_partner = gl.fma(w_partner.to(gl.float32), x, acc_partner)
+            if (ABLATE & NO_FMA) == 0:
+                x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
+                # one FMA per weight (the launch turns off fp fusion for the rounding the epilogues copy)
+                acc_first = gl.fma(w_first.to(gl.float32), x, acc_first)
+                acc_partner = gl.fma(w_partner.to(gl.float32), x, acc_partner)
             q += 1
         unit = pid + i * programs
         first = gl.sum(acc_first, axis=1)
@@ -279,11 +297,17 @@ def _made(ptr, n, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _norm(x, w_ptr, N: gl.constexpr, eps, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
-    """Eager RMSNorm of one fp32 row holding bf16 values: bf16(bf16(x rsqrt(mean(x^2) + eps)) w)."""
-    w = gl.load(w_ptr + _offsets(ROWS, BK, layout)).to(gl.float32)
+def _weights(ptr, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
+    """A norm's bf16 weight vector as [ROWS, BK] (kept bf16: half the registers while it waits for use)."""
+    return gl.load(ptr + _offsets(ROWS, BK, layout))
+
+
+@gluon.jit
+def _norm(x, w, N: gl.constexpr, eps):
+    """Eager RMSNorm of one fp32 row holding bf16 values, weight `w` (`_weights`):
+    bf16(bf16(x rsqrt(mean(x^2) + eps)) w)."""
     ms = gl.sum(gl.sum(x * x, axis=1), axis=0) / N
-    return _bf16(_bf16(x * gl.rsqrt(ms + eps)) * w)
+    return _bf16(_bf16(x * gl.rsqrt(ms + eps)) * w.to(gl.float32))
 
 
 @gluon.jit
@@ -305,11 +329,12 @@ def _split_keys(ctx, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _key_block(layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
-               PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """K and V (bf16 [SPLIT, D], 0 where masked) of one block of keys of one (split, head) item, every key but
-    the newest (ctx - 1), which the q/k/v stage is writing: safe to load before the barrier after it."""
-    _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
+def _key_rows(layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+              PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Offsets into the K/V caches ([SPLIT, D]) of one block of keys of one (split, head) item and which keys
+    are read: every key of the item but the newest (ctx - 1), which the q/k/v stage is writing (so the rest
+    are safe to read any time in the launch)."""
+    _q, _o, _kc, _vc, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
     keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
     per_split = _split_keys(ctx, SPLIT)
@@ -319,59 +344,115 @@ def _key_block(layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.co
     live = live & (page >= 0)  # a table's -1 padding: never read
     kv_off = (head // (HQ // HK)).to(gl.int64) * stride_ch + d
     kv = gl.expand_dims((page + layer) * stride_e + (pos % PAGE) * stride_s, 1) + gl.expand_dims(kv_off, 0)
-    mask = gl.expand_dims(live, 1)
+    return kv, gl.expand_dims(live, 1)
+
+
+@gluon.jit
+def _key_block(layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+               PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """K and V (bf16 [SPLIT, D], 0 where not read: `_key_rows`) of one block of keys, from global memory."""
+    _q, _o, kc_ptr, vc_ptr, _tab, _p, _t, _m, _se, _ss, _sc = attn
+    kv, mask = _key_rows(layer, ctx, split, block, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
     k = gl.load(kc_ptr + kv, mask=mask, other=0.0, cache_modifier=".cg")
     v = gl.load(vc_ptr + kv, mask=mask, other=0.0, cache_modifier=".cg")
     return k, v
 
 
 @gluon.jit
-def _newest_key(layer, ctx, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+def _old_keys(kv_smem, preloaded, layer, ctx, split, block, head, attn, HQ: gl.constexpr, HK: gl.constexpr,
+              D: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr,
+              KV_BLOCKS: gl.constexpr):  # fmt: skip
+    """`_key_block`'s K and V, from shared memory where `_preload_keys` put them (item `preloaded`, its
+    first KV_BLOCKS blocks)."""
+    keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    if KV_BLOCKS > 0:
+        if preloaded & (block < KV_BLOCKS * SPLIT):
+            b = (block // SPLIT).to(gl.int32)
+            k = kv_smem.index(2 * b).load(keys)
+            v = kv_smem.index(2 * b + 1).load(keys)
+        else:
+            k, v = _key_block(layer, ctx, split, block, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
+    else:
+        k, v = _key_block(layer, ctx, split, block, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
+    return k, v
+
+
+@gluon.jit
+def _preload_keys(kv_smem, layer, ctx, attn, pid, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+                  PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr,
+                  KV_BLOCKS: gl.constexpr):  # fmt: skip
+    """Start copying (cp.async) the first KV_BLOCKS key blocks' K and V of this program's attention item
+    (item pid) into shared memory: issued as the layer starts, they land during the q/k/v stage, while the
+    weight stream keeps HBM's queues long (a load issued after the barrier waits behind them)."""
+    _q, _o, kc_ptr, vc_ptr, _tab, _p, _t, _m, _se, _ss, _sc = attn
+    per_split = _split_keys(ctx, SPLIT)
+    if pid < HQ * ((ctx + per_split - 1) // per_split):
+        for b in gl.static_range(KV_BLOCKS):
+            split, head = pid // HQ, pid % HQ
+            kv, mask = _key_rows(layer, ctx, split, b * SPLIT, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
+            async_copy.async_copy_global_to_shared(kv_smem.index(2 * b), kc_ptr + kv, mask=mask)
+            async_copy.async_copy_global_to_shared(kv_smem.index(2 * b + 1), vc_ptr + kv, mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _newest_page(layer, ctx, tab_ptr, PAGE: gl.constexpr):
+    """The cache entry of the newest key (ctx - 1) at this layer: the same for every head, and the page table
+    never changes inside the launch, so it is read before the barrier that the keys wait for."""
+    return gl.load(tab_ptr + (ctx - 1) // PAGE).to(gl.int64) + layer
+
+
+@gluon.jit
+def _newest_key(entry, ctx, head, attn, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
                 PAGE: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """K and V (bf16 [D]) of the newest key (ctx - 1) of a head, written by the q/k/v stage of this launch."""
-    _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
+    """K and V (bf16 [D]) of the newest key (ctx - 1) of a head, in cache entry `entry` (`_newest_page`),
+    written by the q/k/v stage of this launch."""
+    _q, _o, kc_ptr, vc_ptr, _tab, _p, _t, _m, stride_e, stride_s, stride_ch = attn
     keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
-    newest = ctx - 1
-    page = gl.load(tab_ptr + newest // PAGE).to(gl.int64)
-    row = (
-        (page + layer) * stride_e + (newest % PAGE) * stride_s + (head // (HQ // HK)).to(gl.int64) * stride_ch
-    )
+    row = entry * stride_e + ((ctx - 1) % PAGE) * stride_s + (head // (HQ // HK)).to(gl.int64) * stride_ch
     k = gl.load(kc_ptr + row + d, cache_modifier=".cg")
     v = gl.load(vc_ptr + row + d, cache_modifier=".cg")
     return k, v
 
 
 @gluon.jit
-def _prefetch_block(layer, ctx, attn, pid, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
-                    PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Ask L2 for the K and V rows of the first key block of this program's first attention item, all but the
-    newest key (`cp.async.bulk.prefetch.L2`: a hint, no registers, no values): issued before the barrier after
-    the q/k/v stage, so the rows come from HBM during the wait (earlier keys never change)."""
+def _prefetch_split(layer, ctx, attn, pid, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+                    PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr,
+                    KV_BLOCKS: gl.constexpr):  # fmt: skip
+    """Ask L2 for the K and V rows of every key of this program's first attention item but the newest
+    (`cp.async.bulk.prefetch.L2`: a hint, no registers, no values): issued before the barrier after the
+    q/k/v stage, so the rows come from HBM during the wait (earlier keys never change). Every block of the
+    split, not only the first: past 512 keys a split holds two or more blocks, read one after the other."""
     _q, _o, kc_ptr, vc_ptr, tab_ptr, _p, _t, _m, stride_e, stride_s, stride_ch = attn
     one_key: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     split, head = pid // HQ, pid % HQ
-    pos = split * _split_keys(ctx, SPLIT) + gl.arange(0, SPLIT, layout=one_key)
-    live = (pos < ctx - 1) & (split < ATTN_SPLITS)
-    page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
-    live = live & (page >= 0)
-    row = (page + layer) * stride_e + (pos % PAGE) * stride_s + (head // (HQ // HK)).to(gl.int64) * stride_ch
-    size = gl.full([SPLIT], D * 2, gl.int32, one_key)  # bf16 rows
-    flag = live.to(gl.int32)
-    gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [kc_ptr + row, size, flag], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-    gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [vc_ptr + row, size, flag], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
+    per_split = _split_keys(ctx, SPLIT)
+    for block in range(KV_BLOCKS * SPLIT, per_split, SPLIT):  # blocks not in shared memory
+        pos = split * per_split + block + gl.arange(0, SPLIT, layout=one_key)
+        live = (pos < ctx - 1) & (split < ATTN_SPLITS) & (pos < (split + 1) * per_split)
+        page = gl.load(tab_ptr + pos // PAGE, mask=live, other=-1).to(gl.int64)
+        live = live & (page >= 0)
+        kv_head = (head // (HQ // HK)).to(gl.int64)
+        row = (page + layer) * stride_e + (pos % PAGE) * stride_s + kv_head * stride_ch
+        size = gl.full([SPLIT], D * 2, gl.int32, one_key)  # bf16 rows
+        flag = live.to(gl.int32)
+        gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [kc_ptr + row, size, flag], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [vc_ptr + row, size, flag], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
-def _attend(layer, ctx, attn, pid, programs, qk_scale, HQ: gl.constexpr, HK: gl.constexpr,
-            D: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+def _attend(layer, newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ: gl.constexpr, HK: gl.constexpr,
+            D: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr,
+            KV_BLOCKS: gl.constexpr):  # fmt: skip
     """Split-KV attention of every head: ATTN_SPLITS splits per head (16 heads x 8 = 128 items: one per
     program on a 132-SM Hopper whatever the context), each a run of SPLIT-key blocks with an online softmax;
     the last split of a head to draw a ticket combines the partials in split order. Every key but the newest
     is read from the cache as it was before the launch's q/k/v stage; the newest, written by that stage, is
-    read once per item and put in its place."""
+    read once per item and put in its place. The first KV_BLOCKS blocks of item pid come from shared memory
+    (`_preload_keys`)."""
     q_ptr, out_ptr, _kc, _vc, _tab, part_ptr, ticket_ptr, max_splits, _se, _ss, _sc = attn
     keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
@@ -383,9 +464,10 @@ def _attend(layer, ctx, attn, pid, programs, qk_scale, HQ: gl.constexpr, HK: gl.
         m_i = gl.max(gl.full([SPLIT], float("-inf"), gl.float32, gl.SliceLayout(1, keys)), axis=0)
         l_i = gl.sum(gl.zeros([SPLIT], gl.float32, gl.SliceLayout(1, keys)), axis=0)
         acc = gl.zeros([D], gl.float32, gl.SliceLayout(0, keys))
-        k_last, v_last = _newest_key(layer, ctx, head, attn, HQ, HK, D, PAGE, WARPS)
+        k_last, v_last = _newest_key(newest, ctx, head, attn, HQ, HK, D, PAGE, WARPS)
         for block in range(0, gl.minimum(per_split, ctx - split * per_split), SPLIT):
-            k_old, v_old = _key_block(layer, ctx, split, block, head, attn, HQ, HK, D, PAGE, SPLIT, WARPS)
+            k_old, v_old = _old_keys(kv_smem, item == pid, layer, ctx, split, block, head, attn, HQ, HK, D,
+                                     PAGE, SPLIT, WARPS, KV_BLOCKS)  # fmt: skip
             pos = split * per_split + block + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, keys))
             live = (pos < ctx) & (pos < (split + 1) * per_split)
             is_last = gl.expand_dims(pos == ctx - 1, 1)  # the newest key: in no prefetched block
@@ -402,11 +484,22 @@ def _attend(layer, ctx, attn, pid, programs, qk_scale, HQ: gl.constexpr, HK: gl.
         gl.store(part_ptr + base + d, acc)
         gl.store(part_ptr + base + D, m_i)
         gl.store(part_ptr + base + D + 1, l_i)
-        gl.thread_barrier()  # this program's stores happen before its ticket releases them
-        if gl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            out = _combine(part_ptr + head * max_splits * (D + 2), splits, D, keys)
-            gl.store(out_ptr + head * D + d, out.to(gl.bfloat16))
-            gl.store(ticket_ptr + head, 0)  # every split has drawn: zero again for the next layer
+        _ticket_combine(part_ptr, out_ptr, ticket_ptr, head, splits, max_splits, D, keys)
+
+
+@gluon.jit
+def _ticket_combine(part_ptr, out_ptr, ticket_ptr, head, splits, max_splits, D: gl.constexpr,
+                    keys: gl.constexpr):  # fmt: skip
+    """The last split of a head to draw a ticket combines the head's partials and stores its output.
+    (Every program of the o stage combining all heads' partials itself instead takes two L2 round trips
+    off the attention's slowest program but adds more to the o stage: on an H100 the loop went from 1.211
+    to 1.219 ms at 640 keys, 1.339 to 1.372 ms at 1,500; bench/results/h100/kernels/.)"""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    gl.thread_barrier()  # this program's stores happen before its ticket releases them
+    if gl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        out = _combine(part_ptr + head * max_splits * (D + 2), splits, D, keys)
+        gl.store(out_ptr + head * D + d, out.to(gl.bfloat16))
+        gl.store(ticket_ptr + head, 0)  # every split has drawn: zero again for the next layer
 
 
 @gluon.jit
@@ -478,10 +571,13 @@ def _stream_kernel(
     PDL: gl.constexpr = False,
     TIMED: gl.constexpr = False,
     WS: gl.constexpr = False,
+    ABLATE: gl.constexpr = 0,
+    KV_BLOCKS: gl.constexpr = 2,
 ):
     let_dependents_launch(PDL)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
+    times_row = times_ptr + pid * (2 + 10 * L)  # TIMED: this program's stamps
     NQKV: gl.constexpr = (HQ + 2 * HK) * D
     KO: gl.constexpr = HQ * D
     KH: gl.constexpr = H // BK
@@ -494,6 +590,11 @@ def _stream_kernel(
     # x as [K tiles, BK]: written whole through `xs`, read a K tile at a time through `x_tiles` (same bytes)
     xs = gl.allocate_shared_memory(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     x_tiles = xs._reinterpret(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if KV_BLOCKS > 0:  # the attention item's first key blocks, K then V (`_preload_keys`)
+        kv_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * KV_BLOCKS, SPLIT, D], kv_layout)
+    else:
+        kv_smem = xs  # never read
     for s in gl.static_range(SLOTS):
         mbarrier.init(bars.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
@@ -512,7 +613,7 @@ def _stream_kernel(
         _issue(s, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
     # weights are never written: the first tiles stream while the kernel before ends; all else waits
     wait_for_inputs(PDL)
-    _stamp(times_ptr, 0, pid, TIMED)
+    _stamp(times_row, 0, TIMED)
 
     io = (
         h_in_ptr,
@@ -528,14 +629,14 @@ def _stream_kernel(
         tab_ptr,
         ctx_ptr,
     )
-    bufs = (q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_ptr)
+    bufs = (q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row)
     scalars = (L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch)
-    smem = (ring, bars, empty, xs, x_tiles)
+    smem = (ring, bars, empty, xs, x_tiles, kv_smem)
     counts = (n_qkv, n_o, n_gu, n_down)
     if WS:  # these warps compute; one more warp keeps the ring full (waits for a slot's reads, then asks TMA)
         gl.warp_specialize(
             [(_layers, (io, bufs, scalars, smem, stream, counts, descs, H, INTER, HQ, HK, D, PAGE, BK, SPLIT,
-                        SLOTS, XROWS, WARPS, TIMED, WS)),
+                        SLOTS, XROWS, WARPS, TIMED, WS, ABLATE, KV_BLOCKS)),
              (_producer, (stream, ring, bars, empty, descs, H, INTER, NQKV, KO, D, BK, SLOTS))],
             [1],
             [PRODUCER_REGS],
@@ -562,6 +663,8 @@ def _stream_kernel(
             WARPS,
             TIMED,
             WS,
+            ABLATE,
+            KV_BLOCKS,
         )
 
 
@@ -569,7 +672,11 @@ def _stream_kernel(
 def _producer(stream, ring, bars, empty, descs, H: gl.constexpr, INTER: gl.constexpr, NQKV: gl.constexpr,
               KO: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, SLOTS: gl.constexpr):  # fmt: skip
     """The warp-specialized ring's producer: tile q goes into its slot once the computing warps have read
-    tile q - SLOTS there (the slot's `empty` barrier); the first SLOTS were asked for before the split."""
+    tile q - SLOTS there (the slot's `empty` barrier); the first SLOTS were asked for before the split.
+    (Asking L2 for tiles further ahead as well made the loop 1.5x slower on an H100: HBM's queues grow, and
+    every latency-bound read, the attention's above all, waits behind them. Asking for 16 or 32 tiles past
+    the ring once, as the q/k/v stage ends, was slower too, 1.205 -> 1.214 / 1.234 ms per loop: the grid
+    barrier's release after that stage went from 1.25 to 4 us behind the extra reads.)"""
     total = stream[0]
     for q in range(SLOTS, total):
         mbarrier.wait(empty.index(q % SLOTS), ((q // SLOTS) - 1) & 1)
@@ -577,12 +684,28 @@ def _producer(stream, ring, bars, empty, descs, H: gl.constexpr, INTER: gl.const
 
 
 @gluon.jit
+def _arrive(bar_ptr, times_row, stamp, TIMED: gl.constexpr, ABLATE: gl.constexpr):
+    _stamp(times_row, stamp, TIMED)
+    if (ABLATE & NO_BARRIERS) == 0:
+        grid_arrive(bar_ptr)
+
+
+@gluon.jit
+def _wait(bar_ptr, target, times_row, stamp, TIMED: gl.constexpr, ABLATE: gl.constexpr):
+    if (ABLATE & NO_BARRIERS) == 0:
+        grid_wait(bar_ptr, target)
+    _stamp(times_row, stamp + 1, TIMED)
+
+
+@gluon.jit
 def _layers(io, bufs, scalars, smem, stream,
     counts, descs, H: gl.constexpr, INTER: gl.constexpr, HQ: gl.constexpr,
             HK: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr,
             SLOTS: gl.constexpr, XROWS: gl.constexpr, WARPS: gl.constexpr, TIMED: gl.constexpr,
-            WS: gl.constexpr):  # fmt: skip
-    """Every layer of the loop, then the final norm: the computing warps' work."""
+            WS: gl.constexpr, ABLATE: gl.constexpr, KV_BLOCKS: gl.constexpr):  # fmt: skip
+    """Every layer of the loop, then the final norm: the computing warps' work. Each grid barrier is split in
+    two: between this program's arrival and its wait it loads what needs no other program (the norm weights
+    of the stage after), so those loads overlap the wait instead of following it."""
     (
         h_in_ptr,
         state_ptr,
@@ -597,9 +720,9 @@ def _layers(io, bufs, scalars, smem, stream,
         tab_ptr,
         ctx_ptr,
     ) = io
-    q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_ptr = bufs
+    q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row = bufs
     L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch = scalars
-    ring, bars, empty, xs, x_tiles = smem
+    ring, bars, empty, xs, x_tiles, kv_smem = smem
     n_qkv, n_o, n_gu, n_down = counts
     _total, _per_layer, _t0, _t1, _t2, pid, programs = stream
     vec: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -625,15 +748,19 @@ def _layers(io, bufs, scalars, smem, stream,
         stride_ch,
     )
     h = gl.load(h_in_ptr + _offsets(KH, BK, vec)).to(gl.float32)
+    w_in1 = _weights(wn_ptr, KH, BK, vec)  # layer 0's input norm; later layers' are loaded during a wait
+    w_post2 = w_in1  # the previous layer's down-output norm: none before layer 0
     q = pid * 0
     arrivals = programs * 0
     for layer in range(L):
+        stamp = 1 + layer * 10  # this layer's first barrier: arrival, then departure
         if layer > 0:  # h = M + post2(down) of the layer before
-            h = _bf16(
-                h
-                + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((layer - 1) * 4 + 3) * H, H, eps, KH, BK, vec)
-            )
-        _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 0) * H, H, eps, KH, BK, vec), KH)
+            h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))
+        _set_x(xs, _norm(h, w_in1, H, eps), KH)
+        if KV_BLOCKS > 0:  # noqa: SIM102 (constexpr tests)
+            if (ABLATE & NO_ATTENTION) == 0:
+                _preload_keys(kv_smem, layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS,
+                              KV_BLOCKS)  # fmt: skip
         rope = (
             q_ptr,
             kc_ptr,
@@ -648,40 +775,50 @@ def _layers(io, bufs, scalars, smem, stream,
             stride_ch,
         )
         q = _gemv(q, n_qkv, KH, QKV, rope, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
-        _prefetch_block(layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS)
+                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
+        if (ABLATE & NO_ATTENTION) == 0:
+            _prefetch_split(layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS, KV_BLOCKS)
+            arrivals += programs
+            _arrive(bar_ptr, times_row, stamp, TIMED, ABLATE)
+            newest = _newest_page(layer.to(gl.int64), ctx, tab_ptr, PAGE)
+            _wait(bar_ptr, arrivals, times_row, stamp, TIMED, ABLATE)
+            if KV_BLOCKS > 0:  # this thread's copies landed; the CTA barrier: every thread's
+                async_copy.wait_group(0)
+                gl.thread_barrier()
+            _attend(layer.to(gl.int64), newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ, HK, D, PAGE,
+                    SPLIT, WARPS, KV_BLOCKS)  # fmt: skip
         arrivals += programs
-        grid_barrier(bar_ptr, arrivals)
-        _stamp(times_ptr, 1 + layer * 5 + 0, pid, TIMED)
-        _attend(layer.to(gl.int64), ctx, attn, pid, programs, qk_scale, HQ, HK, D, PAGE, SPLIT, WARPS)
-        arrivals += programs
-        grid_barrier(bar_ptr, arrivals)
-        _stamp(times_ptr, 1 + layer * 5 + 1, pid, TIMED)
+        _arrive(bar_ptr, times_row, stamp + 2, TIMED, ABLATE)
+        _wait(bar_ptr, arrivals, times_row, stamp + 2, TIMED, ABLATE)
         _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
         q = _gemv(q, n_o, KTO, O_PROJ, o_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
+                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
         arrivals += programs
-        grid_barrier(bar_ptr, arrivals)
-        _stamp(times_ptr, 1 + layer * 5 + 2, pid, TIMED)
+        _arrive(bar_ptr, times_row, stamp + 4, TIMED, ABLATE)
+        w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
+        w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
+        _wait(bar_ptr, arrivals, times_row, stamp + 4, TIMED, ABLATE)
         # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
-        h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), wn_ptr + (layer * 4 + 1) * H, H, eps, KH, BK, vec))
-        _set_x(xs, _norm(h, wn_ptr + (layer * 4 + 2) * H, H, eps, KH, BK, vec), KH)
+        h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), w_in2, H, eps))
+        _set_x(xs, _norm(h, w_post1, H, eps), KH)
         q = _gemv(q, n_gu, KH, GATE_UP, act_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV,
-                  KO, HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
+                  KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
         arrivals += programs
-        grid_barrier(bar_ptr, arrivals)
-        _stamp(times_ptr, 1 + layer * 5 + 3, pid, TIMED)
+        _arrive(bar_ptr, times_row, stamp + 6, TIMED, ABLATE)
+        _wait(bar_ptr, arrivals, times_row, stamp + 6, TIMED, ABLATE)
         _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
         q = _gemv(q, n_down, KI, DOWN, d_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS)  # fmt: skip
+                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
         arrivals += programs
-        grid_barrier(bar_ptr, arrivals)
-        _stamp(times_ptr, 1 + layer * 5 + 4, pid, TIMED)
-    h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), wn_ptr + ((L - 1) * 4 + 3) * H, H, eps, KH, BK, vec))
-    state = _norm(h, wf_ptr, H, eps, KH, BK, vec)
+        _arrive(bar_ptr, times_row, stamp + 8, TIMED, ABLATE)
+        w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
+        w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
+        _wait(bar_ptr, arrivals, times_row, stamp + 8, TIMED, ABLATE)
+    h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))
+    state = _norm(h, _weights(wf_ptr, KH, BK, vec), H, eps)
     if pid == 0:
         gl.store(state_ptr + _offsets(KH, BK, vec), state.to(gl.bfloat16))
-    _stamp(times_ptr, 1 + L * 5, pid, TIMED)
+    _stamp(times_row, 1 + L * 10, TIMED)
     # the last program to leave: every program is past its waits, the counters go back to zero
     if gl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         gl.store(bar_ptr, 0)
@@ -713,6 +850,11 @@ def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cac
     )
 
 
+def stamp_count(layers: int) -> int:
+    """Clock stamps per program of a timed launch (`loop_streamed(times=...)`)."""
+    return 2 + 10 * layers
+
+
 def loop_streamed(
     state,
     weights: pl.LoopWeights,
@@ -725,19 +867,26 @@ def loop_streamed(
     tables,
     ctx_lens,
     page: int,
-    slots: int = 20,
+    slots: int = 16,
     num_warps: int = 4,
     split_keys: int = 64,
     times: torch.Tensor | None = None,
     specialized: bool = True,
+    ablate: int = 0,
+    kv_blocks: int = 2,
 ) -> torch.Tensor:
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
     `specialized` (default): one more warp (the producer) keeps the ring full, and the computing warps only
     arrive on a slot's barrier once they have read it (on an H100, 20 slots: 1.246 ms per 24-layer loop
-    against 1.310 ms for 10 slots without it; bench/results/h100/kernels/). `times` (int64 `[1 + 5 L + 1]`,
-    optional): the GPU clock in ns at the start and after each stage of each layer (its grid barrier), then
-    at the end: the stage anatomy. Call where `stream_fusable`."""
+    against 1.310 ms for 10 slots without it; bench/results/h100/kernels/). `kv_blocks` (default 2): the
+    attention item's first key blocks (K and V) are copied into shared memory as each layer starts
+    (`_preload_keys`), which leaves room for 16 slots (on an H100 at 640 keys: 1.205 ms per loop against
+    1.275 ms for 20 slots without it, 1.336 against 1.411 ms at 1,500 keys). `times` (int64
+    `[programs, 2 + 10 L]`, optional): each program's GPU clock in ns at its start, at its arrival at and its
+    departure from each grid barrier (5 per layer), and at its end: the stage anatomy (`stamp_count`).
+    `ablate` (bench only, wrong outputs): the NO_* bits, parts left out to see what each costs. Call where
+    `stream_fusable`."""
     hq, hk, d = weights.heads
     layers, hidden, inter = weights.shape
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
@@ -794,9 +943,11 @@ def loop_streamed(
         enable_fp_fusion=False,
         TIMED=times is not None,
         WS=specialized,
+        ABLATE=ablate,
+        KV_BLOCKS=kv_blocks,
         **pdl_args(),
     )
     return out
 
 
-__all__ = ["BLOCK_K", "grid_barrier", "loop_streamed", "stream_fusable"]
+__all__ = ["BLOCK_K", "grid_barrier", "loop_streamed", "stamp_count", "stream_fusable"]

@@ -376,16 +376,29 @@ class PersistentLoop(nn.Module):
 
 
 class StreamedPersistentLoop(PersistentLoop):
-    """`kernels.persistent_loop_tma`: the `PersistentLoop` op whose one-row loops run as one Gluon launch
-    streaming the weights through a TMA ring in shared memory (`kernels/stream_loop.py`) where that form
-    runs (a Hopper GPU, shapes it takes); any other loop the op takes goes through the register form."""
+    """`kernels.persistent_loop_tma` over `kernels.persistent_loop`'s op (this class swapped in): one-row
+    loops as one Gluon launch streaming the weights through a TMA ring in shared memory
+    (`kernels/stream_loop.py`) where that form runs (a Hopper GPU, shapes it takes); the other loops the op
+    takes go through the register form."""
+
+    def ring_takes(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels import stream_loop as sl  # imports Triton: only where it runs
+
+        w = self.weights
+        return ctx.packed is None and sl.stream_fusable(
+            state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables
+        )
+
+    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+        return self.ring_takes(state, ctx) or super().fits(state, ctx)
 
     def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import stream_loop as sl  # imports Triton: only where it runs
 
-        w = self.weights
-        if sl.stream_fusable(state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables):
+        if self.ring_takes(state, ctx):
+            w = self.weights
             return sl.loop_streamed(
                 state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
                 ctx.tables, ctx.ctx_lens, ctx.block_size,
@@ -393,10 +406,19 @@ class StreamedPersistentLoop(PersistentLoop):
         return super().forward(state, ctx)
 
 
+class RingOnlyLoop(StreamedPersistentLoop):
+    """`kernels.persistent_loop_tma` alone (as `fast` has it; `assemble` attaches it): only the loops the
+    ring takes; the rest go back to the chained path, not to the register form (on an H100 a one-row loop
+    through the register form is slower than the chain: 1.51 against about 1.26 ms)."""
+
+    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+        return self.ring_takes(state, ctx)
+
+
 class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
-    """`kernels.persistent_loop` (with `residual_norm`): a loop of `PersistentLoop.max_rows` decode rows
-    through the `PersistentLoop` op `assemble` attaches (`persistent`); other loops (prefill, more rows,
-    shapes the kernel refuses) take the chained layer-by-layer path."""
+    """`kernels.persistent_loop` or `kernels.persistent_loop_tma` (with `residual_norm`): a loop the op
+    `assemble` attaches (`persistent`) fits goes through it; other loops (prefill, more rows, shapes the
+    kernels refuse) take the chained layer-by-layer path."""
 
     def loop(self, state, ctx):
         op = getattr(self, "persistent", None)

@@ -45,18 +45,29 @@ def test_the_kernel_compiles_for_hopper_without_spills():
     sys.path.insert(0, str(BENCH))
     import kernel_stream_loop_compile as compile_bench
 
-    row = compile_bench.compile_form(slots=20, warps=4, ws=True)  # `loop_streamed`'s default form
+    row = compile_bench.compile_form(slots=16, warps=4, ws=True)  # `loop_streamed`'s default form
     assert row["spill_bytes"] == 0 and row["registers"] <= 255
-    assert 20 * 16 * 256 * 2 <= row["shared_bytes"] <= 227 * 1024
+    ring, keys = 16 * 16 * 256 * 2, 2 * 2 * 64 * 128 * 2  # 16 slots, 2 key blocks' K and V
+    assert ring + keys <= row["shared_bytes"] <= 227 * 1024
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
 @pytest.mark.parametrize(
-    "slots, specialized, ctx", [(4, False, 300), (20, True, 300), (20, True, 640), (10, True, 1500)]
+    "slots, specialized, ctx, options",
+    [
+        (4, False, 300, {}),
+        (20, True, 300, dict(kv_blocks=0)),
+        (20, True, 640, dict(kv_blocks=0)),
+        (10, True, 1500, {}),
+        (16, True, 300, {}),
+        (16, True, 640, {}),
+        (16, True, 1500, {}),
+    ],
 )
-def test_stream_loop_tracks_float64_like_the_register_form(slots, specialized, ctx):
-    """Short and long contexts: 8 splits per head past 512 keys, several key blocks per split at 1,500."""
+def test_stream_loop_tracks_float64_like_the_register_form(slots, specialized, ctx, options):
+    """Short and long contexts: 8 splits per head past 512 keys, several key blocks per split at 1,500; the
+    first key blocks in shared memory (the default) or every key from global memory."""
     from looptrace.engine.kernels import persistent_loop as pl
     from looptrace.engine.kernels import stream_loop as sl
 
@@ -65,7 +76,7 @@ def test_stream_loop_tracks_float64_like_the_register_form(slots, specialized, c
         case.state, case.weights, case.cos, case.sin, case.k_cache, case.v_cache, case.tables
     )
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    out = sl.loop_streamed(*case.args(kc, vc), slots=slots, specialized=specialized)
+    out = sl.loop_streamed(*case.args(kc, vc), slots=slots, specialized=specialized, **options)
     ref, ref_k, ref_v = reference_loop(case)
     got_k, got_v = written_rows(case, kc, vc)
     registers = pl.loop_staged(*case.args())
@@ -81,26 +92,64 @@ def test_stream_loop_repeats_and_replays_bit_for_bit():
     from looptrace.engine.kernels import stream_loop as sl
 
     case = _ouro_case(2, [777]).rows([0])
-    out = sl.loop_streamed(*case.args())
-    assert all(torch.equal(out, sl.loop_streamed(*case.args())) for _ in range(3))
-    args = case.args()
-    sl.loop_streamed(*args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = sl.loop_streamed(*args)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, out)
+    for options in ({}, dict(slots=20, kv_blocks=0)):
+        out = sl.loop_streamed(*case.args(), **options)
+        assert all(torch.equal(out, sl.loop_streamed(*case.args(), **options)) for _ in range(3))
+        args = case.args()
+        sl.loop_streamed(*args, **options)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = sl.loop_streamed(*args, **options)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, out)
     assert pl.barrier_timeouts() == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
-def test_fast_with_the_ring_decodes_one_row_loops_through_it_and_repeats_its_tokens(monkeypatch):
-    """`fast` + `kernels.persistent_loop_tma` on Ouro-1.4B's shapes (4 layers): both settings active, a
-    one-row decode goes through `loop_streamed` (seen when its graph is captured), and a request's greedy
-    tokens repeat."""
+def test_no_program_leaves_a_grid_barrier_before_the_last_one_arrives():
+    """Every program's clock (`times=`): at each of the 5 barriers per layer, the first departure follows the
+    last arrival, and each program's stamps run forward."""
+    from looptrace.engine.kernels import stream_loop as sl
+
+    layers = 3
+    case = _ouro_case(layers, [640]).rows([0])
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    times = torch.zeros(programs, sl.stamp_count(layers), dtype=torch.int64, device="cuda")
+    sl.loop_streamed(*case.args(), times=times)
+    t = times.cpu()
+    assert bool((t[:, 1:] >= t[:, :-1]).all()) and bool((t > 0).all())
+    for barrier in range(5 * layers):
+        arrive, leave = t[:, 1 + 2 * barrier], t[:, 2 + 2 * barrier]
+        assert int(leave.min()) >= int(arrive.max()), barrier
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+@pytest.mark.parametrize("ctx", [300, 640, 1500])
+def test_keys_in_shared_memory_and_l2_hints_change_no_bit(ctx):
+    """`kv_blocks` only moves where the first key blocks are read from: state and K/V bit for bit the same
+    (1,500 keys: blocks past those in shared memory come from global memory in the same launch)."""
+    from looptrace.engine.kernels import stream_loop as sl
+
+    case = _ouro_case(2, [ctx]).rows([0])
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    plain = sl.loop_streamed(*case.args(kc, vc), slots=20, kv_blocks=0)
+    for slots, blocks in ((20, 1), (16, 2), (12, 2)):
+        kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
+        moved = sl.loop_streamed(*case.args(kc2, vc2), slots=slots, kv_blocks=blocks)
+        assert torch.equal(plain, moved) and torch.equal(kc, kc2) and torch.equal(vc, vc2), (slots, blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+@pytest.mark.parametrize("register_form", [False, True])
+def test_fast_decodes_one_row_loops_through_the_ring_and_repeats_its_tokens(monkeypatch, register_form):
+    """`fast` (which has `kernels.persistent_loop_tma` on), alone or with `kernels.persistent_loop`'s
+    register form under it, on Ouro-1.4B's shapes (4 layers): the settings active, a one-row decode goes
+    through `loop_streamed` (seen when its graph is captured), and a request's greedy tokens repeat."""
     from looptrace.engine import LLMEngine, SamplingParams
     from looptrace.engine.kernels import persistent_loop as pl
     from looptrace.engine.kernels import stream_loop as sl
@@ -116,10 +165,11 @@ def test_fast_with_the_ring_decodes_one_row_loops_through_it_and_repeats_its_tok
 
     monkeypatch.setattr(sl, "loop_streamed", spy)
     spec = with_overrides(resolve_preset("ouro-1.4b", "cuda"), n_core=4)
-    sets = ["kernels.persistent_loop=true", "kernels.persistent_loop_tma=true", "kv.prefix_caching=false"]
-    sets += ["scheduler.max_model_len=512", "kv.num_blocks=1024"]
+    sets = ["kv.prefix_caching=false", "scheduler.max_model_len=512", "kv.num_blocks=1024"]
+    sets += ["kernels.persistent_loop=true"] if register_form else []
     engine = LLMEngine.from_spec(spec, load_recipe("fast", sets).config, device="cuda", seed=1)
     assert not {"kernels.persistent_loop", "kernels.persistent_loop_tma"} & set(engine.inactive_settings)
+    assert engine.cfg.kernels.persistent_loop == register_form
     params = SamplingParams(max_tokens=8)
     first = engine.generate([[3 + j for j in range(40)]], params)
     assert engine.generate([[3 + j for j in range(40)]], params) == first
