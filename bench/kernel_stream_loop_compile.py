@@ -52,7 +52,8 @@ def compile_form(slots: int, warps: int, ws: bool = False, **options) -> dict:
     form = f"{slots}:{warps}" + (":ws" if ws else "")
     # pointers and cache strides: multiples of 16 at Ouro's shapes, as the launch specializes them
     aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_"))
-    return dict(form=form, **compile_sm90(fn, signature, constexprs, warps, fp_fusion=False, aligned=aligned))
+    compiled = compile_sm90(fn, signature, constexprs, warps, fp_fusion=False, aligned=aligned)
+    return dict(form=form, key_blocks=constexprs["KV_BLOCKS"], **compiled)
 
 
 def main() -> int:
@@ -70,8 +71,12 @@ def main() -> int:
         rows.append(compile_form(int(parts[0]), int(parts[1]), ws))
     command = "python bench/kernel_stream_loop_compile.py " + " ".join(sys.argv[1:])
     lines = [f"`{command}` (sm_90a, compiled on the CPU; triton {triton.__version__})", "",
-             "| SLOTS:WARPS[:ws] | registers | spills (B) | shared bytes |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['form']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |" for r in rows]
+             "| SLOTS:WARPS[:ws] | key blocks in shared memory | registers | spills (B) | shared bytes |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        f"| {r['form']} | {r['key_blocks']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"
+        for r in rows
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     report = dict(command=command, forms=rows)
     (args.out / "stream_loop_compile.json").write_text(json.dumps(report, indent=1))
