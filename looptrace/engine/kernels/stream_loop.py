@@ -882,7 +882,7 @@ def loop_streamed(
     against 1.310 ms for 10 slots without it; bench/results/h100/kernels/). `kv_blocks` (default 2): the
     attention item's first key blocks (K and V) are copied into shared memory as each layer starts
     (`_preload_keys`), which leaves room for 16 slots (on an H100 at 640 keys: 1.205 ms per loop against
-    1.275 ms for 20 slots without it, 1.336 against 1.411 ms at 1,500 keys). `times` (int64
+    1.275 ms for 20 slots without it, 1.339 against 1.411 ms at 1,500 keys). `times` (int64
     `[programs, 2 + 10 L]`, optional): each program's GPU clock in ns at its start, at its arrival at and its
     departure from each grid barrier (5 per layer), and at its end: the stage anatomy (`stamp_count`).
     `ablate` (bench only, wrong outputs): the NO_* bits, parts left out to see what each costs. Call where
