@@ -18,10 +18,13 @@ The stages of a layer and their arithmetic are `persistent_loop.py`'s at one row
 residual h lives in every program's registers (each computes the norms itself, the same code and so the same
 bits), products are summed in fp32 per item over K tiles in a fixed order, and values are rounded to bf16
 where the eager model stores a bf16 tensor. The attention takes 8 splits per head whatever the context
-(Ouro's 16 heads: 128 items, one per program; blocks of 64 keys inside a split, an online softmax), asks L2
-for the first block's K/V before the barrier that precedes it, and draws tickets: the last split of a head
-combines the partials in split order. So a launch repeats bit for bit; its bits are its own (not the
-register form's: the reduction trees differ).
+(Ouro's 16 heads: 128 items, one per program; blocks of 64 keys inside a split, an online softmax). A
+program copies its item's first key blocks (K and V, `kv_blocks`) into shared memory as the layer starts
+and asks L2 for the rest before the barrier that precedes the attention, so that after it the keys come
+from shared memory or L2, not from HBM behind the ring's weight reads; the newest key, written by the q/k/v
+stage, is read after that barrier.
+Then the items draw tickets: the last split of a head combines the partials in split order. So a launch
+repeats bit for bit; its bits are its own (not the register form's: the reduction trees differ).
 """
 
 from __future__ import annotations
