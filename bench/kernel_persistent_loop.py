@@ -210,9 +210,6 @@ def stream_checks(case, fn, tiles: pl.LoopTiles) -> dict:
     return res
 
 
-ABLATIONS = {"noattn": 1, "nofma": 2, "nobar": 4}  # stream_loop's NO_* bits: timing only, outputs wrong
-
-
 def parse_streams(spec: str) -> dict:
     """`SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]` entries -> one-row `stream_loop` forms by name
     (ws: the warp-specialized producer; kvN: the attention's first N key blocks copied to shared memory as
@@ -220,16 +217,18 @@ def parse_streams(spec: str) -> dict:
     forms are not checked)."""
     from looptrace.engine.kernels import stream_loop as sl
 
+    # the kernel's NO_* bits by flag: timing only, outputs wrong
+    ablations = {"noattn": sl.NO_ATTENTION.value, "nofma": sl.NO_FMA.value, "nobar": sl.NO_BARRIERS.value}
     forms = {}
     for item in filter(None, spec.split(",")):
         slots, warps, *rest = item.split(":")
         kv = [f for f in rest if f.startswith("kv") and f[2:].isdigit()]
-        unknown = set(rest) - {"ws", *ABLATIONS, *kv}
+        unknown = set(rest) - {"ws", *ablations, *kv}
         if unknown or not (slots.isdigit() and warps.isdigit()):
             what = f"unknown flag {sorted(unknown)[0]!r}" if unknown else "SLOTS and WARPS must be numbers"
             syntax = "SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]"
             raise ValueError(f"--stream entry {item!r}: {what} ({syntax})")
-        ablate = sum(ABLATIONS[f] for f in rest if f in ABLATIONS)
+        ablate = sum(ablations[f] for f in rest if f in ablations)
 
         options = dict(kv_blocks=int(kv[-1][2:])) if kv else {}  # none given: `loop_streamed`'s default
 
