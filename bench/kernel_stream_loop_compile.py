@@ -3,7 +3,8 @@ GPU needed: registers per thread, spill bytes and shared memory for each ring si
 
     python bench/kernel_stream_loop_compile.py --out DIR [--forms 16:4:ws,10:4:ws,10:4]
 
-A form is SLOTS:WARPS[:ws] (ws: the warp-specialized ring, `loop_streamed`'s default). Ouro-1.4B's shapes
+A form is SLOTS:WARPS[:ws][:kvN] (ws: the warp-specialized ring, `loop_streamed`'s default; kvN: the
+attention's first N key blocks in shared memory, 2 when not given). Ouro-1.4B's shapes
 (hidden 2048, intermediate 5632, 16 heads of 128, pages of 16).
 Writes DIR/stream_loop_compile.md and .json.
 """
@@ -63,12 +64,14 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     for item in args.forms.split(","):
-        parts = item.split(":")
-        ws = parts[2:] == ["ws"]
-        if len(parts) - ws != 2 or not all(p.isdigit() for p in parts[:2]):
-            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws], e.g. 16:4:ws", file=sys.stderr)
+        slots, warps, *flags = item.split(":")
+        kv = [f for f in flags if f.startswith("kv") and f[2:].isdigit()]
+        if set(flags) - {"ws", *kv} or not (slots.isdigit() and warps.isdigit()):
+            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws][:kvN], e.g. 18:4:ws",
+                  file=sys.stderr)  # fmt: skip
             return 2
-        rows.append(compile_form(int(parts[0]), int(parts[1]), ws))
+        options = dict(KV_BLOCKS=int(kv[-1][2:])) if kv else {}
+        rows.append(compile_form(int(slots), int(warps), "ws" in flags, **options))
     command = "python bench/kernel_stream_loop_compile.py " + " ".join(sys.argv[1:])
     lines = [f"`{command}` (sm_90a, compiled on the CPU; triton {triton.__version__})", "",
              "| SLOTS:WARPS[:ws] | key blocks in shared memory | registers | spills (B) | shared bytes |",

@@ -231,7 +231,7 @@ def _gemv(
                 gl.thread_barrier()  # every warp has read the slot before TMA refills it
                 _issue(q + SLOTS, stream, ring, bars, descs, H, INTER, NQKV, KO, D, BK, SLOTS)
             if (ABLATE & NO_FMA) == 0:
-                x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)), 0)
+                x = gl.expand_dims(x_tiles.index(kt).load(gl.SliceLayout(0, tile)).to(gl.float32), 0)
                 # one FMA per weight (the launch turns off fp fusion for the rounding the epilogues copy)
                 acc_first = gl.fma(w_first.to(gl.float32), x, acc_first)
                 acc_partner = gl.fma(w_partner.to(gl.float32), x, acc_partner)
@@ -317,7 +317,7 @@ def _norm(x, w, N: gl.constexpr, eps):
 def _set_x(xs, x, ROWS: gl.constexpr):
     """x into this program's shared x tiles (every warp's reads of the stage before are done: a barrier
     precedes every call); the CTA barrier after lets every warp read all of it."""
-    xs.slice(0, ROWS).store(x)
+    xs.slice(0, ROWS).store(x.to(gl.bfloat16))
     gl.thread_barrier()
 
 
@@ -591,8 +591,11 @@ def _stream_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a slot's bytes landed
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a slot was read (WS)
     # x as [K tiles, BK]: written whole through `xs`, read a K tile at a time through `x_tiles` (same bytes)
-    xs = gl.allocate_shared_memory(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    x_tiles = xs._reinterpret(gl.float32, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # x is bf16 (every value it holds is: a norm's output, the attention's, the activation), half the bytes
+    # of fp32 and room for two more ring slots (on an H100: 1.202 ms per loop with fp32 x and 16 slots,
+    # 1.200 with bf16 x, 1.187 with bf16 x and 18 slots; bench/results/h100/kernels/)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_tiles = xs._reinterpret(gl.bfloat16, [XROWS, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if KV_BLOCKS > 0:  # the attention item's first key blocks, K then V (`_preload_keys`)
         kv_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * KV_BLOCKS, SPLIT, D], kv_layout)
@@ -752,13 +755,10 @@ def _layers(io, bufs, scalars, smem, stream,
     )
     h = gl.load(h_in_ptr + _offsets(KH, BK, vec)).to(gl.float32)
     w_in1 = _weights(wn_ptr, KH, BK, vec)  # layer 0's input norm; later layers' are loaded during a wait
-    w_post2 = w_in1  # the previous layer's down-output norm: none before layer 0
     q = pid * 0
     arrivals = programs * 0
     for layer in range(L):
         stamp = 1 + layer * 10  # this layer's first barrier: arrival, then departure
-        if layer > 0:  # h = M + post2(down) of the layer before
-            h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))
         _set_x(xs, _norm(h, w_in1, H, eps), KH)
         if KV_BLOCKS > 0:  # noqa: SIM102 (constexpr tests)
             if (ABLATE & NO_ATTENTION) == 0:
@@ -817,7 +817,9 @@ def _layers(io, bufs, scalars, smem, stream,
         w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
         w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
         _wait(bar_ptr, arrivals, times_row, stamp + 8, TIMED, ABLATE)
-    h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))
+        # the next layer's input (here rather than at its start: fewer values live across the loop, no
+        # spill at 18 slots)
+        h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))  # M + post2(down)
     state = _norm(h, _weights(wf_ptr, KH, BK, vec), H, eps)
     if pid == 0:
         gl.store(state_ptr + _offsets(KH, BK, vec), state.to(gl.bfloat16))
@@ -870,7 +872,7 @@ def loop_streamed(
     tables,
     ctx_lens,
     page: int,
-    slots: int = 16,
+    slots: int = 18,
     num_warps: int = 4,
     split_keys: int = 64,
     times: torch.Tensor | None = None,
@@ -884,8 +886,9 @@ def loop_streamed(
     arrive on a slot's barrier once they have read it (on an H100, 20 slots: 1.246 ms per 24-layer loop
     against 1.310 ms for 10 slots without it; bench/results/h100/kernels/). `kv_blocks` (default 2): the
     attention item's first key blocks (K and V) are copied into shared memory as each layer starts
-    (`_preload_keys`), which leaves room for 16 slots (on an H100 at 640 keys: 1.205 ms per loop against
-    1.275 ms for 20 slots without it, 1.339 against 1.411 ms at 1,500 keys). `times` (int64
+    (`_preload_keys`), which with x held as bf16 leaves room for 18 slots (on an H100 at 640 keys: 1.205
+    ms per loop against 1.275 ms for 20 slots without it, 1.339 against 1.411 ms at 1,500 keys; 18 slots
+    1.187 against 1.202 ms for 16 with fp32 x). `times` (int64
     `[programs, 2 + 10 L]`, optional): each program's GPU clock in ns at its start, at its arrival at and its
     departure from each grid barrier (5 per layer), and at its end: the stage anatomy (`stamp_count`).
     `ablate` (bench only, wrong outputs): the NO_* bits, parts left out to see what each costs. Call where
