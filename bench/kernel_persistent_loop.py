@@ -217,8 +217,9 @@ def stream_checks(case, fn, tiles: pl.LoopTiles) -> dict:
 
 
 def parse_streams(spec: str) -> dict:
-    """`SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]` entries -> one-row `stream_loop` forms by name
-    (ws: the warp-specialized producer; kvN: the attention's first N key blocks copied to shared memory as
+    """`SLOTS:WARPS[:ws][:kvN][:ll][:noattn][:nofma][:nobar]` entries -> one-row `stream_loop` forms
+    by name (ws: the warp-specialized producer; ll: values handed over as tagged
+    words, no grid barriers; kvN: the attention's first N key blocks copied to shared memory as
     each layer starts, kv0 none, 2 when not given; the rest leave a part out to time what it costs, so those
     forms are not checked)."""
     from looptrace.engine.kernels import stream_loop as sl
@@ -229,14 +230,16 @@ def parse_streams(spec: str) -> dict:
     for item in filter(None, spec.split(",")):
         slots, warps, *rest = item.split(":")
         kv = [f for f in rest if f.startswith("kv") and f[2:].isdigit()]
-        unknown = set(rest) - {"ws", *ablations, *kv}
+        unknown = set(rest) - {"ws", "ll", *ablations, *kv}
         if unknown or not (slots.isdigit() and warps.isdigit()):
             what = f"unknown flag {sorted(unknown)[0]!r}" if unknown else "SLOTS and WARPS must be numbers"
-            syntax = "SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar]"
+            syntax = "SLOTS:WARPS[:ws][:kvN][:ll][:noattn][:nofma][:nobar]"
             raise ValueError(f"--stream entry {item!r}: {what} ({syntax})")
         ablate = sum(ablations[f] for f in rest if f in ablations)
 
         options = dict(kv_blocks=int(kv[-1][2:])) if kv else {}  # none given: `loop_streamed`'s default
+        if "ll" in rest:  # values handed over as tagged words, no grid barriers
+            options["linked"] = True
 
         def form(*a, s=int(slots), w=int(warps), ws="ws" in rest, ab=ablate, opts=options, **kw):
             return sl.loop_streamed(*a, slots=s, num_warps=w, specialized=ws, ablate=ab, **opts, **kw)
@@ -325,7 +328,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check-layers", type=int, default=24)
     ap.add_argument("--check-tiles", default="0", help="which --tiles entries (0-based) get the checks")
-    forms = "SLOTS:WARPS[:ws][:kvN][:noattn][:nofma][:nobar],..."
+    forms = "SLOTS:WARPS[:ws][:kvN][:ll][:noattn][:nofma][:nobar],..."
     ap.add_argument("--stream", default="", help=f"one-row TMA-ring forms (stream_loop): {forms}")
     args = ap.parse_args()
     args.check_tiles = [int(i) for i in args.check_tiles.split(",")]

@@ -3,8 +3,9 @@ GPU needed: registers per thread, spill bytes and shared memory for each ring si
 
     python bench/kernel_stream_loop_compile.py --out DIR [--forms 16:4:ws,10:4:ws,10:4]
 
-A form is SLOTS:WARPS[:ws][:kvN] (ws: the warp-specialized ring, `loop_streamed`'s default; kvN: the
-attention's first N key blocks in shared memory, 2 when not given). Ouro-1.4B's shapes
+A form is SLOTS:WARPS[:ws][:kvN][:ll] (ws: the warp-specialized ring, `loop_streamed`'s default; kvN: the
+attention's first N key blocks in shared memory, 2 when not given; ll: values handed over as tagged words
+instead of through grid barriers). Ouro-1.4B's shapes
 (hidden 2048, intermediate 5632, 16 heads of 128, pages of 16).
 Writes DIR/stream_loop_compile.md and .json.
 """
@@ -29,7 +30,8 @@ from looptrace.engine.kernels import stream_loop as sl  # noqa: E402
 
 SHAPES = dict(H=2048, INTER=5632, HQ=16, HK=16, D=128, PAGE=16, BK=sl.BLOCK_K, SPLIT=64, XROWS=32)
 POINTER_TYPES = {"part_ptr": "*fp32", "ticket_ptr": "*i32", "bar_ptr": "*i32", "times_ptr": "*i64",
-                 "went_ptr": "*i64", "woff_ptr": "*i64", "tab_ptr": "*i64", "ctx_ptr": "*i64"}  # fmt: skip
+                 "went_ptr": "*i64", "woff_ptr": "*i64", "tab_ptr": "*i64", "ctx_ptr": "*i64",
+                 "link_ptr": "*i32", "lpart_ptr": "*i64"}  # fmt: skip
 DESCRIPTORS = ("d_qkv", "d_o", "d_gu", "d_down")
 
 
@@ -50,7 +52,8 @@ def compile_form(slots: int, warps: int, ws: bool = False, **options) -> dict:
             signature[name] = POINTER_TYPES.get(name, "*bf16")
         else:
             signature[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
-    form = f"{slots}:{warps}" + (":ws" if ws else "")
+    flags = [f for f, on in (("ws", ws), ("ll", options.get("LINKED"))) if on]
+    form = ":".join([str(slots), str(warps), *flags])
     # pointers and cache strides: multiples of 16 at Ouro's shapes, as the launch specializes them
     aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_"))
     compiled = compile_sm90(fn, signature, constexprs, warps, fp_fusion=False, aligned=aligned)
@@ -66,15 +69,17 @@ def main() -> int:
     for item in args.forms.split(","):
         slots, warps, *flags = item.split(":")
         kv = [f for f in flags if f.startswith("kv") and f[2:].isdigit()]
-        if set(flags) - {"ws", *kv} or not (slots.isdigit() and warps.isdigit()):
-            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws][:kvN], e.g. 18:4:ws",
+        if set(flags) - {"ws", "ll", *kv} or not (slots.isdigit() and warps.isdigit()):
+            print(f"error: --forms entry {item!r}: expected SLOTS:WARPS[:ws][:kvN][:ll], e.g. 16:4:ws",
                   file=sys.stderr)  # fmt: skip
             return 2
         options = dict(KV_BLOCKS=int(kv[-1][2:])) if kv else {}
+        if "ll" in flags:
+            options["LINKED"] = True
         rows.append(compile_form(int(slots), int(warps), "ws" in flags, **options))
     command = "python bench/kernel_stream_loop_compile.py " + " ".join(sys.argv[1:])
     lines = [f"`{command}` (sm_90a, compiled on the CPU; triton {triton.__version__})", "",
-             "| SLOTS:WARPS[:ws] | key blocks in shared memory | registers | spills (B) | shared bytes |",
+             "| SLOTS:WARPS[:flags] | key blocks in shared memory | registers | spills (B) | shared bytes |",
              "|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| {r['form']} | {r['key_blocks']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} |"

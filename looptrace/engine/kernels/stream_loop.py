@@ -124,6 +124,89 @@ def _share(units, pid, programs):
     return (units + programs - 1 - pid) // programs
 
 
+# -------------------------------------------------------------------------------- tagged words (LINKED)
+# The LINKED form hands values between programs without grid barriers: each value travels with the tag of
+# the layer that made it in one word (bf16 bits high, a 16-bit tag low; the attention partials: fp32 bits
+# low, a 31-bit tag high in 64 bits), stored and read whole, so a reader polls the values themselves until
+# every word carries this layer's tag: no fence, no atomic, no second read after a counter (NCCL's LL
+# protocol). A buffer's words are rewritten every layer, and a program can only write layer l + 1's words
+# after every reader of layer l's has read them (each stage needs the whole output of the one before, so
+# every program has passed layer l's reads), so a tag needs to differ only from the layer before's.
+TAG_LAYERS = gl.constexpr(65535)  # 16-bit tags 1 .. 65535 (0, a fresh workspace's words, never matches)
+EPOCHS_C = gl.constexpr(1 << 24)  # launches counted mod this (the count follows the tagged words)
+POLLS = gl.constexpr(1 << 16)  # polls of one vector before a reader gives up (~0.1 s; counted, never a hang)
+
+
+@gluon.jit
+def _tag(epoch, L, layer):
+    """Layer `layer`'s 16-bit tag in launch `epoch`: one more (mod 65535) than the layer before's, in this
+    launch or the one before."""
+    return (1 + (epoch.to(gl.int64) * L + layer) % TAG_LAYERS).to(gl.int32)
+
+
+@gluon.jit
+def _tag32(epoch, L, layer):
+    """The partials' 31-bit tag: their words are not all rewritten every layer (the split count follows the
+    context), so theirs repeats only after 2^31 layers."""
+    return 1 + (epoch.to(gl.int64) * L + layer) % 2147483647
+
+
+@gluon.jit
+def _word(x, tag):
+    """fp32 `x` holding bf16 values and a 16-bit tag as int32 words (`_value` reads them back)."""
+    return (x.to(gl.bfloat16).to(gl.float32).to(gl.int32, bitcast=True) & -65536) | tag
+
+
+@gluon.jit
+def _value(words):
+    return (words & -65536).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _word64(x, tag32):
+    """fp32 `x` and a 31-bit tag as int64 words (`_value64` reads them back)."""
+    return (x.to(gl.int32, bitcast=True).to(gl.int64) & 4294967295) | (tag32 << 32)
+
+
+@gluon.jit
+def _value64(words):
+    return (words & 4294967295).to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _missing(words, live, tag, WIDE: gl.constexpr):
+    if WIDE:
+        return live & ((words >> 32) != tag)
+    else:
+        return live & ((words & 65535) != tag)
+
+
+@gluon.jit
+def _poll(ptrs, live, tag, bar_ptr, WIDE: gl.constexpr, ABLATE: gl.constexpr):
+    """The words at `ptrs` (2-D; 0 where not `live`) once each carries `tag` (WIDE: the 64-bit partials'):
+    every thread reloads only its words still missing. A read that gives up counts in bar_ptr[2]; ablated
+    forms read once (their outputs are wrong anyway)."""
+    words = gl.load(ptrs, mask=live, other=0, volatile=True)
+    missing = _missing(words, live, tag, WIDE)
+    if ABLATE == 0:
+        tries = 0
+        while (gl.max(gl.max(missing.to(gl.int32), axis=1), axis=0) > 0) & (tries < POLLS):
+            words = gl.where(missing, gl.load(ptrs, mask=missing, other=0, volatile=True), words)
+            missing = _missing(words, live, tag, WIDE)
+            tries += 1
+        if gl.max(gl.max(missing.to(gl.int32), axis=1), axis=0) > 0:
+            gl.atomic_add(bar_ptr + 2, 1, sem="relaxed", scope="gpu")
+    return words
+
+
+@gluon.jit
+def _linked(ptr, n, tag, bar_ptr, ROWS: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr,
+            ABLATE: gl.constexpr):  # fmt: skip
+    """`_made`'s vector from tagged words: fp32 [ROWS, BK], 0 past n, once all of layer `tag`'s are in."""
+    offs = _offsets(ROWS, BK, layout)
+    return _value(_poll(ptr + offs, offs < n, tag, bar_ptr, False, ABLATE))
+
+
 # ------------------------------------------------------------------------------------------ the stream
 
 
@@ -209,9 +292,12 @@ def _gemv(
     WARPS: gl.constexpr,
     WS: gl.constexpr,
     ABLATE: gl.constexpr = 0,
+    LINKED: gl.constexpr = False,
+    tag=0,
 ):
     """This program's `units` items of one GEMV stage against x (`x_tiles`: [K tiles, BK] fp32 in shared
-    memory), each item's sums handed to the epilogue EPI. Reading a tile frees its slot for the tile SLOTS
+    memory), each item's sums handed to the epilogue EPI (LINKED: stored as words tagged `tag`). Reading a
+    tile frees its slot for the tile SLOTS
     further on in the stream (near the stage's end, the next stage's): these warps ask TMA for it, or with
     WS (warp-specialized) they arrive on the slot's `empty` barrier and the producer warp asks. Returns the
     stream position after."""
@@ -241,23 +327,33 @@ def _gemv(
         partner = gl.sum(acc_partner, axis=1)
         j = gl.arange(0, 8, layout=gl.SliceLayout(1, tile))
         if EPI == QKV:
-            _rope_out(first, partner, unit * 8 + j, out, HQ, HK, D)
+            _rope_out(first, partner, unit * 8 + j, out, HQ, HK, D, LINKED, tag)
         elif EPI == GATE_UP:
             act_ptr = out
             gate, up = _bf16(first), _bf16(partner)
-            gl.store(act_ptr + unit * 8 + j, (_bf16(gate / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16))
+            act = _bf16(gate / (1.0 + gl.exp(-gate))) * up
+            if LINKED:
+                gl.store(act_ptr + unit * 8 + j, _word(act, tag), cache_modifier=".cg")
+            else:
+                gl.store(act_ptr + unit * 8 + j, act.to(gl.bfloat16))
         else:
             out_ptr = out
-            gl.store(out_ptr + unit * 16 + j, first.to(gl.bfloat16))
-            gl.store(out_ptr + unit * 16 + 8 + j, partner.to(gl.bfloat16))
+            if LINKED:
+                gl.store(out_ptr + unit * 16 + j, _word(first, tag), cache_modifier=".cg")
+                gl.store(out_ptr + unit * 16 + 8 + j, _word(partner, tag), cache_modifier=".cg")
+            else:
+                gl.store(out_ptr + unit * 16 + j, first.to(gl.bfloat16))
+                gl.store(out_ptr + unit * 16 + 8 + j, partner.to(gl.bfloat16))
     return q
 
 
 @gluon.jit
-def _rope_out(first, partner, pair, out, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr):
+def _rope_out(first, partner, pair, out, HQ: gl.constexpr, HK: gl.constexpr, D: gl.constexpr,
+              LINKED: gl.constexpr, tag):  # fmt: skip
     """RoPE (rotate-half, each eager bf16 term rounded) of a q/k unit; q to its buffer, k and v (v without
-    RoPE) into the cache slot (write_entry + layer, write_offset); a padding row (entry < 0) writes none."""
-    q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, entry, offset, layer, stride_e, stride_s, stride_ch = out
+    RoPE) into the cache slot (write_entry + layer, write_offset); a padding row (entry < 0) writes none.
+    LINKED: q as tagged words, and k and v as tagged words too (lk, lv) for this layer's attention."""
+    q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, entry, offset, layer, stride_e, stride_s, stride_ch, lk, lv = out
     HALF: gl.constexpr = D // 2
     x1, x2 = _bf16(first), _bf16(partner)
     head, d = pair // HALF, pair % HALF
@@ -268,9 +364,18 @@ def _rope_out(first, partner, pair, out, HQ: gl.constexpr, HK: gl.constexpr, D: 
     o1 = _bf16(_bf16(x1 * c1) - _bf16(x2 * s1))
     o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
     is_q = head < HQ
-    gl.store(q_ptr + head * D + d, o1.to(gl.bfloat16), mask=is_q)
-    gl.store(q_ptr + head * D + d + HALF, o2.to(gl.bfloat16), mask=is_q)
     kv = head - HQ  # k heads, then v heads
+    if LINKED:
+        gl.store(q_ptr + head * D + d, _word(o1, tag), mask=is_q, cache_modifier=".cg")
+        gl.store(q_ptr + head * D + d + HALF, _word(o2, tag), mask=is_q, cache_modifier=".cg")
+        link = gl.where(kv >= HK, kv - HK, kv) * D + d  # k or v head's words
+        gl.store(lk + link, _word(o1, tag), mask=(kv >= 0) & (kv < HK), cache_modifier=".cg")
+        gl.store(lk + link + HALF, _word(o2, tag), mask=(kv >= 0) & (kv < HK), cache_modifier=".cg")
+        gl.store(lv + link, _word(x1, tag), mask=kv >= HK, cache_modifier=".cg")
+        gl.store(lv + link + HALF, _word(x2, tag), mask=kv >= HK, cache_modifier=".cg")
+    else:
+        gl.store(q_ptr + head * D + d, o1.to(gl.bfloat16), mask=is_q)
+        gl.store(q_ptr + head * D + d + HALF, o2.to(gl.bfloat16), mask=is_q)
     is_k = (kv >= 0) & (kv < HK) & (entry >= 0)
     is_v = (kv >= HK) & (entry >= 0)
     kv_head = gl.where(kv >= HK, kv - HK, kv).to(gl.int64)
@@ -317,7 +422,7 @@ def _norm(x, w, N: gl.constexpr, eps):
 def _set_x(xs, x, ROWS: gl.constexpr):
     """x into this program's shared x tiles (every warp's reads of the stage before are done: a barrier
     precedes every call); the CTA barrier after lets every warp read all of it."""
-    xs.slice(0, ROWS).store(x.to(gl.bfloat16))
+    xs.slice(0, ROWS).store(x.to(xs.dtype))
     gl.thread_barrier()
 
 
@@ -449,13 +554,15 @@ def _prefetch_split(layer, ctx, attn, pid, HQ: gl.constexpr, HK: gl.constexpr, D
 @gluon.jit
 def _attend(layer, newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ: gl.constexpr, HK: gl.constexpr,
             D: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr, WARPS: gl.constexpr,
-            KV_BLOCKS: gl.constexpr):  # fmt: skip
+            KV_BLOCKS: gl.constexpr, LINKED: gl.constexpr = False, links=None, tag=0, tag32=0, bar_ptr=None,
+            ABLATE: gl.constexpr = 0):  # fmt: skip
     """Split-KV attention of every head: ATTN_SPLITS splits per head (16 heads x 8 = 128 items: one per
     program on a 132-SM Hopper whatever the context), each a run of SPLIT-key blocks with an online softmax;
     the last split of a head to draw a ticket combines the partials in split order. Every key but the newest
     is read from the cache as it was before the launch's q/k/v stage; the newest, written by that stage, is
     read once per item and put in its place. The first KV_BLOCKS blocks of item pid come from shared memory
-    (`_preload_keys`)."""
+    (`_preload_keys`). LINKED: q and the newest key from this layer's tagged words, the partials stored as
+    tagged words, and split 0's program combines its head (every item is a program's only one)."""
     q_ptr, out_ptr, _kc, _vc, _tab, part_ptr, ticket_ptr, max_splits, _se, _ss, _sc = attn
     keys: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
@@ -463,11 +570,18 @@ def _attend(layer, newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ: gl.c
     splits = (ctx + per_split - 1) // per_split
     for item in range(pid, HQ * splits, programs):
         split, head = item // HQ, item % HQ
-        q = gl.load(q_ptr + head * D + d, cache_modifier=".cg").to(gl.float32) * qk_scale
+        if LINKED:
+            lq, lk, lv, _la, _lp = links
+            kv_words = (head // (HQ // HK)) * D
+            q = _linked_row(lq + head * D, tag, bar_ptr, D, keys, ABLATE) * qk_scale
+            k_last = _linked_row(lk + kv_words, tag, bar_ptr, D, keys, ABLATE).to(gl.bfloat16)
+            v_last = _linked_row(lv + kv_words, tag, bar_ptr, D, keys, ABLATE).to(gl.bfloat16)
+        else:
+            q = gl.load(q_ptr + head * D + d, cache_modifier=".cg").to(gl.float32) * qk_scale
+            k_last, v_last = _newest_key(newest, ctx, head, attn, HQ, HK, D, PAGE, WARPS)
         m_i = gl.max(gl.full([SPLIT], float("-inf"), gl.float32, gl.SliceLayout(1, keys)), axis=0)
         l_i = gl.sum(gl.zeros([SPLIT], gl.float32, gl.SliceLayout(1, keys)), axis=0)
         acc = gl.zeros([D], gl.float32, gl.SliceLayout(0, keys))
-        k_last, v_last = _newest_key(newest, ctx, head, attn, HQ, HK, D, PAGE, WARPS)
         for block in range(0, gl.minimum(per_split, ctx - split * per_split), SPLIT):
             k_old, v_old = _old_keys(kv_smem, item == pid, layer, ctx, split, block, head, attn, HQ, HK, D,
                                      PAGE, SPLIT, WARPS, KV_BLOCKS)  # fmt: skip
@@ -484,10 +598,18 @@ def _attend(layer, newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ: gl.c
             acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * v.to(gl.float32), axis=0)
             m_i = m_new
         base = (head * max_splits + split) * (D + 2)
-        gl.store(part_ptr + base + d, acc)
-        gl.store(part_ptr + base + D, m_i)
-        gl.store(part_ptr + base + D + 1, l_i)
-        _ticket_combine(part_ptr, out_ptr, ticket_ptr, head, splits, max_splits, D, keys)
+        if LINKED:
+            _lq, _lk, _lv, la, lp = links
+            gl.store(lp + base + d, _word64(acc, tag32), cache_modifier=".cg")
+            gl.store(lp + base + D, _word64(m_i, tag32), cache_modifier=".cg")
+            gl.store(lp + base + D + 1, _word64(l_i, tag32), cache_modifier=".cg")
+            if split == 0:
+                _combine_linked(lp, la, head, splits, max_splits, tag, tag32, bar_ptr, D, keys, ABLATE)
+        else:
+            gl.store(part_ptr + base + d, acc)
+            gl.store(part_ptr + base + D, m_i)
+            gl.store(part_ptr + base + D + 1, l_i)
+            _ticket_combine(part_ptr, out_ptr, ticket_ptr, head, splits, max_splits, D, keys)
 
 
 @gluon.jit
@@ -518,9 +640,40 @@ def _combine(part_ptr, splits, D: gl.constexpr, keys: gl.constexpr):
     l_s = gl.load(row + D + 1, mask=live, other=0.0, cache_modifier=".cg")
     parts = gl.load(gl.expand_dims(row, 1) + gl.expand_dims(d, 0), mask=gl.expand_dims(live, 1), other=0.0,
                     cache_modifier=".cg")  # fmt: skip
+    return _merge(parts, m_s, l_s)
+
+
+@gluon.jit
+def _merge(parts, m_s, l_s):
+    """The partials' softmax-weighted sum, in split order (`_combine`, `_combine_linked`)."""
     scale = gl.exp(m_s - gl.max(m_s, axis=0))
     total = gl.sum(l_s * scale, axis=0)
     return gl.sum(parts * gl.expand_dims(scale, 1), axis=0) / total
+
+
+@gluon.jit
+def _combine_linked(lp, la, head, splits, max_splits, tag, tag32, bar_ptr, D: gl.constexpr,
+                    keys: gl.constexpr, ABLATE: gl.constexpr):  # fmt: skip
+    """`_combine` from the partials' tagged words once every split's are in; the head's output to its tagged
+    words (the LINKED form's combine: split 0's program, no ticket)."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, keys))
+    c = gl.arange(0, COMBINE, layout=gl.SliceLayout(1, keys))
+    live = gl.expand_dims(c < splits, 1)
+    row = gl.expand_dims(lp + (head * max_splits + c) * (D + 2), 1)
+    every_d = live & gl.expand_dims(d >= 0, 0)
+    parts = _value64(_poll(row + gl.expand_dims(d, 0), every_d, tag32, bar_ptr, True, ABLATE))
+    m_s = gl.sum(_value64(_poll(row + D, live, tag32, bar_ptr, True, ABLATE)), axis=1)
+    l_s = gl.sum(_value64(_poll(row + D + 1, live, tag32, bar_ptr, True, ABLATE)), axis=1)
+    m_s = gl.where(c < splits, m_s, float("-inf"))
+    out = _merge(parts, m_s, l_s)
+    gl.store(la + head * D + d, _word(out, tag), cache_modifier=".cg")
+
+
+@gluon.jit
+def _linked_row(ptr, tag, bar_ptr, D: gl.constexpr, keys: gl.constexpr, ABLATE: gl.constexpr):
+    """D values (fp32, SliceLayout(0, keys)) from tagged words, once all of layer `tag`'s are in."""
+    d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, keys)), 0)
+    return gl.sum(_value(_poll(ptr + d, d >= 0, tag, bar_ptr, False, ABLATE)), axis=0)
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -553,6 +706,8 @@ def _stream_kernel(
     ticket_ptr,
     bar_ptr,
     times_ptr,
+    link_ptr,
+    lpart_ptr,
     L,
     max_splits,
     eps,
@@ -576,6 +731,7 @@ def _stream_kernel(
     WS: gl.constexpr = False,
     ABLATE: gl.constexpr = 0,
     KV_BLOCKS: gl.constexpr = 2,
+    LINKED: gl.constexpr = False,
 ):
     let_dependents_launch(PDL)
     pid = gl.program_id(0)
@@ -635,14 +791,15 @@ def _stream_kernel(
         tab_ptr,
         ctx_ptr,
     )
-    bufs = (q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row)
+    bufs = (q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row, link_ptr,
+            lpart_ptr)  # fmt: skip
     scalars = (L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch)
     smem = (ring, bars, empty, xs, x_tiles, kv_smem)
     counts = (n_qkv, n_o, n_gu, n_down)
     if WS:  # these warps compute; one more warp keeps the ring full (waits for a slot's reads, then asks TMA)
         gl.warp_specialize(
             [(_layers, (io, bufs, scalars, smem, stream, counts, descs, H, INTER, HQ, HK, D, PAGE, BK, SPLIT,
-                        SLOTS, XROWS, WARPS, TIMED, WS, ABLATE, KV_BLOCKS)),
+                        SLOTS, XROWS, WARPS, TIMED, WS, ABLATE, KV_BLOCKS, LINKED)),
              (_producer, (stream, ring, bars, empty, descs, H, INTER, NQKV, KO, D, BK, SLOTS))],
             [1],
             [PRODUCER_REGS],
@@ -671,6 +828,7 @@ def _stream_kernel(
             WS,
             ABLATE,
             KV_BLOCKS,
+            LINKED,
         )
 
 
@@ -708,10 +866,14 @@ def _layers(io, bufs, scalars, smem, stream,
     counts, descs, H: gl.constexpr, INTER: gl.constexpr, HQ: gl.constexpr,
             HK: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr,
             SLOTS: gl.constexpr, XROWS: gl.constexpr, WARPS: gl.constexpr, TIMED: gl.constexpr,
-            WS: gl.constexpr, ABLATE: gl.constexpr, KV_BLOCKS: gl.constexpr):  # fmt: skip
+            WS: gl.constexpr, ABLATE: gl.constexpr, KV_BLOCKS: gl.constexpr,
+            LINKED: gl.constexpr):  # fmt: skip
     """Every layer of the loop, then the final norm: the computing warps' work. Each grid barrier is split in
     two: between this program's arrival and its wait it loads what needs no other program (the norm weights
-    of the stage after), so those loads overlap the wait instead of following it."""
+    of the stage after), so those loads overlap the wait instead of following it. LINKED: no grid barriers;
+    each stage reads the words it needs once they carry this layer's tag (a program with no units in a
+    stage reads nothing for it), and the clock stamps mark a stage's end and when its successor's inputs
+    were all in."""
     (
         h_in_ptr,
         state_ptr,
@@ -726,7 +888,9 @@ def _layers(io, bufs, scalars, smem, stream,
         tab_ptr,
         ctx_ptr,
     ) = io
-    q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row = bufs
+    q_ptr, attn_ptr, o_ptr, act_ptr, d_ptr, part_ptr, ticket_ptr, bar_ptr, times_row, link_ptr, lpart_ptr = (
+        bufs
+    )
     L, max_splits, eps, qk_scale, stride_e, stride_s, stride_ch = scalars
     ring, bars, empty, xs, x_tiles, kv_smem = smem
     n_qkv, n_o, n_gu, n_down = counts
@@ -737,6 +901,17 @@ def _layers(io, bufs, scalars, smem, stream,
     KH: gl.constexpr = H // BK
     KTO: gl.constexpr = KO // BK
     KI: gl.constexpr = INTER // BK
+    # the LINKED form's tagged words (`loop_streamed`): q, the newest k and v, the attention's output, o,
+    # the activation, down's output, then the launch count
+    lq = link_ptr
+    lk = lq + HQ * D
+    lv = lk + HK * D
+    la = lv + HK * D
+    lo = la + HQ * D
+    lact = lo + H
+    ldown = lact + INTER
+    epoch = gl.load(ldown + H) if LINKED else 0
+    links = (lq, lk, lv, la, lpart_ptr)
     ctx = gl.load(ctx_ptr)
     entry = gl.load(went_ptr).to(gl.int64)
     offset = gl.load(woff_ptr).to(gl.int64)
@@ -759,13 +934,14 @@ def _layers(io, bufs, scalars, smem, stream,
     arrivals = programs * 0
     for layer in range(L):
         stamp = 1 + layer * 10  # this layer's first barrier: arrival, then departure
+        tag = _tag(epoch, L, layer)
         _set_x(xs, _norm(h, w_in1, H, eps), KH)
         if KV_BLOCKS > 0:  # noqa: SIM102 (constexpr tests)
             if (ABLATE & NO_ATTENTION) == 0:
                 _preload_keys(kv_smem, layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS,
                               KV_BLOCKS)  # fmt: skip
         rope = (
-            q_ptr,
+            lq if LINKED else q_ptr,
             kc_ptr,
             vc_ptr,
             cos_ptr,
@@ -776,58 +952,96 @@ def _layers(io, bufs, scalars, smem, stream,
             stride_e,
             stride_s,
             stride_ch,
+            lk,
+            lv,
         )
         q = _gemv(q, n_qkv, KH, QKV, rope, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
+                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
         if (ABLATE & NO_ATTENTION) == 0:
             _prefetch_split(layer.to(gl.int64), ctx, attn, pid, HQ, HK, D, PAGE, SPLIT, WARPS, KV_BLOCKS)
-            arrivals += programs
-            _arrive(bar_ptr, times_row, stamp, TIMED, ABLATE)
-            newest = _newest_page(layer.to(gl.int64), ctx, tab_ptr, PAGE)
-            _wait(bar_ptr, arrivals, times_row, stamp, TIMED, ABLATE)
+            if LINKED:  # each attention item waits for its own head's words
+                _stamp(times_row, stamp, TIMED)
+                newest = entry
+                _stamp(times_row, stamp + 1, TIMED)
+            else:
+                arrivals += programs
+                _arrive(bar_ptr, times_row, stamp, TIMED, ABLATE)
+                newest = _newest_page(layer.to(gl.int64), ctx, tab_ptr, PAGE)
+                _wait(bar_ptr, arrivals, times_row, stamp, TIMED, ABLATE)
             if KV_BLOCKS > 0:  # this thread's copies landed; the CTA barrier: every thread's
                 async_copy.wait_group(0)
                 gl.thread_barrier()
             _attend(layer.to(gl.int64), newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ, HK, D, PAGE,
-                    SPLIT, WARPS, KV_BLOCKS)  # fmt: skip
-        arrivals += programs
-        _arrive(bar_ptr, times_row, stamp + 2, TIMED, ABLATE)
-        _wait(bar_ptr, arrivals, times_row, stamp + 2, TIMED, ABLATE)
-        _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
-        q = _gemv(q, n_o, KTO, O_PROJ, o_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
-        arrivals += programs
-        _arrive(bar_ptr, times_row, stamp + 4, TIMED, ABLATE)
-        w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
-        w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
-        _wait(bar_ptr, arrivals, times_row, stamp + 4, TIMED, ABLATE)
+                    SPLIT, WARPS, KV_BLOCKS, LINKED, links, tag, _tag32(epoch, L, layer), bar_ptr,
+                    ABLATE)  # fmt: skip
+        if LINKED:
+            _stamp(times_row, stamp + 2, TIMED)
+            if n_o > 0:
+                _set_x(xs, _linked(la, KO, tag, bar_ptr, KTO, BK, vec, ABLATE), KTO)
+            _stamp(times_row, stamp + 3, TIMED)
+        else:
+            arrivals += programs
+            _arrive(bar_ptr, times_row, stamp + 2, TIMED, ABLATE)
+            _wait(bar_ptr, arrivals, times_row, stamp + 2, TIMED, ABLATE)
+            _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
+        q = _gemv(q, n_o, KTO, O_PROJ, lo if LINKED else o_ptr, x_tiles, stream, ring, bars, empty, descs, H,
+                  INTER, NQKV, KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
+        if LINKED:
+            _stamp(times_row, stamp + 4, TIMED)
+            w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
+            w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
+            o_out = _linked(lo, H, tag, bar_ptr, KH, BK, vec, ABLATE)
+            _stamp(times_row, stamp + 5, TIMED)
+        else:
+            arrivals += programs
+            _arrive(bar_ptr, times_row, stamp + 4, TIMED, ABLATE)
+            w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
+            w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
+            _wait(bar_ptr, arrivals, times_row, stamp + 4, TIMED, ABLATE)
+            o_out = _made(o_ptr, H, KH, BK, vec)
         # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
-        h = _bf16(h + _norm(_made(o_ptr, H, KH, BK, vec), w_in2, H, eps))
+        h = _bf16(h + _norm(o_out, w_in2, H, eps))
         _set_x(xs, _norm(h, w_post1, H, eps), KH)
-        q = _gemv(q, n_gu, KH, GATE_UP, act_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV,
-                  KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
-        arrivals += programs
-        _arrive(bar_ptr, times_row, stamp + 6, TIMED, ABLATE)
-        _wait(bar_ptr, arrivals, times_row, stamp + 6, TIMED, ABLATE)
-        _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
-        q = _gemv(q, n_down, KI, DOWN, d_ptr, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV, KO,
-                  HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE)  # fmt: skip
-        arrivals += programs
-        _arrive(bar_ptr, times_row, stamp + 8, TIMED, ABLATE)
-        w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
-        w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
-        _wait(bar_ptr, arrivals, times_row, stamp + 8, TIMED, ABLATE)
-        # the next layer's input (here rather than at its start: fewer values live across the loop, no
-        # spill at 18 slots)
-        h = _bf16(h + _norm(_made(d_ptr, H, KH, BK, vec), w_post2, H, eps))  # M + post2(down)
+        act_out = lact if LINKED else act_ptr
+        q = _gemv(q, n_gu, KH, GATE_UP, act_out, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV,
+                  KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
+        if LINKED:
+            _stamp(times_row, stamp + 6, TIMED)
+            if n_down > 0:
+                _set_x(xs, _linked(lact, INTER, tag, bar_ptr, XROWS, BK, vec, ABLATE), XROWS)
+            _stamp(times_row, stamp + 7, TIMED)
+        else:
+            arrivals += programs
+            _arrive(bar_ptr, times_row, stamp + 6, TIMED, ABLATE)
+            _wait(bar_ptr, arrivals, times_row, stamp + 6, TIMED, ABLATE)
+            _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
+        q = _gemv(q, n_down, KI, DOWN, ldown if LINKED else d_ptr, x_tiles, stream, ring, bars, empty, descs,
+                  H, INTER, NQKV, KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
+        if LINKED:
+            _stamp(times_row, stamp + 8, TIMED)
+            w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
+            w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
+            down = _linked(ldown, H, tag, bar_ptr, KH, BK, vec, ABLATE)
+            _stamp(times_row, stamp + 9, TIMED)
+        else:
+            arrivals += programs
+            _arrive(bar_ptr, times_row, stamp + 8, TIMED, ABLATE)
+            w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
+            w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
+            _wait(bar_ptr, arrivals, times_row, stamp + 8, TIMED, ABLATE)
+            down = _made(d_ptr, H, KH, BK, vec)
+        h = _bf16(h + _norm(down, w_post2, H, eps))  # the next layer's input: M + post2(down)
     state = _norm(h, _weights(wf_ptr, KH, BK, vec), H, eps)
     if pid == 0:
         gl.store(state_ptr + _offsets(KH, BK, vec), state.to(gl.bfloat16))
     _stamp(times_row, 1 + L * 10, TIMED)
-    # the last program to leave: every program is past its waits, the counters go back to zero
+    # the last program to leave: every program is past its waits, the counters go back to zero (LINKED: and
+    # the launch count goes one up, so the next launch's tags follow this one's)
     if gl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         gl.store(bar_ptr, 0)
         gl.store(bar_ptr + 1, 0)
+        if LINKED:
+            gl.store(ldown + H, (epoch + 1) % EPOCHS_C)
 
 
 # -------------------------------------------------------------------------------------------------- host
@@ -855,6 +1069,25 @@ def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cac
     )
 
 
+_LINKS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def links(device, weights: pl.LoopWeights, max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LINKED form's tagged words (int32: q, the newest k and v, the attention's output, o, the
+    activation, down's output, then the launch count) and partials (int64), zero at first (no tag is 0);
+    kept for the process like `persistent_loop.workspace` (inside a capture: made for that graph alone)."""
+    key = (device, weights.shape, weights.heads, max_splits)
+    if key in _LINKS:
+        return _LINKS[key]
+    hq, hk, d = weights.heads
+    _layers, hidden, inter = weights.shape
+    words = torch.zeros(2 * hq * d + 2 * hk * d + 2 * hidden + inter + 1, dtype=torch.int32, device=device)
+    parts = torch.zeros(hq * max_splits * (d + 2), dtype=torch.int64, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _LINKS[key] = (words, parts)
+    return words, parts
+
+
 def stamp_count(layers: int) -> int:
     """Clock stamps per program of a timed launch (`loop_streamed(times=...)`)."""
     return 2 + 10 * layers
@@ -879,6 +1112,7 @@ def loop_streamed(
     specialized: bool = True,
     ablate: int = 0,
     kv_blocks: int = 2,
+    linked: bool = False,
 ) -> torch.Tensor:
     """One Ouro loop over one decode row `state` `[1, H]` as one persistent launch whose weights stream
     through a TMA ring of `slots` tiles (16 x BLOCK_K bf16 each) per SM; returns the new state `[1, H]`.
@@ -888,7 +1122,9 @@ def loop_streamed(
     attention item's first key blocks (K and V) are copied into shared memory as each layer starts
     (`_preload_keys`), which with x held as bf16 leaves room for 18 slots (on an H100 at 640 keys: 1.205
     ms per loop against 1.275 ms for 20 slots without it, 1.339 against 1.411 ms at 1,500 keys; 18 slots
-    1.187 against 1.202 ms for 16 with fp32 x). `times` (int64
+    1.187 against 1.202 ms for 16 with fp32 x). `linked` (off; compiled for sm_90a but not yet run on a
+    GPU): the programs hand values over as tagged words instead of through grid barriers (the section
+    "tagged words" above; needs a program per attention item). `times` (int64
     `[programs, 2 + 10 L]`, optional): each program's GPU clock in ns at its start, at its arrival at and its
     departure from each grid barrier (5 per layer), and at its end: the stage anatomy (`stamp_count`).
     `ablate` (bench only, wrong outputs): the NO_* bits, parts left out to see what each costs. Call where
@@ -898,6 +1134,9 @@ def loop_streamed(
     programs = torch.cuda.get_device_properties(state.device).multi_processor_count
     max_splits = pl.split_slots(tables, page, split_keys)
     ws = pl.workspace(state.device, programs, 1, weights, max_splits)
+    words, parts = links(state.device, weights, max_splits) if linked else (ws.barrier, ws.part)
+    if linked and programs < hq * ATTN_SPLITS.value:
+        raise ValueError(f"the linked form needs a program per attention item: {hq * ATTN_SPLITS.value}")
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     descs = [
         TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [BOX_ROWS, BLOCK_K], layout)
@@ -927,6 +1166,8 @@ def loop_streamed(
         ws.tickets,
         ws.barrier,
         ws.barrier if times is None else times,  # never written when untimed
+        words,
+        parts,
         layers,
         max_splits,
         weights.eps,
@@ -951,6 +1192,7 @@ def loop_streamed(
         WS=specialized,
         ABLATE=ablate,
         KV_BLOCKS=kv_blocks,
+        LINKED=linked,
         **pdl_args(),
     )
     return out

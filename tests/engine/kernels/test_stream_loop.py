@@ -51,6 +51,19 @@ def test_the_kernel_compiles_for_hopper_without_spills():
     assert ring + keys <= row["shared_bytes"] <= 227 * 1024
 
 
+@needs_triton
+def test_the_linked_form_compiles_for_hopper():
+    """The form without grid barriers (tagged words): it compiles at the default ring with the same shared
+    memory; its polls keep more values live, and it spills a few words (76 bytes when written)."""
+    sys.path.insert(0, str(BENCH))
+    import kernel_stream_loop_compile as compile_bench
+
+    barriers = compile_bench.compile_form(slots=18, warps=4, ws=True)
+    linked = compile_bench.compile_form(slots=18, warps=4, ws=True, LINKED=True)
+    assert linked["form"] == "18:4:ws:ll" and linked["shared_bytes"] == barriers["shared_bytes"]
+    assert linked["registers"] <= 255 and linked["spill_bytes"] <= 128
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
 @pytest.mark.parametrize(
@@ -174,4 +187,51 @@ def test_fast_decodes_one_row_loops_through_the_ring_and_repeats_its_tokens(monk
     first = engine.generate([[3 + j for j in range(40)]], params)
     assert engine.generate([[3 + j for j in range(40)]], params) == first
     assert rows_seen and set(rows_seen) == {1}
+    assert pl.barrier_timeouts() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+@pytest.mark.parametrize("ctx", [300, 640, 1500])
+def test_tagged_words_change_no_bit_against_the_grid_barriers(ctx):
+    """The linked form (values handed over as tagged words, no grid barriers) computes what the barrier form
+    computes: state and K/V bit for bit the same, short and long contexts (1 to 3 key blocks per split)."""
+    from looptrace.engine.kernels import persistent_loop as pl
+    from looptrace.engine.kernels import stream_loop as sl
+
+    case = _ouro_case(3, [ctx]).rows([0])
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    barriers = sl.loop_streamed(*case.args(kc, vc), linked=False)
+    for slots in (16, 18):
+        kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
+        linked = sl.loop_streamed(*case.args(kc2, vc2), slots=slots, linked=True)
+        assert torch.equal(barriers, linked) and torch.equal(kc, kc2) and torch.equal(vc, vc2), slots
+    assert pl.barrier_timeouts() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+def test_tagged_words_survive_the_tag_and_launch_count_wrapping():
+    """The tags follow a launch count kept on the GPU: launches whose layers cross the 16-bit tag's wrap, and
+    the count's own wrap, repeat the first launch's bits (a stale word taken for a fresh one would not), in
+    eager launches and in a CUDA graph replayed several times."""
+    from looptrace.engine.kernels import persistent_loop as pl
+    from looptrace.engine.kernels import stream_loop as sl
+
+    layers = 2
+    case = _ouro_case(layers, [640]).rows([0])
+    first = sl.loop_streamed(*case.args(), linked=True)
+    words, _parts = sl.links(first.device, case.weights, pl.split_slots(case.tables, case.page, 64))
+    for count in (65535 // layers - 1, sl.EPOCHS_C.value - 1):
+        words[-1] = count
+        for _ in range(3):
+            assert torch.equal(sl.loop_streamed(*case.args(), linked=True), first), count
+    args = case.args()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sl.loop_streamed(*args, linked=True)
+    for _ in range(4):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
     assert pl.barrier_timeouts() == 0
