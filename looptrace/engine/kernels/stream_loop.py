@@ -863,6 +863,37 @@ def _wait(bar_ptr, target, times_row, stamp, TIMED: gl.constexpr, ABLATE: gl.con
 
 
 @gluon.jit
+def _stage_end(bar_ptr, arrivals, programs, times_row, stamp, TIMED: gl.constexpr, ABLATE: gl.constexpr,
+               LINKED: gl.constexpr):  # fmt: skip
+    """This program's end of a stage: its clock stamp and, with grid barriers, its arrival (returns the
+    arrivals the barrier's wait then expects). Work needing no other program may follow before
+    `_stage_input`."""
+    if LINKED:
+        _stamp(times_row, stamp, TIMED)
+    else:
+        arrivals += programs
+        _arrive(bar_ptr, times_row, stamp, TIMED, ABLATE)
+    return arrivals
+
+
+@gluon.jit
+def _stage_input(words_ptr, bf16_ptr, n, tag, bar_ptr, arrivals, times_row, stamp, ROWS: gl.constexpr,
+                 BK: gl.constexpr, layout: gl.constexpr, TIMED: gl.constexpr, ABLATE: gl.constexpr,
+                 LINKED: gl.constexpr):  # fmt: skip
+    """The vector the next stage reads, fp32 [ROWS, BK], 0 past n (n = 0: a program with no units there
+    reads nothing; with tagged words it must not, see "tagged words"): after the grid barrier's wait,
+    through L2 from `bf16_ptr`, or (LINKED) once its words at `words_ptr` all carry `tag`; then the
+    departure stamp."""
+    if LINKED:
+        x = _linked(words_ptr, n, tag, bar_ptr, ROWS, BK, layout, ABLATE)
+        _stamp(times_row, stamp + 1, TIMED)
+    else:
+        _wait(bar_ptr, arrivals, times_row, stamp, TIMED, ABLATE)
+        x = _made(bf16_ptr, n, ROWS, BK, layout)
+    return x
+
+
+@gluon.jit
 def _layers(io, bufs, scalars, smem, stream,
     counts, descs, H: gl.constexpr, INTER: gl.constexpr, HQ: gl.constexpr,
             HK: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr,
@@ -975,62 +1006,34 @@ def _layers(io, bufs, scalars, smem, stream,
             _attend(layer.to(gl.int64), newest, ctx, attn, pid, programs, qk_scale, kv_smem, HQ, HK, D, PAGE,
                     SPLIT, WARPS, KV_BLOCKS, LINKED, links, tag, _tag32(epoch, L, layer), bar_ptr,
                     ABLATE)  # fmt: skip
-        if LINKED:
-            _stamp(times_row, stamp + 2, TIMED)
-            if n_o > 0:
-                _set_x(xs, _linked(la, KO, tag, bar_ptr, KTO, BK, vec, ABLATE), KTO)
-            _stamp(times_row, stamp + 3, TIMED)
-        else:
-            arrivals += programs
-            _arrive(bar_ptr, times_row, stamp + 2, TIMED, ABLATE)
-            _wait(bar_ptr, arrivals, times_row, stamp + 2, TIMED, ABLATE)
-            _set_x(xs, _made(attn_ptr, KO, KTO, BK, vec), KTO)
+        arrivals = _stage_end(bar_ptr, arrivals, programs, times_row, stamp + 2, TIMED, ABLATE, LINKED)
+        x = _stage_input(la, attn_ptr, KO * (n_o > 0).to(gl.int32), tag, bar_ptr, arrivals, times_row,
+                         stamp + 2, KTO, BK, vec, TIMED, ABLATE, LINKED)  # fmt: skip
+        _set_x(xs, x, KTO)
         q = _gemv(q, n_o, KTO, O_PROJ, lo if LINKED else o_ptr, x_tiles, stream, ring, bars, empty, descs, H,
                   INTER, NQKV, KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
-        if LINKED:
-            _stamp(times_row, stamp + 4, TIMED)
-            w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
-            w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
-            o_out = _linked(lo, H, tag, bar_ptr, KH, BK, vec, ABLATE)
-            _stamp(times_row, stamp + 5, TIMED)
-        else:
-            arrivals += programs
-            _arrive(bar_ptr, times_row, stamp + 4, TIMED, ABLATE)
-            w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
-            w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
-            _wait(bar_ptr, arrivals, times_row, stamp + 4, TIMED, ABLATE)
-            o_out = _made(o_ptr, H, KH, BK, vec)
+        arrivals = _stage_end(bar_ptr, arrivals, programs, times_row, stamp + 4, TIMED, ABLATE, LINKED)
+        w_in2 = _weights(wn_ptr + (layer * 4 + 1) * H, KH, BK, vec)
+        w_post1 = _weights(wn_ptr + (layer * 4 + 2) * H, KH, BK, vec)
+        o_out = _stage_input(lo, o_ptr, H, tag, bar_ptr, arrivals, times_row, stamp + 4, KH, BK, vec, TIMED,
+                             ABLATE, LINKED)  # fmt: skip
         # M = h + in2(o), the MLP's residual (kept in h); x = post1(M)
         h = _bf16(h + _norm(o_out, w_in2, H, eps))
         _set_x(xs, _norm(h, w_post1, H, eps), KH)
         act_out = lact if LINKED else act_ptr
         q = _gemv(q, n_gu, KH, GATE_UP, act_out, x_tiles, stream, ring, bars, empty, descs, H, INTER, NQKV,
                   KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
-        if LINKED:
-            _stamp(times_row, stamp + 6, TIMED)
-            if n_down > 0:
-                _set_x(xs, _linked(lact, INTER, tag, bar_ptr, XROWS, BK, vec, ABLATE), XROWS)
-            _stamp(times_row, stamp + 7, TIMED)
-        else:
-            arrivals += programs
-            _arrive(bar_ptr, times_row, stamp + 6, TIMED, ABLATE)
-            _wait(bar_ptr, arrivals, times_row, stamp + 6, TIMED, ABLATE)
-            _set_x(xs, _made(act_ptr, INTER, XROWS, BK, vec), XROWS)
+        arrivals = _stage_end(bar_ptr, arrivals, programs, times_row, stamp + 6, TIMED, ABLATE, LINKED)
+        x = _stage_input(lact, act_ptr, INTER * (n_down > 0).to(gl.int32), tag, bar_ptr, arrivals, times_row,
+                         stamp + 6, XROWS, BK, vec, TIMED, ABLATE, LINKED)  # fmt: skip
+        _set_x(xs, x, XROWS)
         q = _gemv(q, n_down, KI, DOWN, ldown if LINKED else d_ptr, x_tiles, stream, ring, bars, empty, descs,
                   H, INTER, NQKV, KO, HQ, HK, D, BK, SLOTS, WARPS, WS, ABLATE, LINKED, tag)  # fmt: skip
-        if LINKED:
-            _stamp(times_row, stamp + 8, TIMED)
-            w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
-            w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
-            down = _linked(ldown, H, tag, bar_ptr, KH, BK, vec, ABLATE)
-            _stamp(times_row, stamp + 9, TIMED)
-        else:
-            arrivals += programs
-            _arrive(bar_ptr, times_row, stamp + 8, TIMED, ABLATE)
-            w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
-            w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
-            _wait(bar_ptr, arrivals, times_row, stamp + 8, TIMED, ABLATE)
-            down = _made(d_ptr, H, KH, BK, vec)
+        arrivals = _stage_end(bar_ptr, arrivals, programs, times_row, stamp + 8, TIMED, ABLATE, LINKED)
+        w_post2 = _weights(wn_ptr + (layer * 4 + 3) * H, KH, BK, vec)
+        w_in1 = _weights(wn_ptr + ((layer + 1) % L * 4) * H, KH, BK, vec)  # past the last layer: unused
+        down = _stage_input(ldown, d_ptr, H, tag, bar_ptr, arrivals, times_row, stamp + 8, KH, BK, vec, TIMED,
+                            ABLATE, LINKED)  # fmt: skip
         h = _bf16(h + _norm(down, w_post2, H, eps))  # the next layer's input: M + post2(down)
     state = _norm(h, _weights(wf_ptr, KH, BK, vec), H, eps)
     if pid == 0:
