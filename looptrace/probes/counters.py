@@ -90,6 +90,7 @@ LOOP_PREFIX = "lt.loop/"
 LAYER_PREFIX = "lt.layer/"
 OP_PREFIX = "lt.op/"
 GRAPH_BODY_PREFIX = "lt.graph/"  # an eager run of a captured graph's body: maps replay kernels to ops
+RING_CLOCK = "lt.ring_clock"  # timed eager launches of the persistent loop (probes/ring_clock.py)
 STAGES = ("prefill", "prelude", "recurrent", "coda", "token", "sample")
 OP_KINDS = (
     "norm", "rope", "attention", "paged_attention", "mlp", "gate", "adapter", "embed", "head", "sample",

@@ -23,7 +23,7 @@ from looptrace.probes.report import (
     timeline_table,
     to_csv,
 )
-from looptrace.probes.roofline_report import roofline_table
+from looptrace.probes.roofline_report import ring_clock_table, roofline_table
 
 # Printed under every profile report: its host time sits beside `run`'s and `bench`'s TPOT in the README.
 PROFILER_OVERHEAD_NOTE = (
@@ -216,3 +216,5 @@ def _print_roofline(console: Console, side: dict[str, Any], title: str = "Decode
     block = side["windows"].get("decode", {}).get("report", {}).get("roofline")
     if block:
         console.print(roofline_table(block, title))
+        for anatomy in block.get("ring_clock") or []:  # the persistent loop's launch, stage by stage
+            console.print(ring_clock_table(anatomy))

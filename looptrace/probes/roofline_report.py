@@ -24,6 +24,7 @@ from rich.table import Table
 
 from looptrace.probes import counters as names
 from looptrace.probes.events import Trace, TraceEvent
+from looptrace.probes.ring_clock import TAIL, RingAnatomy
 from looptrace.probes.roofline import DevicePeak, OpCost, achieved, device_for, floor_us
 
 # Op kinds the model prices; the rest (sampling, metadata, readback, ...) show "n/a".
@@ -113,15 +114,30 @@ def call_cost(kind: str, module: Any, s: Shapes) -> OpCost | None:
     if kind == "embed":
         return OpCost(flops=0.0, bytes=r * (2 * s.hidden * a + 8))
     if kind == "persistent_loop":  # a whole loop: every layer's weights once, each layer's K/V per row
-        tensors = module.weight_tensors()
-        layers = tensors[0].shape[0]
-        attention = call_cost("paged_attention", module, s)
-        io = r * 2 * s.hidden * a  # the state in, the new state out (the rest stays in L2)
-        return OpCost(
-            flops=2.0 * r * _matrix_elems(t.flatten(1) for t in tensors[:4]) + layers * attention.flops,
-            bytes=_bytes(tensors) + layers * attention.bytes + io,
-        )
+        stages = loop_stage_costs(module, s).values()
+        return OpCost(flops=sum(c.flops for c in stages), bytes=sum(c.bytes for c in stages))
     return None
+
+
+def loop_stage_costs(module: Any, s: Shapes) -> dict[str, OpCost]:
+    """One persistent-loop call's floor, stage by stage (`ring_clock.anatomy`'s stages, then the tail):
+    each GEMV stage its weights of every layer, attention each layer's K/V per row; the tail the norms'
+    weights (a few hundred KB) and the state in and out (what else the stages hand over stays in L2)."""
+    qkv, o, gate_up, down, *norms = module.weight_tensors()
+    layers = qkv.shape[0]
+    attention = call_cost("paged_attention", module, s)
+
+    def gemv(w) -> OpCost:
+        return OpCost(flops=2.0 * s.rows * w.numel(), bytes=_bytes([w]))
+
+    return {
+        "qkv": gemv(qkv),
+        "attention": OpCost(flops=layers * attention.flops, bytes=layers * attention.bytes),
+        "o": gemv(o),
+        "gate_up": gemv(gate_up),
+        "down": gemv(down),
+        TAIL: OpCost(flops=0.0, bytes=_bytes(norms) + s.rows * 2 * s.hidden * s.act_bytes),
+    }
 
 
 def _layer_role(name: str, layers: dict[str, str]) -> str:
@@ -301,6 +317,33 @@ def roofline_rows(
     return out
 
 
+def split_loop_rows(
+    rows: list[RooflineRow],
+    anatomies: Iterable[RingAnatomy],
+    stage_costs: dict[str, dict[str, OpCost]],
+    device: DevicePeak | None,
+    dtype: str | None,
+) -> list[RooflineRow]:
+    """Each persistent-loop row whose launch was clocked becomes one row per stage (`persistent_loop.qkv`,
+    ...): the loop's measured time split by the stages' shares of the timed launches, each against its own
+    floor (`loop_stage_costs`). The stage rows add up to the loop's row: time, bytes and FLOPs."""
+    shares = {a.op: a.shares() for a in anatomies}
+    if not shares:
+        return rows
+    # The roofline keys op rows by kind, not module: a clocked loop op stands for its kind.
+    op_name = next(iter(shares))
+    out = []
+    for r in rows:
+        if r.op != "persistent_loop":
+            out.append(r)
+            continue
+        for stage, share in shares[op_name].items():
+            us = None if r.gpu_us_per_token is None else r.gpu_us_per_token * share
+            key = (f"{r.op}.{stage}", r.role)
+            out.append(_row(key, us, r.calls_per_token, stage_costs[op_name][stage], device, dtype))
+    return out
+
+
 def token_total(
     rows: list[RooflineRow], gpu_us_per_token: float, device: DevicePeak | None
 ) -> dict[str, Any]:
@@ -330,32 +373,51 @@ def _dtype_name(engine: Any) -> str | None:
 
 
 def decode_roofline(
-    engine: Any, trace: Trace, window: dict[str, Any], analysis: Any, device: DevicePeak | None
+    engine: Any,
+    trace: Trace,
+    window: dict[str, Any],
+    analysis: Any,
+    device: DevicePeak | None,
+    ring: list[RingAnatomy] = (),
 ) -> dict[str, Any]:
-    """The `roofline` block of a profile's decode window (JSON-ready)."""
+    """The `roofline` block of a profile's decode window (JSON-ready); `ring`: the clocked stages of the
+    persistent loop's launch (`ring_clock.measure`), which split its row by stage."""
     s = shapes_of(engine, window)
     groups = [(str(g.key[0]), str(g.key[1]), g.gpu_us) for g in analysis.breakdown.by_op_role]
+    dtype = _dtype_name(engine)
     rows = roofline_rows(
         groups,
         mean_call_costs(engine, s),
         calls_per_token(trace, window, s.rows),
         int(window.get("tokens") or 1),
         device,
-        _dtype_name(engine),
+        dtype,
     )
+    modules = dict(engine.observable_modules())
+    stage_costs = {a.op: loop_stage_costs(modules[a.op], s) for a in ring}
+    rows = split_loop_rows(rows, ring, stage_costs, device, dtype)
     tokens = int(window.get("tokens") or 1)
     return {
         "device": device.to_dict() if device else None,
-        "dtype": _dtype_name(engine),
+        "dtype": dtype,
         "rows_per_call": s.rows,
         "context_tokens": s.context,
         "rows": [asdict(r) for r in rows],
         "token": token_total(rows, analysis.counters.gpu_us / tokens, device),
+        "ring_clock": [a.to_dict() for a in ring],
         "notes": [
             "floor per call: weights, input and output rows once, paged attention's K/V of each row's "
             "context; FLOPs 2 per multiply-add; calls per token from the lt.op ranges (graph replays via "
             "their eager body run)",
             *([] if device else ["device peaks unknown (CPU or unrecognised GPU): % of roofline is n/a"]),
+            *(
+                [
+                    "persistent_loop.<stage>: the loop's measured time split by its stages' shares of "
+                    f"{ring[0].launches} timed eager launches (every program's clock at each stage's end)"
+                ]
+                if ring
+                else []
+            ),
         ],
     }
 
@@ -379,7 +441,8 @@ def profile_roofline(engine: Any, result: Any, override: str | None = None) -> d
     window = vars(result.windows["decode"])
     device = _device(result.trace, engine, override)
     try:
-        return decode_roofline(engine, result.trace, window, result.analyses["decode"], device)
+        analysis = result.analyses["decode"]
+        return decode_roofline(engine, result.trace, window, analysis, device, result.ring_clock)
     except Exception as exc:  # noqa: BLE001 - a pricing bug must not cost the measured report
         print(f"warning: roofline rows not computed ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
@@ -440,4 +503,30 @@ def roofline_table(block: dict[str, Any], title: str = "Decode roofline per op")
             _fmt(tok["pct_of_peak"], ".1f"),
             "",
         )
+    return t
+
+
+def ring_clock_table(anatomy: dict[str, Any]) -> Any:
+    """`ring_clock` of a roofline block: the persistent loop's stages per layer from the programs' clocks."""
+    t = Table(
+        title=(
+            f"Inside {anatomy['op']}: stages per layer, medians of {anatomy['launches']} timed launches "
+            f"({anatomy['programs']} programs, {anatomy['layers']} layers, {anatomy['loop_us']:,.1f} µs each)"
+        ),
+        title_justify="left",
+    )
+    for col in ("stage", "wall µs", "share", "work mean µs", "work max µs", "wait mean µs", "release µs"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    shares = anatomy["shares"]
+    for st in anatomy["stages"]:
+        t.add_row(
+            st["stage"],
+            f"{st['wall_us']:.2f}",
+            f"{100 * shares[st['stage']]:.1f} %",
+            f"{st['work_mean_us']:.2f}",
+            f"{st['work_max_us']:.2f}",
+            f"{st['wait_mean_us']:.2f}",
+            f"{st['release_us']:.2f}",
+        )
+    t.add_row(f"{TAIL} (once)", f"{anatomy['tail_us']:.2f}", f"{100 * shares[TAIL]:.1f} %", "", "", "", "")
     return t

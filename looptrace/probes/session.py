@@ -30,9 +30,11 @@ import torch
 from looptrace.engine.llm_engine import LLMEngine
 from looptrace.engine.request import SamplingParams
 from looptrace.probes import counters as names
+from looptrace.probes import ring_clock
 from looptrace.probes.counters import Analysis, analyze
 from looptrace.probes.events import Trace, trace_from_profiler
 from looptrace.probes.ranges import RangeProbe
+from looptrace.probes.ring_clock import RingAnatomy
 
 Progress = Callable[[str], None]
 
@@ -77,6 +79,8 @@ class ProfileResult:
     raw_counts: dict[str, int]  # cross-check: events as the profiler itself reports them
     trace_counts: dict[str, int]  # the same categories in the exported trace
     interrupted: bool = False  # Ctrl-C: `windows` holds the windows that finished before it
+    # The persistent loop's launch, stage by stage (ring_clock.measure): empty where no op clocks itself.
+    ring_clock: list[RingAnatomy] = field(default_factory=list)
 
 
 def steps_per_token(engine: LLMEngine) -> int:
@@ -228,8 +232,9 @@ def _mean_context(engine: LLMEngine, ids: list[str]) -> float:
     return sum(lens) / len(lens) if lens else 0.0
 
 
-def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
-    """The decode window, then the prefill window; each finished one is added to `windows`."""
+def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, ring, say) -> None:
+    """The decode window, then the prefill window; each finished one is added to `windows` (and the
+    persistent loop's stage clocks, after the decode window, to `ring`)."""
     say(f"decode window: {decode_steps}+ engine steps")
     while engine.step() == []:  # start at a token boundary (right after a coda step)
         pass
@@ -253,6 +258,8 @@ def _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say) -> None:
         with torch.profiler.record_function(f"{names.GRAPH_BODY_PREFIX}{name}/{rows}"):
             thunk()
     _sync(engine)
+    with torch.profiler.record_function(names.RING_CLOCK):  # after the bodies: not in the op map
+        ring.extend(ring_clock.measure(engine))
     _abort(engine, ids)
 
     say("prefill window: a fresh burst until every request has its first token")
@@ -288,6 +295,7 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         engine.step()
     _sync(engine)
     windows: dict[str, WindowRun] = {}
+    ring: list[RingAnatomy] = []
     interrupted = False
     activities = _activities(engine)
     activities.setdefault("record_shapes", cfg.record_shapes)
@@ -295,7 +303,7 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
     with _quiet_native_stderr():
         prof.start()
     try:
-        _windows(engine, cfg, decode_steps, max_tokens, ids, windows, say)
+        _windows(engine, cfg, decode_steps, max_tokens, ids, windows, ring, say)
     except KeyboardInterrupt:
         interrupted = True
         _close_open_ranges(probe)
@@ -315,7 +323,7 @@ def _run(engine, cfg, probe, decode_steps, max_tokens, trace_path, say) -> Profi
         name: analyze(trace, tokens=w.tokens, window=name, submissions=w.submissions)
         for name, w in windows.items()
     }
-    return ProfileResult(trace, windows, analyses, raw, trace_counts(trace), interrupted)
+    return ProfileResult(trace, windows, analyses, raw, trace_counts(trace), interrupted, ring)
 
 
 CROSS_CHECK_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cpu_op", "user_annotation", "cuda_runtime")

@@ -381,6 +381,17 @@ class StreamedPersistentLoop(PersistentLoop):
     (`kernels/stream_loop.py`) where that form runs (a Hopper GPU, shapes it takes); the other loops the op
     takes go through the register form."""
 
+    # The stages of one layer inside the launch, in order: each ends where every program has finished it.
+    stages = ("qkv", "attention", "o", "gate_up", "down")
+    # An observer's clock (probes/ring_clock.py sets it around eager runs; None for the engine's own runs
+    # and every graph capture): int64 [programs, stamps_per_program()] that each ring launch fills with
+    # every program's GPU clock (ns) at its start, at its arrival at and departure from each stage's end
+    # (stamps 1 + 10 l + 2 k and 2 + 10 l + 2 k for stage k of layer l), and at its end.
+    stage_clock: torch.Tensor | None = None
+
+    def stamps_per_program(self) -> int:
+        return 2 + 2 * len(self.stages) * self.weights.qkv.shape[0]
+
     def ring_takes(self, state: torch.Tensor, ctx: AttnContext) -> bool:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import stream_loop as sl  # imports Triton: only where it runs
@@ -399,9 +410,10 @@ class StreamedPersistentLoop(PersistentLoop):
 
         if self.ring_takes(state, ctx):
             w = self.weights
+            clock = None if torch.cuda.is_current_stream_capturing() else self.stage_clock
             return sl.loop_streamed(
                 state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry, ctx.write_offset,
-                ctx.tables, ctx.ctx_lens, ctx.block_size,
+                ctx.tables, ctx.ctx_lens, ctx.block_size, times=clock,
             )  # fmt: skip
         return super().forward(state, ctx)
 

@@ -235,3 +235,27 @@ def test_tagged_words_survive_the_tag_and_launch_count_wrapping():
         torch.cuda.synchronize()
         assert torch.equal(captured, first)
     assert pl.barrier_timeouts() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_timed_launch_changes_no_bit_and_stamps_every_boundary(linked):
+    """`times=` (what `looptrace profile` sets to split the launch by stage) compiles the clock stamps in:
+    the state and the K/V it writes stay bit for bit the untimed launch's (the profile re-runs graph bodies
+    timed on the engine's own cache), and every program stamps its start, every boundary and its end in
+    order."""
+    from looptrace.engine.kernels import persistent_loop as pl
+    from looptrace.engine.kernels import stream_loop as sl
+
+    layers = 3
+    case = _ouro_case(layers, [640]).rows([0])
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    plain = sl.loop_streamed(*case.args(kc, vc), linked=linked)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    times = torch.zeros(programs, sl.stamp_count(layers), dtype=torch.int64, device="cuda")
+    kc2, vc2 = case.k_cache.clone(), case.v_cache.clone()
+    timed = sl.loop_streamed(*case.args(kc2, vc2), linked=linked, times=times)
+    assert torch.equal(plain, timed) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert bool((times > 0).all()) and bool((times.diff(dim=1) >= 0).all())
+    assert pl.barrier_timeouts() == 0
