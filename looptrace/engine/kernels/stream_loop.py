@@ -1126,9 +1126,11 @@ def loop_streamed(
     attention item's first key blocks (K and V) are copied into shared memory as each layer starts
     (`_preload_keys`), which with x held as bf16 leaves room for 18 slots (on an H100 at 640 keys: 1.205
     ms per loop against 1.275 ms for 20 slots without it, 1.339 against 1.411 ms at 1,500 keys; 18 slots
-    1.187 against 1.202 ms for 16 with fp32 x). `linked` (off; compiled for sm_90a but not yet run on a
-    GPU): the programs hand values over as tagged words instead of through grid barriers (the section
-    "tagged words" above; needs a program per attention item). `times` (int64
+    1.187 against 1.202 ms for 16 with fp32 x). `linked` (off): the programs hand values over as tagged
+    words instead of through grid barriers (the section "tagged words" above; needs a program per attention
+    item); the same bits, but slower on an H100 (1.256 against 1.179 ms per loop at 640 keys: the q/k/v
+    stage no longer waits, but the attention items then wait inside for the slowest q/k/v program, and
+    polls that reread whole vectors from L2 see the last value later than a barrier releases). `times` (int64
     `[programs, 2 + 10 L]`, optional): each program's GPU clock in ns at its start, at its arrival at and its
     departure from each grid barrier (5 per layer), and at its end: the stage anatomy (`stamp_count`).
     `ablate` (bench only, wrong outputs): the NO_* bits, parts left out to see what each costs. Call where
