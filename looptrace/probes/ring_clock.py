@@ -127,27 +127,43 @@ def _clocked(name: str, module: Any, clock: Any, found: dict[str, list[Any]]) ->
 
 
 def measure(engine: Any, repeats: int = 5) -> list[RingAnatomy]:
-    """Run every captured graph's body eagerly `repeats` times with the ring ops' clocks on; one anatomy
-    per op that launched timed (none: no ring op, a CPU engine, or no graph body took the ring)."""
+    """Run the captured graphs' bodies eagerly with the ring ops' clocks on: every body once, then those
+    that launched the ring `repeats - 1` times more; one anatomy per op that launched timed (none: no ring
+    op, a CPU engine, or no graph body took the ring)."""
     ops = ring_ops(engine)
     if not ops or engine.device.type != "cuda":
         return []
-    # deferred: torch loads with the engine, not with this module
-    import torch
-
     found: dict[str, list[Any]] = {name: [] for name, _ in ops}
     bodies = [thunk for _, _, thunk in engine.graph_bodies()]
     with _all_clocked(ops, engine.device, found):
-        for _ in range(repeats):
-            for thunk in bodies:
-                thunk()
-    torch.cuda.synchronize(engine.device)
+        run_clocked(bodies, found, repeats)
     out = []
     for name, module in ops:
-        written = [t for t in found[name] if bool(t[:, -1].any())]
+        written = [t for t in found[name] if _written(t)]
         if written:
             out.append(anatomy(name, written[1:] or written, module.stages))  # the first: cold caches
     return out
+
+
+def _written(clock: Any) -> bool:
+    """Whether a launch filled this clock (its last stamp, the end of every program, is set)."""
+    return bool(clock[:, -1].any())  # a device tensor: waits for the launch
+
+
+def run_clocked(bodies: list[Any], found: dict[str, list[Any]], repeats: int) -> int:
+    """Each body once, then `repeats - 1` more times those whose run left a written clock in `found` (a
+    profile may hold dozens of captured batch sizes whose rows the ring never takes); returns how many
+    bodies took the ring."""
+    taking = []
+    for thunk in bodies:
+        before = {name: len(v) for name, v in found.items()}
+        thunk()
+        if any(_written(t) for name, v in found.items() for t in v[before[name] :]):
+            taking.append(thunk)
+    for _ in range(repeats - 1):
+        for thunk in taking:
+            thunk()
+    return len(taking)
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from looptrace.probes.ring_clock import TAIL, _clocked, anatomy
+from looptrace.probes.ring_clock import TAIL, _clocked, anatomy, run_clocked
 from looptrace.probes.roofline import DEVICES
 from looptrace.probes.roofline_report import (
     RooflineRow,
@@ -209,3 +209,21 @@ def test_profile_of_fast_clocks_the_ring_and_splits_its_row():
     assert all(r["gpu_us_per_token"] and r["pct_of_peak"] for r in stage_rows)
     assert block["ring_clock"][0]["stages"][0]["stage"] == "qkv"
     assert engine.generate([[3 + j for j in range(40)]], params) == before
+
+
+def test_only_the_bodies_that_took_the_ring_run_again():
+    """`run_clocked`: every body once; the two whose run wrote a clock four times more (a body through the
+    chained path leaves a zero clock: not repeated)."""
+    found: dict[str, list[torch.Tensor]] = {"op": []}
+    runs = dict.fromkeys(("ring", "chained", "ring 2", "other"), 0)
+
+    def body(name: str, written: bool):
+        def thunk() -> None:
+            runs[name] += 1
+            found["op"].append(torch.full((2, 12), int(written), dtype=torch.int64))
+
+        return thunk
+
+    bodies = [body("ring", True), body("chained", False), body("ring 2", True), body("other", False)]
+    assert run_clocked(bodies, found, repeats=5) == 2
+    assert runs == {"ring": 5, "chained": 1, "ring 2": 5, "other": 1}
