@@ -158,7 +158,11 @@ def run_clocked(bodies: list[Any], found: dict[str, list[Any]], repeats: int) ->
     for thunk in bodies:
         before = {name: len(v) for name, v in found.items()}
         thunk()
-        if any(_written(t) for name, v in found.items() for t in v[before[name] :]):
+        took = False
+        for name, v in found.items():  # zero clocks (loops the ring did not take) are dropped
+            v[before[name] :] = [t for t in v[before[name] :] if _written(t)]
+            took = took or len(v) > before[name]
+        if took:
             taking.append(thunk)
     for _ in range(repeats - 1):
         for thunk in taking:

@@ -227,3 +227,4 @@ def test_only_the_bodies_that_took_the_ring_run_again():
     bodies = [body("ring", True), body("chained", False), body("ring 2", True), body("other", False)]
     assert run_clocked(bodies, found, repeats=5) == 2
     assert runs == {"ring": 5, "chained": 1, "ring 2": 5, "other": 1}
+    assert len(found["op"]) == 10 and all(bool(t.all()) for t in found["op"])  # the zero clocks dropped
