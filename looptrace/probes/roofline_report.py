@@ -16,7 +16,7 @@ import bisect
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -319,28 +319,23 @@ def roofline_rows(
 
 def split_loop_rows(
     rows: list[RooflineRow],
-    anatomies: Iterable[RingAnatomy],
-    stage_costs: dict[str, dict[str, OpCost]],
+    shares: dict[str, float],
+    stage_costs: dict[str, OpCost],
     device: DevicePeak | None,
     dtype: str | None,
 ) -> list[RooflineRow]:
-    """Each persistent-loop row whose launch was clocked becomes one row per stage (`persistent_loop.qkv`,
-    ...): the loop's measured time split by the stages' shares of the timed launches, each against its own
+    """The persistent-loop row becomes one row per stage (`persistent_loop.qkv`, ...): the loop's measured
+    time split by the stages' `shares` of its timed launches (`RingAnatomy.shares`), each against its own
     floor (`loop_stage_costs`). The stage rows add up to the loop's row: time, bytes and FLOPs."""
-    shares = {a.op: a.shares() for a in anatomies}
-    if not shares:
-        return rows
-    # The roofline keys op rows by kind, not module: a clocked loop op stands for its kind.
-    op_name = next(iter(shares))
     out = []
     for r in rows:
         if r.op != "persistent_loop":
             out.append(r)
             continue
-        for stage, share in shares[op_name].items():
+        for stage, share in shares.items():
             us = None if r.gpu_us_per_token is None else r.gpu_us_per_token * share
             key = (f"{r.op}.{stage}", r.role)
-            out.append(_row(key, us, r.calls_per_token, stage_costs[op_name][stage], device, dtype))
+            out.append(_row(key, us, r.calls_per_token, stage_costs[stage], device, dtype))
     return out
 
 
@@ -378,7 +373,7 @@ def decode_roofline(
     window: dict[str, Any],
     analysis: Any,
     device: DevicePeak | None,
-    ring: list[RingAnatomy] = (),
+    ring: Sequence[RingAnatomy] = (),
 ) -> dict[str, Any]:
     """The `roofline` block of a profile's decode window (JSON-ready); `ring`: the clocked stages of the
     persistent loop's launch (`ring_clock.measure`), which split its row by stage."""
@@ -393,9 +388,9 @@ def decode_roofline(
         device,
         dtype,
     )
-    modules = dict(engine.observable_modules())
-    stage_costs = {a.op: loop_stage_costs(modules[a.op], s) for a in ring}
-    rows = split_loop_rows(rows, ring, stage_costs, device, dtype)
+    if ring:  # one loop op per engine (the model's `persistent`)
+        loop = dict(engine.observable_modules())[ring[0].op]
+        rows = split_loop_rows(rows, ring[0].shares(), loop_stage_costs(loop, s), device, dtype)
     tokens = int(window.get("tokens") or 1)
     return {
         "device": device.to_dict() if device else None,

@@ -152,7 +152,7 @@ def _split(us_per_token: float | None):
     costs = {("persistent_loop", "-"): call_cost("persistent_loop", loop, SHAPES)}
     by_op = [] if us_per_token is None else [("persistent_loop", "-", us_per_token), ("head", "-", 5.0)]
     rows = roofline_rows(by_op, costs, {("persistent_loop", "-"): 4.0}, 1, device, "fp32")
-    split = split_loop_rows(rows, [a], {"runner.loop": loop_stage_costs(loop, SHAPES)}, device, "fp32")
+    split = split_loop_rows(rows, a.shares(), loop_stage_costs(loop, SHAPES), device, "fp32")
     return rows, split, a
 
 
@@ -177,9 +177,9 @@ def test_an_unmeasured_loop_row_splits_into_floors_only():
     assert all(r.floor_us_per_call is not None for r in stage_rows)
 
 
-def test_no_anatomy_leaves_the_rows_alone():
-    rows = [RooflineRow("persistent_loop", "-", 1.0, 2.0, 2.0, 1.0, 1.0, 1.0, None, None, None, None)]
-    assert split_loop_rows(rows, [], {}, None, None) is rows
+def test_rows_without_a_loop_stay_as_they_were():
+    rows = [RooflineRow("head", "-", 1.0, 2.0, 2.0, 1.0, 1.0, 1.0, None, None, None, None)]
+    assert split_loop_rows(rows, {"qkv": 1.0}, {}, None, None) == rows
 
 
 @pytest.mark.gpu
