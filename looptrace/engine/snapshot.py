@@ -205,6 +205,9 @@ class EngineSnapshot:
     prefill_depth: int  # core loops a prompt row runs now (P under split depth, else every loop)
     decode: DecodeMode
     limits: SchedulerLimits
+    # Decode rows -> how the persistent loop op (`kernels.persistent_loop*`) ran the last loop of that many
+    # rows: in one launch (which form) or layer by layer and why; empty without the op
+    loop_routes: Mapping[int, str]
 
     def by_stage(self) -> dict[str, int]:
         return dict(Counter(r.stage for r in self.requests))
@@ -227,7 +230,13 @@ def snapshot_engine(engine: SnapshotSource) -> EngineSnapshot:
         prefill_depth=int(engine.prefill_depth),
         decode=_decode_mode(engine.plan),
         limits=_scheduler_limits(engine),
+        loop_routes=_loop_routes(engine),
     )
+
+
+def _loop_routes(engine: SnapshotSource) -> dict[int, str]:
+    op = getattr(engine.runner.model, "persistent", None)  # the loop op `assemble` attached, if any
+    return dict(sorted(op.routes.items())) if op is not None else {}
 
 
 def view_request(engine: SnapshotSource, request_id: str) -> RequestOutputs:

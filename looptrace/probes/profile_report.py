@@ -125,7 +125,21 @@ def _display_header(side: dict[str, Any], recipe: str | None = None) -> dict[str
     }
     if "trace" in h:
         keep["trace"] = h["trace"]
+    if h.get("loop_routes"):
+        keep["loop op"] = loop_routes_text(h["loop_routes"])
     return {k: escape(str(v)) for k, v in keep.items()}  # paths and recipe names, not markup
+
+
+def side_b_loop_routes(sides: list[dict[str, Any]], label: str) -> list[str]:
+    """The shared header of a --compare is side A's: side B's loop op, if it has one, gets a line."""
+    routes = sides[1]["header"].get("loop_routes")
+    return [f"loop op ({label}): {loop_routes_text(routes)}"] if routes else []
+
+
+def loop_routes_text(routes: dict[str, str]) -> str:
+    """How the persistent loop op ran each decode row count: "1 row: one launch per loop (TMA ring); 8 rows:
+    layer by layer (8 rows: the ring takes one)"."""
+    return "; ".join(f"{rows} row{'' if rows == '1' else 's'}: {how}" for rows, how in routes.items())
 
 
 def render_compare(sides: list[dict[str, Any]], fmt: str) -> str:
@@ -145,6 +159,8 @@ def render_compare(sides: list[dict[str, Any]], fmt: str) -> str:
     # Model, device and versions are shared by both sides (one --model/--device); the window is side A's.
     both = f"A: {sides[0]['header']['label']}  vs  B: {sides[1]['header']['label']}"
     console.print(header_table(_display_header(sides[0], both)))
+    for line in side_b_loop_routes(sides, sides[1]["header"]["label"]):
+        console.print(line, markup=False)
     console.print()
     for window, unit in (("decode", "output"), ("prefill", "prompt")):
         if window == "prefill" and comparison(sides, "prefill") is None:

@@ -90,6 +90,8 @@ def profile_side(
         result = profile_engine(setup.engine, cfg, trace_path=trace, progress=say)
     roofline = profile_roofline(setup.engine, result, peak)  # needs the engine's modules: before release
     header["inactive_settings"] = dict(setup.engine.inactive_settings)  # for --compare's "no effect" note
+    # how the persistent loop op ran each decode row count (one launch, or layer by layer and why)
+    header["loop_routes"] = {str(rows): how for rows, how in setup.engine.snapshot().loop_routes.items()}
     _release(setup)
     header.update(label=label, concurrency=cfg.concurrency, prompt_len=cfg.prompt_len, level=cfg.level)
     return _side(header, result, roofline)

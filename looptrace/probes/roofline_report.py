@@ -317,6 +317,13 @@ def roofline_rows(
     return out
 
 
+def window_ring(rows: list[RooflineRow], ring: Sequence[RingAnatomy]) -> Sequence[RingAnatomy]:
+    """The clocked launches that describe this window: none where its rows hold no persistent loop. The
+    clocks time every captured body that takes the ring, and a body captured outside the window may (at 8
+    rows the ring takes no loop, but a one-row body captured at warm-up does)."""
+    return ring if any(r.op == "persistent_loop" for r in rows) else ()
+
+
 def split_loop_rows(
     rows: list[RooflineRow],
     shares: dict[str, float],
@@ -388,6 +395,7 @@ def decode_roofline(
         device,
         dtype,
     )
+    ring = window_ring(rows, ring)
     if ring:  # one loop op per engine (the model's `persistent`)
         loop = dict(engine.observable_modules())[ring[0].op]
         rows = split_loop_rows(rows, ring[0].shares(), loop_stage_costs(loop, s), device, dtype)

@@ -94,6 +94,7 @@ def test_json_report(profiled) -> None:
     assert engine["tokens"] == 4 and engine["steps"] == 6 * engine["tokens"]
     assert data["windows"]["prefill"]["engine"]["tokens"] == 16  # per prompt token, -c 1
     assert data["raw_profiler_counts"] == data["trace_counts"]  # the exported trace lost no event
+    assert data["header"]["loop_routes"] == {}  # base has no persistent loop op
     assert json.loads(out.read_text()) == data
 
 
@@ -194,6 +195,25 @@ def test_compare_names_a_setting_with_no_effect_here() -> None:
         f"note: cuda_graphs.enabled differs between A and B but has no effect here ({why}): "
         "its effect is untested"
     ]
+
+
+def test_the_header_says_how_the_loop_op_ran_each_row_count() -> None:
+    """`fast` at 8 rows runs exactloop's kernels: the header says the ring took one-row loops only, and
+    why not the others (a --compare prints side B's line under the shared header)."""
+    from looptrace.probes.profile_report import _display_header, loop_routes_text, side_b_loop_routes
+
+    routes = {"1": "one launch per loop (TMA ring)", "8": "layer by layer (8 rows: the ring takes one)"}
+    text = "1 row: one launch per loop (TMA ring); 8 rows: layer by layer (8 rows: the ring takes one)"
+    assert loop_routes_text(routes) == text
+    header = dict(model_preset="ouro-1.4b", family="ouro", loops=4, weights="random", device="H100",
+                  dtype="bfloat16", versions={"looptrace": "0"}, label="fast", concurrency=8, prompt_len=512,
+                  level="op", preset_note="", loop_routes=routes)  # fmt: skip
+    side = {"header": header, "windows": {"decode": {"engine": {"steps": 8, "tokens": 64}}}}
+    assert _display_header(side)["loop op"] == text
+    plain = {**side, "header": {**header, "loop_routes": {}}}
+    assert "loop op" not in _display_header(plain)
+    assert side_b_loop_routes([plain, side], "fast") == [f"loop op (fast): {text}"]
+    assert side_b_loop_routes([side, plain], "exactloop") == []  # side A's is in the shared header
 
 
 def test_output_in_missing_directory_is_bad_input() -> None:

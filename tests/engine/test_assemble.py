@@ -243,10 +243,21 @@ def test_the_tma_ring_alone_attaches_its_own_op_and_leaves_what_it_cannot_take_t
     alone = model.persistent
     assert isinstance(alone, RingOnlyLoop)
     swapped = StreamedPersistentLoop(alone.weights)  # the class as swapped over the register form's op
-    monkeypatch.setattr(StreamedPersistentLoop, "ring_takes", lambda self, state, ctx: False)
-    monkeypatch.setattr(PersistentLoop, "fits", lambda self, state, ctx: True)  # the register form would
-    assert (alone.fits(None, None), swapped.fits(None, None)) == (False, True)
+    monkeypatch.setattr(StreamedPersistentLoop, "ring_refusal", lambda self, state, ctx: "no ring here")
+    register = (True, "one launch per loop (register form)")
+    monkeypatch.setattr(PersistentLoop, "route", lambda self, state, ctx: register)  # the register form would
+    one_row, decode = torch.zeros(1, 4), SimpleNamespace(packed=None)
+    assert (alone.fits(one_row, decode), swapped.fits(one_row, decode)) == (False, True)
+    assert (alone.routes, swapped.routes) == ({1: "layer by layer (no ring here)"}, {1: register[1]})
     monkeypatch.undo()
+    alone.routes.clear()
     with K.graph_warmup():
         out = engine.generate([[5, 9, 13, 7, 21], [6, 9, 15]], SamplingParams(max_tokens=4))
     assert out == plain_out
+    # every decode loop went layer by layer, each row count with its reason; the snapshot copies them
+    routes = engine.snapshot().loop_routes
+    assert routes[2] == "layer by layer (2 rows: the ring takes one)"
+    for rows, how in routes.items():
+        why = "the ring runs on Hopper GPUs (sm_90) only" if rows == 1 else f"{rows} rows: the ring takes one"
+        assert how == f"layer by layer ({why})"
+    assert routes == alone.routes and routes is not alone.routes

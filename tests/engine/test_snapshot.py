@@ -113,6 +113,11 @@ def test_a_snapshot_is_a_copy_that_later_steps_do_not_change(engine):
     assert snap.requests[0].stage == "coda" and engine.snapshot().requests[0].stage == "prelude"
 
 
+def test_an_engine_without_a_persistent_loop_op_reports_no_loop_routes(engine):
+    engine.step()
+    assert engine.snapshot().loop_routes == {}  # a CPU engine: the loop op is never attached
+
+
 def test_limits_are_the_scheduler_settings_and_the_resolved_context(engine):
     # max_num_seqs and max_model_len as the fixture set them; the token budget and chunk size by default
     assert engine.snapshot().limits == SchedulerLimits(

@@ -22,6 +22,7 @@ from looptrace.probes.roofline_report import (
     loop_stage_costs,
     roofline_rows,
     split_loop_rows,
+    window_ring,
 )
 
 STAGES = ("qkv", "attention", "o", "gate_up", "down")
@@ -180,6 +181,41 @@ def test_an_unmeasured_loop_row_splits_into_floors_only():
 def test_rows_without_a_loop_stay_as_they_were():
     rows = [RooflineRow("head", "-", 1.0, 2.0, 2.0, 1.0, 1.0, 1.0, None, None, None, None)]
     assert split_loop_rows(rows, {"qkv": 1.0}, {}, None, None) == rows
+
+
+def test_a_window_without_the_loop_keeps_no_anatomy():
+    """The clocks time every captured body that takes the ring; at 8 rows the window runs none of them (a
+    profile of `fast` at C = 8 printed a one-row body's stage table under a window without the loop)."""
+    rows, _, a = _split(120.0)
+    assert window_ring(rows, [a]) == [a]
+    without = [r for r in rows if r.op != "persistent_loop"]
+    assert [r.op for r in without] == ["head"]
+    assert window_ring(without, [a]) == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA ring: Hopper only")
+def test_profile_of_fast_at_two_rows_shows_no_ring_clock():
+    """Two requests decode together, so the ring takes no loop of the window: no stage rows, no anatomy,
+    even though a one-row body (the engine's warm-up request) took the ring and was clocked."""
+    from looptrace.engine import LLMEngine, SamplingParams
+    from looptrace.engine.model_config import resolve_preset, with_overrides
+    from looptrace.probes.roofline_report import profile_roofline
+    from looptrace.probes.session import ProfileConfig, profile_engine
+    from looptrace.recipes import load_recipe
+
+    spec = with_overrides(resolve_preset("ouro-1.4b", "cuda"), n_core=4)
+    sets = ["kv.prefix_caching=false", "scheduler.max_model_len=512", "kv.num_blocks=1024"]
+    engine = LLMEngine.from_spec(spec, load_recipe("fast", sets).config, device="cuda", seed=1)
+    engine.generate([[3 + j for j in range(40)]], SamplingParams(max_tokens=4))  # a one-row body
+    result = profile_engine(engine, ProfileConfig(concurrency=2, prompt_len=64, decode_steps=8))
+    assert result.ring_clock  # the one-row body was clocked ...
+    block = profile_roofline(engine, result)
+    assert not [r for r in block["rows"] if r["op"].startswith("persistent_loop")]
+    assert block["ring_clock"] == []  # ... but describes nothing in this window
+    routes = engine.snapshot().loop_routes  # and the snapshot says which rows the ring took
+    assert routes[1] == "one launch per loop (TMA ring)"
+    assert routes[2] == "layer by layer (2 rows: the ring takes one)"
 
 
 @pytest.mark.gpu

@@ -1053,18 +1053,23 @@ def _layers(io, bufs, scalars, smem, stream,
 # -------------------------------------------------------------------------------------------------- host
 
 
-def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
-    """Whether `loop_streamed` runs this loop: `persistent_loop.loop_fusable` at one row, on a Hopper GPU,
-    with weights TMA can read as tiles (contiguous stacks, K multiples of BLOCK_K with a power-of-two count
-    of tiles for the hidden width, rows in whole 16-row items)."""
+def ring_refusal(
+    state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cache, v_cache, tables
+) -> str | None:
+    """Why `loop_streamed` cannot run this loop, the first unmet condition in words (None: it can): one
+    row, a Hopper GPU, `persistent_loop.loop_fusable`'s shapes, and weights TMA can read as tiles
+    (contiguous stacks, K multiples of BLOCK_K with a power-of-two count of tiles for the hidden width, rows
+    in whole 16-row items)."""
     hq, hk, d = weights.heads
     _layers, hidden, inter = weights.shape
-    return (
-        state.is_cuda
-        and torch.cuda.get_device_capability(state.device)[0] == 9
-        and state.shape[0] == 1
-        and pl.loop_fusable(state, weights, cos, sin, k_cache, v_cache, tables)
-        and all(w.is_contiguous() for w in (weights.qkv, weights.o, weights.gate_up, weights.down))
+    if state.dim() != 2 or state.shape[0] != 1:
+        return f"{state.shape[0] if state.dim() == 2 else 'no'} rows: the ring takes one"
+    if not state.is_cuda or torch.cuda.get_device_capability(state.device)[0] != 9:
+        return "the ring runs on Hopper GPUs (sm_90) only"
+    if not pl.loop_fusable(state, weights, cos, sin, k_cache, v_cache, tables):
+        return "shapes or layouts the persistent loop does not take"
+    tiles_fit = (
+        all(w.is_contiguous() for w in (weights.qkv, weights.o, weights.gate_up, weights.down))
         and hidden % BLOCK_K == 0
         and pl.pow2(hidden // BLOCK_K) == hidden // BLOCK_K
         and hq * d == hidden
@@ -1073,6 +1078,12 @@ def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cac
         and inter % 8 == 0
         and state.is_contiguous()
     )
+    return None if tiles_fit else f"weights the ring cannot read as {BLOCK_K}-column tiles"
+
+
+def stream_fusable(state: torch.Tensor, weights: pl.LoopWeights, cos, sin, k_cache, v_cache, tables) -> bool:
+    """Whether `loop_streamed` runs this loop (`ring_refusal` says why not)."""
+    return ring_refusal(state, weights, cos, sin, k_cache, v_cache, tables) is None
 
 
 _LINKS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -1206,4 +1217,4 @@ def loop_streamed(
     return out
 
 
-__all__ = ["BLOCK_K", "grid_barrier", "loop_streamed", "stamp_count", "stream_fusable"]
+__all__ = ["BLOCK_K", "grid_barrier", "loop_streamed", "ring_refusal", "stamp_count", "stream_fusable"]

@@ -349,21 +349,33 @@ class PersistentLoop(nn.Module):
     def __init__(self, weights) -> None:
         super().__init__()
         self.weights = weights  # LoopWeights: views of the model's parameters, no state of its own
+        # Decode rows -> how the last loop of that many rows ran: in one launch (which form) or layer by
+        # layer and why (`route`). Set where the model runs a loop (eager steps and graph captures: a
+        # graph replays what its capture chose); the engine's snapshot copies it for observers.
+        self.routes: dict[int, str] = {}
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor one launch streams (the roofline's floor bytes)."""
         w = self.weights
         return w.qkv, w.o, w.gate_up, w.down, w.norms, w.final_norm
 
-    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+    def route(self, state: torch.Tensor, ctx: AttnContext) -> tuple[bool, str]:
+        """Whether this op takes the loop, and how or why not, in words."""
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import persistent_loop as pl  # imports Triton: only where it runs
 
-        return (
-            ctx.packed is None
-            and state.shape[0] <= self.max_rows
-            and pl.loop_fusable(state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables)
-        )
+        if state.shape[0] > self.max_rows:
+            return False, f"{state.shape[0]} rows: the engine sends the register form up to {self.max_rows}"
+        if not pl.loop_fusable(state, self.weights, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables):
+            return False, "shapes or layouts the persistent loop does not take"
+        return True, "one launch per loop (register form)"
+
+    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+        if ctx.packed is not None:  # prefill: always layer by layer
+            return False
+        taken, how = self.route(state, ctx)
+        self.routes[state.shape[0]] = how if taken else f"layer by layer ({how})"
+        return taken
 
     def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
@@ -392,17 +404,25 @@ class StreamedPersistentLoop(PersistentLoop):
     def stamps_per_program(self) -> int:
         return 2 + 2 * len(self.stages) * self.weights.qkv.shape[0]
 
-    def ring_takes(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+    def ring_refusal(self, state: torch.Tensor, ctx: AttnContext) -> str | None:
+        """Why the ring does not take this loop (None: it does)."""
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels import stream_loop as sl  # imports Triton: only where it runs
 
+        if ctx.packed is not None:
+            return "prefill"
         w = self.weights
-        return ctx.packed is None and sl.stream_fusable(
-            state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables
-        )
+        return sl.ring_refusal(state, w, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.tables)
 
-    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
-        return self.ring_takes(state, ctx) or super().fits(state, ctx)
+    def ring_takes(self, state: torch.Tensor, ctx: AttnContext) -> bool:
+        return self.ring_refusal(state, ctx) is None
+
+    def route(self, state: torch.Tensor, ctx: AttnContext) -> tuple[bool, str]:
+        refused = self.ring_refusal(state, ctx)
+        if refused is None:
+            return True, "one launch per loop (TMA ring)"
+        taken, how = super().route(state, ctx)
+        return taken, how if taken else f"{refused}; {how}"
 
     def forward(self, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
@@ -423,8 +443,9 @@ class RingOnlyLoop(StreamedPersistentLoop):
     ring takes; the rest go back to the chained path, not to the register form (on an H100 a one-row loop
     through the register form is slower than the chain: 1.51 against about 1.26 ms)."""
 
-    def fits(self, state: torch.Tensor, ctx: AttnContext) -> bool:
-        return self.ring_takes(state, ctx)
+    def route(self, state: torch.Tensor, ctx: AttnContext) -> tuple[bool, str]:
+        refused = self.ring_refusal(state, ctx)
+        return refused is None, "one launch per loop (TMA ring)" if refused is None else refused
 
 
 class PersistentOuroForCausalLM(ChainedOuroForCausalLM):

@@ -38,6 +38,11 @@ def test_stream_fusable_refuses_cpu_rows_and_batches():
     one = case.rows([0])
     for c in (one, case):
         assert not sl.stream_fusable(c.state, c.weights, c.cos, c.sin, c.k_cache, c.v_cache, c.tables)
+    # and says why, the row count first (what `profile` shows for each decode row count)
+    why = [
+        sl.ring_refusal(c.state, c.weights, c.cos, c.sin, c.k_cache, c.v_cache, c.tables) for c in (one, case)
+    ]
+    assert why == ["the ring runs on Hopper GPUs (sm_90) only", "2 rows: the ring takes one"]
 
 
 @needs_triton
