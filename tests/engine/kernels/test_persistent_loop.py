@@ -428,3 +428,8 @@ def test_the_engine_sends_one_row_loops_through_the_launch():
     assert op.fits(one.state, context(one))
     assert not op.fits(two.state, context(two))
     assert not op.fits(one.state, context(one, packed=object()))
+    # what the op did with each decode row count, in words (prefill is not recorded)
+    assert op.routes == {
+        1: "one launch per loop (register form)",
+        2: "layer by layer (2 rows: the engine sends the register form up to 1)",
+    }
