@@ -400,6 +400,7 @@ class StreamedPersistentLoop(PersistentLoop):
     # every program's GPU clock (ns) at its start, at its arrival at and departure from each stage's end
     # (stamps 1 + 10 l + 2 k and 2 + 10 l + 2 k for stage k of layer l), and at its end.
     stage_clock: torch.Tensor | None = None
+    RING = "one launch per loop (TMA ring)"  # the route of a loop the ring takes (`route`, `routes`)
 
     def stamps_per_program(self) -> int:
         return 2 + 2 * len(self.stages) * self.weights.qkv.shape[0]
@@ -420,7 +421,7 @@ class StreamedPersistentLoop(PersistentLoop):
     def route(self, state: torch.Tensor, ctx: AttnContext) -> tuple[bool, str]:
         refused = self.ring_refusal(state, ctx)
         if refused is None:
-            return True, "one launch per loop (TMA ring)"
+            return True, self.RING
         taken, how = super().route(state, ctx)
         return taken, how if taken else f"{refused}; {how}"
 
@@ -445,7 +446,7 @@ class RingOnlyLoop(StreamedPersistentLoop):
 
     def route(self, state: torch.Tensor, ctx: AttnContext) -> tuple[bool, str]:
         refused = self.ring_refusal(state, ctx)
-        return refused is None, "one launch per loop (TMA ring)" if refused is None else refused
+        return refused is None, self.RING if refused is None else refused
 
 
 class PersistentOuroForCausalLM(ChainedOuroForCausalLM):
