@@ -66,7 +66,7 @@ def rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def bench_shape(name, n, k, rows, copy_tbps, deadline, gen):
+def bench_shape(name, n, k, rows, copy_tbps, deadline, gen, many_rows=False):
     weights = weight_copies(n, k, gen)
     floor = n * k * 2 / (copy_tbps * 1e12) * 1e6
     out = []
@@ -74,7 +74,9 @@ def bench_shape(name, n, k, rows, copy_tbps, deadline, gen):
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
         table = gemv_tiles.pick_config(m, n, k)
         configs = [table]
-        if m in (1, 8) and time.monotonic() < deadline:
+        if many_rows and m > 1:
+            configs += [c for c in gemv_tiles.MANY_ROW_CANDIDATES if c != table]
+        elif m in (1, 8) and time.monotonic() < deadline:
             configs += [c for c in gemv_tiles.CANDIDATES if c != table]
         cublas = graph_time_us(cycling(F.linear, x, weights), REPS)
         timed = []
@@ -110,7 +112,7 @@ def chain(results, key: str) -> float | None:
 
 
 def cfg_text(cfg: dict, split: int) -> str:
-    kind = "dot" if cfg["dot"] else "fma"
+    kind = ("dot x-first" if cfg.get("x_first") else "dot") if cfg["dot"] else "fma"
     return f"{kind} {cfg['block_n']}x{cfg['block_k']} s{split} w{cfg['num_warps']} st{cfg['num_stages']}"
 
 
@@ -146,6 +148,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop trying candidates after this")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--shapes", default="", help="comma-separated subset of the shape names")
+    parser.add_argument(
+        "--many-rows", action="store_true", help="at 2-8 rows try tiles.MANY_ROW_CANDIDATES (no budget cap)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernel_gemv.py: needs CUDA (no GPU found)", file=sys.stderr)
@@ -159,7 +164,7 @@ def main() -> int:
     # Ouro first: its chain sets the batch-1 TPOT; alternatives are tried while the budget lasts.
     for name in names:
         n, k = GPU_SHAPES[name]
-        results += bench_shape(name, n, k, rows, args.copy_tbps, deadline, gen)
+        results += bench_shape(name, n, k, rows, args.copy_tbps, deadline, gen, args.many_rows)
     chains = {
         "floor": chain(results, "floor_us"),
         "cuBLAS": chain(results, "cublas_us"),

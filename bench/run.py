@@ -115,6 +115,11 @@ MODES: dict[str, Mode] = {
         "cuda",
         script("kernel_persistent_loop.py", "--out {out}"),
     ),
+    "gemv-batch": Mode(
+        "the GEMV's tiles swept at 8 rows, then fast vs fast + kernels.gemv_batch (Ouro-1.4B, C = 8, paired)",
+        "cuda",
+        script("gemv_batch.py", "--out {out}"),
+    ),
     "persistent-loop-faults": Mode(
         "where the persistent Ouro loop faults: each launch shape alone in a child, then the engine, 8 rows",
         "cuda",

@@ -171,6 +171,18 @@ class GemvLinear(nn.Linear):
         return gemv_forms.linear(x, self.weight, self.bias)
 
 
+class GemvBatchLinear(GemvLinear):
+    """`kernels.gemv_batch`: `GemvLinear` that routes every decode batch the GEMV takes (up to
+    `tiles.MAX_ROWS` rows), not only one row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
+        from looptrace.engine.kernels.gemv.tiles import MAX_ROWS
+
+        return gemv_forms.linear(x, self.weight, self.bias, route_rows=MAX_ROWS)
+
+
 class Embedding(nn.Embedding):
     op_kind = "embed"
 

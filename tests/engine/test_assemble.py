@@ -177,7 +177,7 @@ def test_every_ouro_variant_of_fast_keeps_the_plain_models_bits_on_cpu():
     to the eager ops, so the wiring of the variants (which step each overrides, in which order) must give
     the plain model's hidden states bit for bit."""
     fast = ("kernels.exact", "kernels.residual_norm", "kernels.gemv", "kernels.gemv_silu")
-    fast += ("kernels.gemv_norm", "kernels.gemv_silu_out", "kernels.gemv_norm_out")
+    fast += ("kernels.gemv_batch", "kernels.gemv_norm", "kernels.gemv_silu_out", "kernels.gemv_norm_out")
     plain_out, plain = _states((), kernels__fused_projections=True)
     out, states = _states(fast, kernels__fused_projections=True)
     assert isinstance(build_engine("ouro-tiny").model, ChainedOuroForCausalLM) is False

@@ -14,6 +14,10 @@ plain GEMV stores them; then q and k heads get `_rope_half_write_kernel`'s fence
 stored as they are. The bits are the two launches' (q, the cache rows); the un-rotated q/k/v never reach
 memory. It runs only where the plain GEMV would not split K (with a split its sums would differ) and where
 a pair's block fits in a head (`qkv_rope_fusable`).
+
+Under `kernels.gemv_batch` the same launch takes 2-8 rows (`route_rows`): the plain GEMV's many-row
+products (the tile table's tensor-core config, one split), then each row rotated with its own cos/sin row
+and written to its own cache slot (`_store_rotated_rows`); the one-row path is unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from looptrace.engine.kernels.device_helpers import (
     wait_for_inputs,
 )
 from looptrace.engine.kernels.gemv.kernel import split_product, weight_tile
-from looptrace.engine.kernels.gemv.tiles import one_row_config, routes, split_for
+from looptrace.engine.kernels.gemv import tiles
+from looptrace.engine.kernels.gemv.tiles import ROUTE_ROWS, one_row_config, split_for
 from looptrace.engine.kernels.launch_mode import pdl_args
 
 tl = triton.language
@@ -82,12 +87,50 @@ def _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_
     tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=is_v & write)
 
 
+@triton.jit
+def _store_rotated_rows(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid,
+                        stride_e, stride_s, stride_ch, stride_cos, stride_sin, stride_went, stride_woff,
+                        HQ, HK, M: tl.constexpr, M_PAD: tl.constexpr, HALF: tl.constexpr,
+                        BLOCK_N: tl.constexpr):  # fmt: skip
+    """`_store_rotated` over M rows (acc `[BLOCK_N, M_PAD]`): row r rotates with cos/sin row r, stores q
+    into q `[M, Hq, D]` and k and v into its own cache slot (write_entry[r] + layer_id, write_offset[r]);
+    a padding row (write_entry < 0) writes no cache."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2, M_PAD]), (1, 2, 0)))
+    x1, x2 = round_bf16(first), round_bf16(second)
+    pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head, d = (pair // HALF)[:, None], (pair % HALF)[:, None]
+    r = tl.arange(0, M_PAD)[None, :]
+    live = r < M
+    c1 = tl.load(cos_ptr + r * stride_cos + d, mask=live, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + r * stride_cos + HALF + d, mask=live, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + r * stride_sin + d, mask=live, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + r * stride_sin + HALF + d, mask=live, other=0.0).to(tl.float32)
+    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
+    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    is_q, is_k = (head < HQ) & live, (head >= HQ) & (head < HQ + HK) & live
+    is_v = (head >= HQ + HK) & (head < HQ + 2 * HK) & live
+    qp = q_ptr + r * (HQ * 2 * HALF) + head * (2 * HALF) + d
+    tl.store(qp, o1, mask=is_q)
+    tl.store(qp + HALF, o2, mask=is_q)
+    entry = tl.load(went_ptr + r * stride_went, mask=live, other=-1).to(tl.int64)
+    off = tl.load(woff_ptr + r * stride_woff, mask=live, other=0).to(tl.int64)
+    kv_head = tl.where(is_k, head - HQ, head - HQ - HK).to(tl.int64)
+    dst = (entry + layer_id) * stride_e + off * stride_s + kv_head * stride_ch + d
+    write = entry >= 0
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=is_k & write)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=is_k & write)
+    tl.store(vc_ptr + dst, to_bf16(x1).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+    tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+
+
 @triton.jit(do_not_specialize=["layer_id"])
 def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id,
                      stride_wn, stride_e, stride_s, stride_ch, HQ, HK, K: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                      EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
-                     PRELOAD: tl.constexpr = 0):  # fmt: skip
+                     PRELOAD: tl.constexpr = 0, M: tl.constexpr = 1, M_PAD: tl.constexpr = 1,
+                     DOT: tl.constexpr = False, X_FIRST: tl.constexpr = False, stride_cos=0, stride_sin=0,
+                     stride_went=0, stride_woff=0):  # fmt: skip
     pid = tl.program_id(0)
     n = _pair_rows(pid, HALF, BLOCK_N)
     nmask = n < (HQ + 2 * HK) * (2 * HALF)
@@ -97,24 +140,42 @@ def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went
         w_first = weight_tile(w_ptr, stride_wn, n, nmask, tl.arange(0, BLOCK_K), K, EVEN_K)
     wait_for_inputs(PDL)  # x, cos/sin, the write slot, and the cache rows only after the kernel before
     one = tl.full([1], 1.0, tl.float32)
-    # the plain GEMV's one-row products (X_FORM 0: x as stored; the fused-input pointers go unread)
-    acc = split_product(
-        x_ptr, w_ptr, 0, stride_wn, n, nmask, 0, x_ptr, x_ptr, x_ptr, x_ptr, one, one, w_first, K, 1, 1,
-        BLOCK_N, BLOCK_K, K_TILES, EVEN_K, False, "ieee", 0, PRELOAD,
-    )  # fmt: skip
-    _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid, stride_e,
-                   stride_s, stride_ch, HQ, HK, HALF, BLOCK_N)  # fmt: skip
+    if M == 1:
+        # the plain GEMV's one-row products (X_FORM 0: x as stored; the fused-input pointers go unread)
+        acc = split_product(
+            x_ptr, w_ptr, 0, stride_wn, n, nmask, 0, x_ptr, x_ptr, x_ptr, x_ptr, one, one, w_first, K, 1, 1,
+            BLOCK_N, BLOCK_K, K_TILES, EVEN_K, False, "ieee", 0, PRELOAD,
+        )  # fmt: skip
+        _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid,
+                       stride_e, stride_s, stride_ch, HQ, HK, HALF, BLOCK_N)  # fmt: skip
+    else:  # kernels.gemv_batch: the plain many-row GEMV's products (x rows K apart)
+        acc = split_product(
+            x_ptr, w_ptr, K, stride_wn, n, nmask, 0, x_ptr, x_ptr, x_ptr, x_ptr, one, one, w_first, K, M,
+            M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, "tf32", 0, 0, X_FIRST,
+        )  # fmt: skip
+        _store_rotated_rows(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid,
+                            stride_e, stride_s, stride_ch, stride_cos, stride_sin, stride_went, stride_woff,
+                            HQ, HK, M, M_PAD, HALF, BLOCK_N)  # fmt: skip
 
 
-def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, int, int]) -> bool:
-    """`qkv_rope_write` runs as one launch: one routed bf16 row through the CUDA-core GEMV, which would not
-    split K for this weight; `weight` is `[(Hq + 2 Hk) D, K]`; each program's pairs lie in one head; cos and
-    sin one bf16 row of D; k and v caches `[E, block, Hk, D]` of one layout with D contiguous."""
+def _config(rows: int, n: int, k: int):
+    """The plain GEMV's tile for these rows: the one-row CUDA-core config, or the table's many-row one."""
+    return one_row_config(n, k) if rows == 1 else tiles.pick_config(rows, n, k)
+
+
+def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, int, int],
+                     route_rows: int = ROUTE_ROWS) -> bool:  # fmt: skip
+    """`qkv_rope_write` runs as one launch: routed bf16 rows (one through the CUDA-core GEMV; up to
+    `route_rows` under `kernels.gemv_batch`) whose plain GEMV would not split K for this weight; `weight` is
+    `[(Hq + 2 Hk) D, K]`; each program's pairs lie in one head; cos and sin one bf16 row of D per row; k
+    and v caches `[E, block, Hk, D]` of one layout with D contiguous."""
     hq, hk, d = heads
     n, k = weight.shape
-    cfg = one_row_config(n, k)
+    rows = x.numel() // max(1, x.shape[-1])
+    cfg = _config(rows, n, k)
     return (
-        routes(x, weight)
+        0 < x.numel() <= route_rows * x.shape[-1]
+        and tiles.supported(x, weight, None)
         and k == x.shape[-1]
         and n == (hq + 2 * hk) * d
         and d % 2 == 0
@@ -124,7 +185,7 @@ def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, in
         and split_for(n, k, cfg)[0] == 1
         and cos.dtype == sin.dtype == torch.bfloat16
         and cos.shape[-1] == sin.shape[-1] == d
-        and cos.numel() == sin.numel() == d
+        and cos.numel() == sin.numel() == rows * d
         and cos.stride(-1) == sin.stride(-1) == 1
         and k_cache.dim() == 4
         and k_cache.shape[2:] == (hk, d)
@@ -138,22 +199,28 @@ def qkv_rope_write(x, weight, cos, sin, k_cache, v_cache, write_entry, write_off
                    heads: tuple[int, int, int]) -> torch.Tensor:  # fmt: skip
     """`q, k, v = gemv(x, weight).split(...)`, then `rope.rope_half_write_kv(q, k, v, cos, sin, k_cache,
     v_cache, write_entry, write_offset, layer_id)`, in one launch (`kernels.gemv_rope_out`): bitwise the two
-    launches' rotated q `[1, Hq, D]` (returned) and cache rows. Call only where `qkv_rope_fusable`."""
+    launches' rotated q `[R, Hq, D]` (returned) and cache rows. Call only where `qkv_rope_fusable`."""
     hq, hk, d = heads
     n, k = weight.shape
-    x2 = x.reshape(1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    cfg = one_row_config(n, k)
+    x2 = x.reshape(-1, k).contiguous()  # rows K apart (the kernel's many-row x stride)
+    m = x2.shape[0]
+    cfg = _config(m, n, k)
     per_split = triton.cdiv(k, cfg.block_k)
-    q = torch.empty((1, hq, d), dtype=x.dtype, device=x.device)
+    q = torch.empty((m, hq, d), dtype=x.dtype, device=x.device)
     launch = pdl_args()
-    preload = int(launch_mode.weight_preload())
+    preload = int(m == 1 and launch_mode.weight_preload())  # the one-row CUDA-core path's preload
+    cos2, sin2 = cos.reshape(m, d), sin.reshape(m, d)
+    rows = {} if m == 1 else dict(
+        M=m, M_PAD=16 if cfg.dot else triton.next_power_of_2(m), DOT=cfg.dot, X_FIRST=cfg.dot and cfg.x_first,
+        stride_cos=cos2.stride(0), stride_sin=sin2.stride(0), stride_went=write_entry.stride(0),
+        stride_woff=write_offset.stride(0),
+    )  # fmt: skip
     _qkv_rope_kernel[(n // cfg.block_n,)](
         x2, weight, q, k_cache, v_cache, cos, sin, write_entry, write_offset, layer_id, weight.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), hq, hk, K=k, HALF=d // 2,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=per_split, EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, PRELOAD=preload, **EXACT_OPTIONS,
+        **rows,
     )  # fmt: skip
     return q
 

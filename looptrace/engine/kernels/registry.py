@@ -91,6 +91,12 @@ ENTRIES: tuple[KernelEntry, ...] = (
         (Requirement(CUDA_TRITON, f"the Triton GEMV runs only on {_CUDA}"),),
         "GemvLinear on every bias-free nn.Linear; GemvFusedLinear on Ouro's attention and MLP",
     ),
+    KernelEntry(
+        "kernels.gemv_batch",
+        "gemv",
+        (_NEEDS_GEMV,),
+        "GemvBatchLinear and GemvBatchFusedLinear over the GEMV's projections (2-8 rows routed too)",
+    ),
     KernelEntry("kernels.gemv_silu", "gemv", (_NEEDS_GEMV, _NO_FORM), "GemvSiluOuroMLP", families=_OURO),
     KernelEntry(
         "kernels.gemv_norm",

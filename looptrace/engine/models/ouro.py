@@ -83,12 +83,29 @@ class GemvFusedLinear:
     """`kernels.gemv` on a fused projection (mixed into FusedQKVOuroAttention / FusedGateUpOuroMLP): the
     concatenated weight's GEMM through the Triton GEMV where it applies (`GemvLinear` for plain ones)."""
 
+    gemv_batch = False  # one row through the GEMV (`GemvBatchFusedLinear`: up to 8, `kernels.gemv_batch`)
+
     @staticmethod
     def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         return gemv_forms.linear(x, weight, bias)
+
+
+class GemvBatchFusedLinear(GemvFusedLinear):
+    """`kernels.gemv_batch` on a fused projection: `GemvFusedLinear` routing up to `tiles.MAX_ROWS` rows
+    (the output forms installed over it read `gemv_batch` and follow)."""
+
+    gemv_batch = True
+
+    @staticmethod
+    def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
+        from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
+        from looptrace.engine.kernels.gemv.tiles import MAX_ROWS
+
+        return gemv_forms.linear(x, weight, bias, route_rows=MAX_ROWS)
 
 
 class RopeWriteOuroAttention(OuroAttention):
@@ -110,16 +127,19 @@ class RopeWriteOuroAttention(OuroAttention):
 
 class GemvRopeOuroAttention(RopeWriteOuroAttention):
     """`kernels.gemv_rope_out` (with `rope_kv_write`, fused q/k/v and the GEMV): the one-row q/k/v GEMV
-    rotates q and k itself and writes the K/V cache, the same bits as the GEMV + `rope_half_write_kv`."""
+    rotates q and k itself and writes the K/V cache, the same bits as the GEMV + `rope_half_write_kv`;
+    under `kernels.gemv_batch` (`gemv_batch` from `GemvBatchFusedLinear`) so do its 2-8 row launches."""
 
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
-        if exact_kernels_on(1):  # one row only (the form's gate), where rope_kv_write runs
+        if exact_kernels_on(ctx.cos.shape[0]):  # where rope_kv_write runs (the form's gate checks the rows)
             # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import gemv_rope  # imports Triton: only where a kernel runs
+            from looptrace.engine.kernels.gemv.forms import route_rows
 
             x = materialized(x)
+            rows = route_rows(getattr(self, "gemv_batch", False))
             if gemv_rope.qkv_rope_fusable(
-                x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape
+                x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, self.shape, rows
             ):
                 q = gemv_rope.qkv_rope_write(
                     x, self.qkv, ctx.cos, ctx.sin, ctx.k_cache, ctx.v_cache, ctx.write_entry,
@@ -196,14 +216,16 @@ class GemvSiluOuroMLP(OuroMLP):
 
 
 class GemvSiluOutOuroMLP(OuroMLP):
-    """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself."""
+    """`kernels.gemv_silu_out` (fused gate/up): the one-row gate/up GEMV stores SiLU·mul itself; under
+    `kernels.gemv_batch` (`gemv_batch` from `GemvBatchFusedLinear`) so do its 2-8 row launches."""
 
     def forward(self, x: torch.Tensor | PendingNorm, tail: ResidualTail | None = None):
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
 
         x = materialized(x)
-        if gemv_forms.gate_up_silu_fusable(x, self.gate_up):  # the same bits as the GEMV + silu_and_mul
+        rows = gemv_forms.route_rows(getattr(self, "gemv_batch", False))
+        if gemv_forms.gate_up_silu_fusable(x, self.gate_up, rows):  # the same bits as the GEMV + silu_and_mul
             return finish(self.down_proj, gemv_forms.gate_up_silu(x, self.gate_up), tail)
         return super().forward(x, tail)
 

@@ -112,7 +112,42 @@ def _cpu_checks() -> dict:
     res["refuses_blocks_across_heads"] = [not fusable(x, w, cos, sin, kc, vc, heads), None]
     gemv_tiles.pick_config = lambda m, n, k: gemv_tiles.TileConfig(block_n=8, block_k=16, split_k=2)
     res["refuses_split_k"] = [not fusable(x, w, cos, sin, kc, vc, heads), None]
+    _many_row_checks(res, gen, gemv_tiles, gemv_rope, rope)
     return res
+
+
+def _many_row_checks(res, gen, gemv_tiles, gemv_rope, rope) -> None:
+    """`kernels.gemv_batch`: 3 and 8 rows through the tensor-core configs (weight tile first or x first),
+    each row with its own rotation and cache slot, one of them a padding row: bitwise the many-row GEMV +
+    `rope_half_write_kv`; routed only with the batch's row limit."""
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+
+    heads = (2, 1, 16)
+    hq, hk, d = heads
+    for x_first in (False, True):
+        cfg = gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=1, dot=True, x_first=x_first)
+        gemv_tiles.pick_config = lambda m, n, k, cfg=cfg: cfg
+        for m in (3, 8):
+            tag = f"rows_{m}_{'x_first' if x_first else 'w_first'}"
+            _x, w, _c, _s, kc, vc = _inputs(gen, heads, 64, blocks=5, block_size=4)
+            x = torch.randn(m, 64, generator=gen).bfloat16()
+            angle = torch.rand(m, d // 2, generator=gen) * 6.0
+            cos = torch.cat([angle.cos(), angle.cos()], dim=-1).bfloat16()
+            sin = torch.cat([angle.sin(), angle.sin()], dim=-1).bfloat16()
+            went = torch.tensor([0, 2, 4, -1, 6, 2, 8, 4][:m])  # entries of layer 0 (layer_id 1 adds one)
+            woff = torch.tensor([0, 1, 2, 3, 1, 3, 0, 3][:m])  # every (entry, offset) slot distinct
+            batch = gemv_rope.qkv_rope_fusable(x, w, cos, sin, kc, vc, heads, 8)
+            alone = gemv_rope.qkv_rope_fusable(x, w, cos, sin, kc, vc, heads)
+            res[f"{tag}_routed_with_the_batch_only"] = [batch and not alone, None]
+            kc2, vc2 = kc.clone(), vc.clone()
+            q = gemv_rope.qkv_rope_write(x, w, cos, sin, kc, vc, went, woff, 1, heads)
+            q2, k2, v2 = gemv_kernel.gemv(x, w).split([hq * d, hk * d, hk * d], dim=-1)
+            q2 = rope.rope_half_write_kv(q2.reshape(m, hq, d), k2.reshape(m, hk, d), v2.reshape(m, hk, d),
+                                         cos, sin, kc2, vc2, went, woff, 1)  # fmt: skip
+            caches = torch.equal(kc, kc2) and torch.equal(vc, vc2)
+            same = q.shape == (m, hq, d) and torch.equal(q, q2) and caches
+            written = int((kc != 0).any(-1).any(-1).sum())  # (entry, offset) slots holding a key
+            res[f"{tag}_bitwise_two_launches"] = [same and written == int((went >= 0).sum()), written]
 
 
 cpu_results = interpreted_results_fixture("tests.engine.kernels.test_gemv_rope")
@@ -123,7 +158,10 @@ CPU_CHECKS = [
     for heads in ("mha", "gqa")
     for name in ("fusable", "bitwise_two_launches", "vs_float64", "writes_one_slot", "deterministic")
 ] + ["preload_bitwise", "padding_row_writes_no_cache", "refuses_two_rows", "refuses_other_heads",
-     "refuses_blocks_across_heads", "refuses_split_k"]  # fmt: skip
+     "refuses_blocks_across_heads", "refuses_split_k"] + [
+    f"rows_{m}_{side}_{what}" for m in (3, 8) for side in ("w_first", "x_first")
+    for what in ("routed_with_the_batch_only", "bitwise_two_launches")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("check", CPU_CHECKS)
@@ -143,28 +181,51 @@ def test_ouro_qkv_takes_the_form_with_the_real_tile_table():
     assert 64 % (cfg.block_n // 2) == 0
 
 
+def _sm90_qkv_rope_ptx(consts: dict, num_warps: int, num_stages: int) -> list[str]:
+    """The sm_90 PTX of `_qkv_rope_kernel` at Ouro-1.4B's shapes with these constexprs, under PDL."""
+    from looptrace.engine.kernels import gemv_rope
+    from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
+    from tests.engine.kernels.test_launch_mode import _compile_sm90
+
+    sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")}
+    sig |= {"went_ptr": "*i64", "woff_ptr": "*i64", "layer_id": "i32"}
+    sig |= {name: "i32" for name in ("stride_wn", "stride_e", "stride_s", "stride_ch", "HQ", "HK")}
+    sig |= {name: "i32" for name in ("stride_cos", "stride_sin", "stride_went", "stride_woff")}
+    compiled = _compile_sm90(gemv_rope._qkv_rope_kernel, sig, consts, num_warps=num_warps,
+                             num_stages=num_stages, launch_pdl=True, **EXACT_OPTIONS)  # fmt: skip
+    return compiled.asm["ptx"].splitlines()
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
 def test_sm90_qkv_rope_waits_before_any_global_access():
     """Ouro-1.4B's launch compiles for sm_90 on the CPU with its options; under PDL only the weight
     preload may come before the wait, and no store or atomic does."""
-    from looptrace.engine.kernels import gemv_rope
-    from looptrace.engine.kernels.device_helpers import EXACT_OPTIONS
     from looptrace.engine.kernels.gemv import tiles as gemv_tiles
-    from tests.engine.kernels.test_launch_mode import _compile_sm90, _first
+    from tests.engine.kernels.test_launch_mode import _first
 
     cfg = gemv_tiles.one_row_config(6144, 2048)
-    sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr", "cos_ptr", "sin_ptr")}
-    sig |= {"went_ptr": "*i64", "woff_ptr": "*i64", "layer_id": "i32"}
-    sig |= {name: "i32" for name in ("stride_wn", "stride_e", "stride_s", "stride_ch", "HQ", "HK")}
     consts = dict(K=2048, HALF=64, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_TILES=2048 // cfg.block_k,
-                  EVEN_K=True, PDL=True, PRELOAD=1)  # fmt: skip
-    compiled = _compile_sm90(gemv_rope._qkv_rope_kernel, sig, consts, num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, launch_pdl=True, **EXACT_OPTIONS)  # fmt: skip
-    ptx = compiled.asm["ptx"].splitlines()
+                  EVEN_K=True, PDL=True, PRELOAD=1, M=1, M_PAD=1, DOT=False, X_FIRST=False)  # fmt: skip
+    ptx = _sm90_qkv_rope_ptx(consts, cfg.num_warps, cfg.num_stages)
     wait = _first(ptx, "griddepcontrol.wait")
     assert 0 <= _first(ptx, "griddepcontrol.launch_dependents") < wait
     assert wait < _first(ptx, r"\b(st|atom)\.global")
     assert 0 <= _first(ptx, r"\bld\.global") < wait  # the preloaded weight tile
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+@pytest.mark.parametrize("x_first", [False, True])
+def test_sm90_many_row_qkv_rope_compiles_to_tensor_core_mmas(x_first):
+    """`kernels.gemv_batch` at 8 rows: the launch compiles for sm_90 with a one-split tensor-core tile
+    (64 columns: 32 pairs of a 128-wide head), waits before any global access under PDL and multiplies on
+    tensor cores (wgmma with the weight tile first; mma.sync m16 with x first)."""
+    from tests.engine.kernels.test_launch_mode import _first
+
+    consts = dict(K=2048, HALF=64, BLOCK_N=64, BLOCK_K=128, K_TILES=16, EVEN_K=True, PDL=True, PRELOAD=0,
+                  M=8, M_PAD=16, DOT=True, X_FIRST=x_first)  # fmt: skip
+    ptx = _sm90_qkv_rope_ptx(consts, num_warps=4, num_stages=4)
+    assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
+    assert _first(ptx, r"\bmma\.sync\.aligned\.m16n8k16" if x_first else r"wgmma\.mma_async") >= 0
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -199,6 +260,40 @@ def test_gpu_qkv_rope_write_is_bitwise_gemv_then_rope_write(graph, pdl):
     q_ref, k_ref, v_ref = _reference(x, w, cos, sin, heads)
     assert _rel_err(q.view(16, 128), q_ref) < 0.02
     assert _rel_err(k1[15, 5], k_ref) < 0.02 and _rel_err(v1[15, 5], v_ref) < 0.02
+
+
+@gpu
+@pytest.mark.parametrize("x_first", [False, True])
+def test_gpu_many_row_qkv_rope_write_is_bitwise_gemv_then_rope_write(monkeypatch, x_first):
+    """`kernels.gemv_batch` at Ouro-1.4B's q/k/v, 8 rows (one a padding row), a one-split tensor-core tile:
+    q and every cache row bitwise the many-row GEMV + `rope_half_write_kv`."""
+    from looptrace.engine.kernels import gemv_rope, rope
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
+
+    if not (torch.cuda.is_available() and HAS_TRITON):
+        pytest.skip("needs CUDA and Triton")
+    dev = torch.device("cuda")
+    cfg = gemv_tiles.TileConfig(block_n=64, block_k=128, split_k=1, num_stages=4, dot=True, x_first=x_first)
+    monkeypatch.setattr(gemv_tiles, "pick_config", lambda m, n, k: cfg)
+    gen = torch.Generator(device=dev).manual_seed(23)
+    heads, m = (16, 16, 128), 8
+    _x, w, _c, _s, kc, vc = _inputs(gen, heads, 2048, device=dev, blocks=8, block_size=16, layers=24)
+    x = torch.randn(m, 2048, generator=gen, device=dev).bfloat16()
+    angle = torch.rand(m, 64, generator=gen, device=dev) * 6.0
+    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).bfloat16()
+    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).bfloat16()
+    went = torch.tensor([0, 24, 48, -1, 72, 96, 120, 144], device=dev)
+    woff = torch.tensor([0, 3, 5, 7, 9, 11, 13, 15], device=dev)
+    assert gemv_rope.qkv_rope_fusable(x, w, cos, sin, kc, vc, heads, 8)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = gemv_rope.qkv_rope_write(x, w, cos, sin, kc, vc, went, woff, 7, heads)
+    q2, k2, v2 = gemv_kernel.gemv(x, w).split([2048, 2048, 2048], dim=-1)
+    q2 = rope.rope_half_write_kv(q2.reshape(m, 16, 128), k2.reshape(m, 16, 128), v2.reshape(m, 16, 128),
+                                 cos, sin, kc2, vc2, went, woff, 7)  # fmt: skip
+    assert torch.equal(q, q2), _rel_err(q, q2.double())
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert int((kc != 0).any(-1).any(-1).sum()) == 7  # one slot per row but the padding one
 
 
 # ---------------------------------------------------------------------------------------------- engine

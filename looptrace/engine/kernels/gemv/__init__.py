@@ -41,6 +41,15 @@ Design (`_gemv_kernel`):
     H200 the first pays (one launch fewer) and the second does not (a one-program tail after a ticket costs
     more than a separate launch under PDL): on and off in `fast`.
 
+Batched decode (`kernels.gemv_batch`, off: not yet measured in the engine): `linear` routes 2-8 rows too
+(`forms.route_rows`), through the table's many-row entry (tensor cores). `TileConfig.x_first` puts x, padded
+to 16 rows, on the MMA's left and the streamed weight tile on its right (16-row `mma.sync` instead of
+BLOCK_N-row `wgmma`); `tiles.MANY_ROW_CANDIDATES` (fixed splits, deeper pipelines, both operand orders) is
+what `bench/gemv_batch.py` sweeps before it runs `fast` against `fast` + `kernels.gemv_batch` in the
+engine. The SiLU·mul output form and `gemv_rope`'s q/k/v form follow to those rows (each row's gate and
+up, or its rotate-half pairs, in one program of the plain many-row GEMV's products, one split), bitwise
+the two launches' as at one row.
+
 Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
 fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,
 which may depend on M; a row's result is therefore not claimed to be independent of the batch size.

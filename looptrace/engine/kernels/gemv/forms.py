@@ -84,14 +84,18 @@ def residual_norm_linear(y, w_post, eps_post: float, residual, w_next, eps_next:
 # ------------------------------------------------------------------------ GEMVs with a fused output form
 
 
-def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`gate_up_silu` runs as one fused GEMV: one routed bf16 row through the CUDA-core GEMV and a stacked
-    `[gate; up]` weight (an even number of rows, a column block of at least one gate and one up row), where
-    the plain GEMV would not split K (the form runs one split: with a split, its sums would differ)."""
+def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor, route_rows: int = tiles.ROUTE_ROWS) -> bool:
+    """`gate_up_silu` runs as one fused GEMV: routed bf16 rows (one, through the CUDA-core GEMV; up to
+    `route_rows` under `kernels.gemv_batch`, through the table's many-row config) and a stacked `[gate; up]`
+    weight (an even number of rows, a column block of at least one gate and one up row), where the plain
+    GEMV would not split K (the form runs one split: with a split, its sums would differ)."""
     n, k = weight.shape
-    cfg = one_row_config(n, k)
+    rows = x.numel() // max(1, x.shape[-1])
+    cfg = one_row_config(n, k) if rows == 1 else tiles.pick_config(rows, n, k)
     return (
-        routes(x, weight)
+        x.numel() <= route_rows * x.shape[-1]
+        and tiles.supported(x, weight, None)
+        and x.stride(-1) == 1
         and k == x.shape[-1]
         and n % 2 == 0
         and cfg is not None
@@ -104,12 +108,14 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_mul(*gemv(x, weight).chunk(2, -1))` in one launch (`kernels.gemv_silu_out`): each program
     computes a block of gate columns and the same block of up columns (the plain GEMV's products, in its
     order) and stores SiLU·mul of them with `silu_mul.py`'s fenced arithmetic, so the result is bitwise the
-    two launches'. `weight` is `[gate; up]` (`[2 I, K]`); returns `[..., I]`. Call only where
-    `gate_up_silu_fusable`."""
+    two launches'. `weight` is `[gate; up]` (`[2 I, K]`); returns `[..., I]`. More than one row
+    (`kernels.gemv_batch`): the table's many-row config, each row's gate and up in the same program. Call
+    only where `gate_up_silu_fusable`."""
     k = x.shape[-1]
     check_weight(weight, k)
-    x2 = x.reshape(1, k)
-    cfg = one_row_config(weight.shape[0], k)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = one_row_config(weight.shape[0], k) if m == 1 else tiles.pick_config(m, weight.shape[0], k)
     y = launch(x2, weight, cfg, consts=dict(X_FORM=PLAIN), y_form=SILU_OUT)
     return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
 
@@ -151,9 +157,20 @@ def linear_residual_norm(a, weight, w_post, eps_post: float, residual, w_next, e
     return h, x
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` with the Triton GEMV where it applies (`tiles.supported`) and pays (at most ROUTE_ROWS
-    rows)."""
-    if x.numel() <= tiles.ROUTE_ROWS * x.shape[-1] and tiles.supported(x, weight, bias):
+def route_rows(batch: bool) -> int:
+    """Rows up to which a projection takes the GEMV: one (ROUTE_ROWS), or MAX_ROWS under
+    `kernels.gemv_batch` (`batch`)."""
+    return tiles.MAX_ROWS if batch else tiles.ROUTE_ROWS
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    route_rows: int = tiles.ROUTE_ROWS,
+) -> torch.Tensor:
+    """`F.linear` with the Triton GEMV where it applies (`tiles.supported`) and pays: at most `route_rows`
+    rows (ROUTE_ROWS; `kernels.gemv_batch`: MAX_ROWS)."""
+    if x.numel() <= route_rows * x.shape[-1] and tiles.supported(x, weight, bias):
         return gemv(x, weight)
     return F.linear(x, weight, bias)

@@ -95,6 +95,21 @@ def _store_silu_mul(acc, y_ptr, pid_n, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _store_silu_mul_rows(acc, y_ptr, stride_ym, pid_n, N, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         M_PAD: tl.constexpr):  # fmt: skip
+    """SILU_OUT over M rows (`kernels.gemv_batch`): `_store_silu_mul`'s arithmetic on each row's gate and up
+    halves of acc `[BLOCK_N, M_PAD]`, stored to y `[M, N]`."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2, M_PAD]), (1, 2, 0)))
+    g, u = round_bf16(gate), round_bf16(up)
+    one = tl.full([BLOCK_N // 2, M_PAD], 1.0, tl.float32)
+    silu = round_bf16(div_rn(g, add_rn(one, exp_like_aten(neg(g)))))
+    col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    rows = tl.arange(0, M_PAD)
+    mask = (col < N)[:, None] & (rows < M)[None, :]
+    tl.store(y_ptr + rows[None, :] * stride_ym + col[:, None], to_bf16(mul_rn(silu, u)), mask=mask)
+
+
+@triton.jit
 def _finish_row(y_ptr, res_ptr, wy_ptr, wn_ptr, h_ptr, x_out_ptr, ticket_ptr, factor, eps_y, eps_n,
                 NORM_N: tl.constexpr, LANES: tl.constexpr, VECS: tl.constexpr, DESC: tl.constexpr,
                 CHUNK: tl.constexpr):  # fmt: skip
@@ -140,10 +155,13 @@ def split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, 
                    r_y, r_h, w_first, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT: tl.constexpr, PRECISION: tl.constexpr, X_FORM: tl.constexpr,
-                   PRELOAD: tl.constexpr):  # fmt: skip
+                   PRELOAD: tl.constexpr, X_FIRST: tl.constexpr = False):  # fmt: skip
     """fp32 `[BLOCK_N, M_PAD]`: columns n of `x @ W.T` over the K_TILES tiles from column k_first.
-    PRELOAD (M == 1 on CUDA cores): tile 0 is `w_first`, loaded by the caller before its wait."""
+    PRELOAD (M == 1 on CUDA cores): tile 0 is `w_first`, loaded by the caller before its wait.
+    X_FIRST (with DOT): x is the dot's left operand (`[16, BLOCK_K] @ W_tile.T`: 16-row MMAs with the
+    weight tile as the right operand) instead of the right one (`W_tile @ x.T`: BLOCK_N-row MMAs)."""
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    acc_x = tl.zeros([M_PAD, BLOCK_N], tl.float32)  # X_FIRST: transposed once after the loop
     acc_1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # M == 1 on CUDA cores: reduced after the loop
     cols = tl.arange(0, M_PAD)
     if PRELOAD:  # the same FMAs in the same order as the loop's first iteration
@@ -157,7 +175,13 @@ def split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, 
         if DOT:
             x = _load_x(x_ptr, stride_xm, k, kmask, M, M_PAD)
             if INTERPRETED:  # the interpreter's dot reads bf16 as raw integers: the same sums in fp32
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                wf, xf = w.to(tl.float32), x.to(tl.float32)
+                if X_FIRST:
+                    acc_x = tl.dot(xf, tl.trans(wf), acc_x, input_precision="ieee")
+                else:
+                    acc = tl.dot(wf, tl.trans(xf), acc, input_precision="ieee")
+            elif X_FIRST:
+                acc_x = tl.dot(x, tl.trans(w), acc_x, input_precision=PRECISION)
             else:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         elif M == 1:
@@ -175,6 +199,8 @@ def split_product(x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, k_first, u_ptr, 
                 acc = tl.where((cols == m)[None, :], acc + part[:, None], acc)
     if not DOT and M == 1:
         acc = tl.where((cols == 0)[None, :], tl.sum(acc_1, axis=1)[:, None], 0.0)
+    if DOT and X_FIRST:
+        acc = tl.trans(acc_x)
     return acc
 
 
@@ -235,7 +261,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
                  PREFETCH: tl.constexpr = 0, X_FORM: tl.constexpr = 0, LANES: tl.constexpr = 1,
                  VECS: tl.constexpr = 1, DESC: tl.constexpr = True, CHUNK: tl.constexpr = 1,
                  PRELOAD: tl.constexpr = 0, Y_FORM: tl.constexpr = 0,
-                 NORM_N: tl.constexpr = 1):  # fmt: skip
+                 NORM_N: tl.constexpr = 1, X_FIRST: tl.constexpr = False):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n, nmask = _weight_rows(pid_n, N, BLOCK_N, Y_FORM)
     let_dependents_launch(PDL)
@@ -254,15 +280,17 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, N, stride_xm, stride
     acc = split_product(
         x_ptr, w_ptr, stride_xm, stride_wn, n, nmask, pid_k * (K_TILES * BLOCK_K), u_ptr, res_ptr, wy_ptr,
         wn_ptr, r_y, r_h, w_first, K, M, M_PAD, BLOCK_N, BLOCK_K, K_TILES, EVEN_K, DOT, PRECISION, X_FORM,
-        PRELOAD,
+        PRELOAD, X_FIRST,
     )  # fmt: skip
     if X_FORM == 2:  # noqa: SIM102 (a constexpr test, then a device one)
         if (pid_n == 0) & (pid_k == 0):
             _store_residual(x_ptr, res_ptr, wy_ptr, h_ptr, r_y, K, CHUNK)
     cols = tl.arange(0, M_PAD)
     mask = nmask[:, None] & (cols < M)[None, :]
-    if Y_FORM == 1:  # SILU_OUT: one split (the launch makes sure), gate and up in this program
+    if Y_FORM == 1 and M == 1:  # SILU_OUT: one split (the launch makes sure), gate and up in this program
         _store_silu_mul(acc, y_ptr, pid_n, N, BLOCK_N)
+    elif Y_FORM == 1:
+        _store_silu_mul_rows(acc, y_ptr, stride_ym, pid_n, N, M, BLOCK_N, M_PAD)
     elif SPLIT_K == 1:
         tl.store(y_ptr + cols[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
         if Y_FORM == 2:
@@ -335,7 +363,7 @@ def launch(
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         PREFETCH=_prefetch_tiles(cfg, per_split, preload, weight, launch["PDL"], early), **consts,
-        PRELOAD=preload, Y_FORM=y_form,
+        PRELOAD=preload, Y_FORM=y_form, X_FIRST=cfg.dot and cfg.x_first,
     )  # fmt: skip
     return y
 

@@ -27,6 +27,9 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
+    # With `dot`: x (padded to 16 rows) is the MMA's left operand and the weight tile its right one
+    # (16-row MMAs over the streamed tile), instead of the weight tile on the left (BLOCK_N-row MMAs)
+    x_first: bool = False
     # Under PDL: weight tiles this program asks L2 for before its wait, after the one it preloads (a hint
     # that moves no values, R0): the next tiles stream while the kernel before finishes, with no registers
     # held for them (a 16-32 KB register preload measured slower: fewer programs per SM). 0 in every table
@@ -70,6 +73,17 @@ CANDIDATES = (
     TileConfig(block_n=64, block_k=128, dot=True),
     TileConfig(block_n=128, block_k=128, num_warps=8, dot=True),
     TileConfig(block_n=32, block_k=256, num_stages=4, dot=True),
+)
+
+
+# What `bench/kernel_gemv.py --many-rows` tries at 2-8 rows, where no CANDIDATES entry beat cuBLAS on the
+# H200: fewer programs streaming longer K runs (a fixed split), deeper pipelines, and the 16-row MMA form
+MANY_ROW_CANDIDATES = tuple(
+    TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=stages, dot=True, x_first=xf)
+    for bn, bk, w in ((64, 128, 4), (128, 128, 8), (64, 256, 4))
+    for split in (1, 2, 4)
+    for stages in (4,)
+    for xf in (False, True)
 )
 
 

@@ -117,8 +117,33 @@ def _cpu_checks() -> dict:
         None,
     ]
     res["silu_refuses_odd_rows"] = [not gemv_forms.gate_up_silu_fusable(x, w[:79]), None]
+    _many_row_silu_checks(res, gen, gemv_tiles, gemv_forms, gemv_kernel, silu_mul)
     res["counters_left_zero"] = tickets_left_zero()
     return res
+
+
+def _many_row_silu_checks(res, gen, gemv_tiles, gemv_forms, gemv_kernel, silu_mul) -> None:
+    """`kernels.gemv_batch` + `gemv_silu_out`: the SiLU·mul output form at 3 and 8 rows through the
+    tensor-core configs (weight tile on the left or x first), bitwise the many-row GEMV + silu_mul; routed
+    only with the batch's row limit, refused where the plain GEMV splits K."""
+    w = (torch.randn(2 * 40, 96, generator=gen) / 8).bfloat16()  # [gate; up], I = 40: a partial block
+    for x_first in (False, True):
+        cfg = gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=1, dot=True, x_first=x_first)
+        gemv_tiles.pick_config = lambda m, n, k, cfg=cfg: cfg
+        for m in (3, 8):
+            x = torch.randn(m, 96, generator=gen).bfloat16()
+            tag = f"silu_rows_{m}_{'x_first' if x_first else 'w_first'}"
+            batch = gemv_forms.gate_up_silu_fusable(x, w, gemv_forms.route_rows(True))
+            alone = gemv_forms.gate_up_silu_fusable(x, w)
+            res[f"{tag}_routed_with_the_batch_only"] = [batch and not alone, None]
+            fused = gemv_forms.gate_up_silu(x, w)
+            two = silu_mul.silu_mul(*gemv_kernel.gemv(x, w).chunk(2, dim=-1))
+            res[f"{tag}_bitwise"] = [fused.shape == (m, 40) and torch.equal(fused, two), _rel_err(fused, two)]
+            res[f"{tag}_vs_float64"] = [_rel_err(fused, _reference_silu_out(x, w)) < 0.03, None]
+    split = gemv_tiles.TileConfig(block_n=16, block_k=32, split_k=2, dot=True)
+    gemv_tiles.pick_config = lambda m, n, k: split
+    x = torch.randn(8, 96, generator=gen).bfloat16()
+    res["silu_rows_refuses_a_split_k"] = [not gemv_forms.gate_up_silu_fusable(x, w, 8), None]
 
 
 cpu_results = interpreted_results_fixture("tests.engine.kernels.gemv.test_forms_outputs")
@@ -135,7 +160,11 @@ CPU_CHECKS = [
         "norm_deterministic",
     )
 ] + ["silu_bitwise", "silu_vs_float64", "preload_bitwise", "refuses_two_rows", "norm_refuses_width_mismatch",
-     "silu_refuses_odd_rows", "silu_follows_the_table_split", "counters_left_zero"]  # fmt: skip
+     "silu_refuses_odd_rows", "silu_follows_the_table_split", "counters_left_zero",
+     "silu_rows_refuses_a_split_k"] + [
+    f"silu_rows_{m}_{side}_{what}" for m in (3, 8) for side in ("w_first", "x_first")
+    for what in ("routed_with_the_batch_only", "bitwise", "vs_float64")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("check", CPU_CHECKS)
@@ -156,6 +185,22 @@ def test_sm90_fused_output_forms_compile_and_wait_before_any_global_access(form,
     assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
     if form == 2:  # the split's ticket (o and down split K), then the row's
         assert sum(bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", line)) for line in ptx) == 2
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not importable")
+@pytest.mark.parametrize("x_first", [False, True])
+def test_sm90_many_row_silu_form_compiles_to_tensor_core_mmas(x_first):
+    """The SiLU·mul output form at 8 rows (`kernels.gemv_batch`), Ouro-1.4B's gate/up in one split of
+    128-wide K tiles: compiles for sm_90 with the forms' launch options, waits before any global access
+    under PDL, and multiplies on tensor cores (wgmma with the weight tile on the left; mma.sync m16 with x
+    first)."""
+    from tests.engine.kernels.test_launch_mode import _first, fused_gemv_ptx
+
+    ptx = fused_gemv_ptx(11264, 2048, 11264, one_split=True, X_FORM=0, Y_FORM=1, M=8, M_PAD=16, DOT=True,
+                         X_FIRST=x_first, BLOCK_N=64, BLOCK_K=128, K_TILES=16)  # fmt: skip
+    assert 0 <= _first(ptx, "griddepcontrol.wait") < _first(ptx, r"\b(ld|st|atom)\.global")
+    mma = r"\bmma\.sync\.aligned\.m16n8k16" if x_first else r"wgmma\.mma_async"
+    assert _first(ptx, mma) >= 0
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -191,6 +236,30 @@ def test_gpu_gate_up_silu_is_bitwise_gemv_then_silu_mul(graph, pdl):
 
     with _maybe_pdl(pdl):
         fused, two = _replayed(both) if graph else both()
+    assert torch.equal(fused, two), _rel_err(fused, two.double())
+    assert _rel_err(fused, _reference_silu_out(x, w)) < 0.02
+
+
+@gpu
+@pytest.mark.parametrize("x_first", [False, True])
+@pytest.mark.parametrize("rows", [2, 8])
+def test_gpu_many_row_gate_up_silu_is_bitwise_gemv_then_silu_mul(monkeypatch, rows, x_first):
+    """`kernels.gemv_batch` + `gemv_silu_out` at Ouro-1.4B's gate/up: the form's tensor-core sums with gate
+    and up rows side by side in one tile are the plain many-row GEMV's, so SiLU·mul gives the same bits."""
+    from looptrace.engine.kernels import silu_mul
+    from looptrace.engine.kernels.gemv import forms as gemv_forms
+    from looptrace.engine.kernels.gemv import kernel as gemv_kernel
+    from looptrace.engine.kernels.gemv import tiles as gemv_tiles
+
+    dev = _cuda()
+    cfg = gemv_tiles.TileConfig(block_n=64, block_k=128, split_k=1, num_stages=4, dot=True, x_first=x_first)
+    monkeypatch.setattr(gemv_tiles, "pick_config", lambda m, n, k: cfg)
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    x = torch.randn(rows, 2048, generator=gen, device=dev).bfloat16()
+    w = (torch.randn(11264, 2048, generator=gen, device=dev) / 16).bfloat16()
+    assert gemv_forms.gate_up_silu_fusable(x, w, gemv_forms.route_rows(True))
+    fused = gemv_forms.gate_up_silu(x, w)
+    two = silu_mul.silu_mul(*gemv_kernel.gemv(x, w).chunk(2, dim=-1))
     assert torch.equal(fused, two), _rel_err(fused, two.double())
     assert _rel_err(fused, _reference_silu_out(x, w)) < 0.02
 
@@ -266,4 +335,20 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(mo
     assert calls_off == {"gate_up_silu": 0, "linear_residual_norm": 0}
     assert calls_on["gate_up_silu"] > 0 and calls_on["linear_residual_norm"] > 0, calls_on
     assert off[0] == on[0], "batch 4: the forms do not act, the tokens must not change"
+    assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"
+
+
+@gpu
+def test_gpu_gemv_batch_routes_batched_rows_through_the_gemv_and_its_output_forms(monkeypatch):
+    """fast with `kernels.gemv_batch`: at batch 4 the plain GEMV, the SiLU·mul form and the q/k/v RoPE form
+    run (more calls than without it, where batch 4 is cuBLAS's); batch 1 keeps its tokens (its routes do not
+    change). The batched tokens may differ (R3: other sums than cuBLAS's), so they are not compared."""
+    from tests.engine.kernels.gemv.test_forms_inputs import fast_with_and_without
+
+    _cuda()
+    spied = ("gemv", "gate_up_silu", "gemv_rope.qkv_rope_write")
+    off, on, calls_off, calls_on = fast_with_and_without(
+        monkeypatch, _small_ouro(), ("kernels.gemv_batch",), spied
+    )
+    assert all(calls_on[name] > calls_off[name] for name in spied), (calls_off, calls_on)
     assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"

@@ -59,6 +59,8 @@ CPU_CASES = {
     "m3_cuda_cores_split": (3, 40, 96, dict(block_n=16, block_k=32, split_k=2)),
     "m2_dot_split3": (2, 33, 80, dict(block_n=16, block_k=32, split_k=3, dot=True)),
     "m8_dot_even_k": (8, 64, 128, dict(block_n=32, block_k=32, split_k=2, dot=True)),
+    "m8_dot_x_first_split": (8, 64, 128, dict(block_n=32, block_k=32, split_k=2, dot=True, x_first=True)),
+    "m3_dot_x_first_ragged": (3, 40, 80, dict(block_n=16, block_k=32, dot=True, x_first=True)),
     "m5_table_dot": (5, 24, 48, None),
     "m7_cuda_cores": (7, 20, 64, dict(block_n=16, block_k=16)),
 }
@@ -183,6 +185,40 @@ def test_the_gemv_variants_on_cpu_change_no_output_bit(preset):
     assert torch.equal(linear(a, w), F.linear(a, w))
 
 
+def test_the_batch_variants_route_up_to_eight_rows_where_the_plain_ones_route_one(monkeypatch):
+    """`kernels.gemv_batch` over `kernels.gemv`: the plain and the fused projections hand 2-8 rows to the
+    GEMV too (one row only without it); 9 rows and more stay with `F.linear`. The GEMV's domain check is
+    patched open and the GEMV recorded, so the routing is what is tested, on CPU."""
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    from looptrace.engine.assemble import install_variants
+    from looptrace.engine.kernels.gemv import forms, tiles
+    from looptrace.engine.layers import GemvBatchLinear, GemvLinear
+    from tests.helpers import build_engine
+
+    routed = []
+    monkeypatch.setattr(tiles, "supported", lambda x, w, b: b is None)
+    monkeypatch.setattr(forms, "gemv", lambda x, w: routed.append(x.shape[0]) or F.linear(x, w))
+    model = build_engine("ouro-tiny", kernels__fused_projections=True).model
+    install_variants(model, "kernels.gemv")
+    attn, head = model.model.layers[0].self_attn, model.lm_head
+    rows_seen = {}
+    for setting in (None, "kernels.gemv_batch"):
+        if setting:
+            assert install_variants(model, setting) > 0
+        for rows in (1, 2, 8, 9):
+            routed.clear()
+            head(torch.randn(rows, head.in_features))
+            attn.fused_linear(torch.randn(rows, attn.qkv.shape[1]), attn.qkv)
+            rows_seen[setting, rows] = list(routed)
+    assert isinstance(head, GemvBatchLinear) and isinstance(head, GemvLinear)
+    assert rows_seen == {
+        (None, 1): [1, 1], (None, 2): [], (None, 8): [], (None, 9): [],
+        ("kernels.gemv_batch", 1): [1, 1], ("kernels.gemv_batch", 2): [2, 2],
+        ("kernels.gemv_batch", 8): [8, 8], ("kernels.gemv_batch", 9): [],
+    }  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------- GPU
 
 # (N, K) of every projection: Ouro-1.4B (hidden 2048, 16 x 128 heads, intermediate 5632, vocab 49152) and
@@ -231,11 +267,11 @@ def test_gpu_gemv_within_float64_bound_for_1_to_8_rows(shape):
 @pytest.mark.parametrize("shape", ["ouro_o", "ouro_down", "huginn_qkv"])
 def test_gpu_every_tile_candidate_is_correct(shape):
     from looptrace.engine.kernels.gemv.kernel import gemv
-    from looptrace.engine.kernels.gemv.tiles import CANDIDATES
+    from looptrace.engine.kernels.gemv.tiles import CANDIDATES, MANY_ROW_CANDIDATES
 
     n, k = GPU_SHAPES[shape]
     x, w = _gpu_inputs(n, k, seed=1)
-    for cfg in CANDIDATES:
+    for cfg in CANDIDATES + MANY_ROW_CANDIDATES[::5]:
         for m in (1, 3, 8):
             ok, ratio = within_bound(gemv(x[:m], w, cfg), x[:m], w, interpreted=False)
             assert ok, (cfg, m, ratio)
@@ -272,6 +308,7 @@ def test_gpu_linear_dispatch():
     assert torch.equal(linear(x[:1], w), gemv(x[:1], w))  # one row: the GEMV (ROUTE_ROWS)
     assert torch.equal(linear(x[:4], w), F.linear(x[:4], w))  # 2-8 rows: cuBLAS (faster there on the H200)
     assert torch.equal(linear(x, w), F.linear(x, w))  # 9 rows: cuBLAS
+    assert torch.equal(linear(x[:4], w, route_rows=8), gemv(x[:4], w))  # kernels.gemv_batch: the GEMV
     b = torch.zeros(2048, dtype=torch.bfloat16, device="cuda")
     assert torch.equal(linear(x[:1], w, b), F.linear(x[:1], w, b))  # a bias: cuBLAS
 

@@ -1,0 +1,142 @@
+"""The many-row decode GEMV inside the engine: a tile sweep at 8 rows, then `fast` against `fast` with
+`kernels.gemv_batch` (2-8 row projections through the GEMV), paired in one process.
+
+    python bench/gemv_batch.py [--out DIR] [--cell ouro:512/128@8] [--runs 3] [--shapes ouro_qkv,...]
+
+Why both in one script: the tile table's many-row entry has never beaten cuBLAS alone
+(bench/results/h200/kernels/*gemv_h200.md: 36-51 % of copy bandwidth at 8 rows), but a kernel alone is not a
+kernel in the chain (under PDL the one-row GEMV lost alone and won in the token). So:
+
+1. For Ouro-1.4B's four projection shapes at M = 8, time cuBLAS and every `tiles.MANY_ROW_CANDIDATES`
+   config (`kernel_gemv.bench_shape`: a CUDA graph of 20 calls over weight copies beyond L2).
+2. Put each shape's fastest config at the top of `tiles.TILE_TABLE` for 2-8 rows, in this process only
+   (the committed table changes only after a measurement says so).
+3. `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true` on the cell, in this process: arm A
+   routes 2-8 rows to cuBLAS as `fast` does, arm B to the GEMV with the swept tiles.
+
+Writes DIR/gemv_batch.md (the sweep's winners against cuBLAS, then the paired bench's table),
+DIR/gemv_batch_sweep.json and DIR/gemv_batch_bench.json. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_gemv import bench_shape, cfg_text  # noqa: E402
+
+from looptrace.engine.kernels.gemv import tiles  # noqa: E402
+from tests.engine.kernels.gemv.test_kernel import GPU_SHAPES  # noqa: E402
+
+OURO_SHAPES = ("ouro_qkv", "ouro_o", "ouro_gate_up", "ouro_down")
+
+
+def sweep(shapes: list[str], rows: int, copy_tbps: float) -> list[dict]:
+    """bench_shape's rows at M = rows over the many-row candidates (no budget cap)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for name in shapes:
+        n, k = GPU_SHAPES[name]
+        out += bench_shape(name, n, k, (rows,), copy_tbps, float("inf"), gen, many_rows=True)
+    return out
+
+
+def winners_first(results: list[dict]) -> list[tuple]:
+    """Table entries `((N, N), (K, K), (2, MAX_ROWS), best config)` for each swept shape."""
+    entries = []
+    for r in results:
+        best = min(r["candidates"], key=lambda c: c["us"])
+        cfg = tiles.TileConfig(**best["config"])
+        entries.append(((r["N"], r["N"]), (r["K"], r["K"]), (2, tiles.MAX_ROWS), cfg))
+    return entries
+
+
+def paired_bench(cell: str, runs: int, out_json: Path) -> int:
+    """The CLI's paired bench, run in this process so it sees the swept table."""
+    from looptrace.cli.main import app
+
+    argv = ["bench", "--a", "fast", "--b", "fast", "--b-set", "kernels.gemv_batch=true", "--cell", cell,
+            "--runs", str(runs), "--set", "cuda_graphs.max_graphs=64", "-o", str(out_json)]  # fmt: skip
+    try:
+        app(argv, standalone_mode=False)
+    except SystemExit as exc:  # Typer's exit codes (2: bad input, 130: interrupted)
+        return int(exc.code or 0)
+    return 0
+
+
+def sweep_markdown(results: list[dict], copy_tbps: float) -> list[str]:
+    lines = [
+        f"Sweep at M = {results[0]['M']}: median µs per call (CUDA graph of 20, weights beyond L2); floor = "
+        f"N*K*2 bytes at {copy_tbps} TB/s.",
+        "",
+        "| shape | floor µs | cuBLAS µs | table µs | best µs | best config | best / cuBLAS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['shape']} | {r['floor_us']:.2f} | {r['cublas_us']:.2f} | {r['table_us']:.2f} | "
+            f"{r['best_us']:.2f} | {cfg_text(r['best'], r['best_split_k'])} | "
+            f"{r['best_us'] / r['cublas_us']:.2f} |"
+        )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--cell", default="ouro:512/128@8")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=8, help="rows of the tile sweep (2-8)")
+    parser.add_argument("--copy-tbps", type=float, default=4.28)
+    parser.add_argument("--shapes", default=",".join(OURO_SHAPES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gemv_batch.py: needs CUDA (no GPU found)", file=sys.stderr)
+        return 2
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in GPU_SHAPES]
+    if unknown or not 2 <= args.rows <= tiles.MAX_ROWS:
+        print(f"bench/gemv_batch.py: --shapes {unknown} not in {sorted(GPU_SHAPES)} or --rows {args.rows} "
+              f"outside 2-{tiles.MAX_ROWS}", file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    results = sweep(shapes, args.rows, args.copy_tbps)
+    (out / "gemv_batch_sweep.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                             "torch": torch.__version__, "results": results},
+                                                            indent=1))  # fmt: skip
+    entries = winners_first(results)
+    tiles.TILE_TABLE = (*entries, *tiles.TILE_TABLE)  # this process only: the bench's arm B reads it
+    print("swept table entries:", [(e[0][0], e[1][0], asdict(e[3])) for e in entries], flush=True)
+    rc = paired_bench(args.cell, args.runs, out / "gemv_batch_bench.json")
+    lines = [
+        "# The many-row GEMV in the engine (`bench/gemv_batch.py`)",
+        "",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}. "
+        f"Wall {time.monotonic() - start:.0f} s.",
+        "",
+        *sweep_markdown(results, args.copy_tbps),
+        "",
+        f"Paired bench (exit code {rc}): `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true "
+        f"--cell {args.cell} --runs {args.runs} --set cuda_graphs.max_graphs=64`, arm B with the winners "
+        "above; "
+        "its table: `looptrace bench --from gemv_batch_bench.json`.",
+    ]
+    (out / "gemv_batch.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
