@@ -1,5 +1,6 @@
 """Compile a Gluon kernel for Hopper (sm_90a) on any machine, no GPU: Triton to PTX, then Triton's own
-`ptxas` for the registers, spills and shared memory one launch form needs."""
+`ptxas` for the registers, spills and shared memory one launch form needs (`ptxas_report` serves plain
+Triton kernels too)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,14 @@ def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, fp_fusion: b
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=warps, enable_fp_fusion=fp_fusion),
     )
+    return dict(**ptxas_report(kernel.asm["ptx"]), shared_bytes=kernel.metadata.shared)
+
+
+def ptxas_report(ptx: str) -> dict:
+    """registers per thread and spill bytes of sm_90a PTX, from Triton's own `ptxas -v`."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "k.ptx").write_text(kernel.asm["ptx"])
+        Path(tmp, "k.ptx").write_text(ptx)
         report = subprocess.run(
             [ptxas, "-arch=sm_90a", "-v", Path(tmp, "k.ptx"), "-o", Path(tmp, "k.cubin")],
             capture_output=True,
@@ -46,5 +52,4 @@ def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, fp_fusion: b
     return dict(
         registers=int(re.search(r"Used (\d+) registers", text).group(1)),
         spill_bytes=int(spills.group(1)) if spills else 0,
-        shared_bytes=kernel.metadata.shared,
     )

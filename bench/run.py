@@ -120,6 +120,11 @@ MODES: dict[str, Mode] = {
         "cuda",
         script("gemv_batch.py", "--out {out}"),
     ),
+    "gemv-compile": Mode(
+        "the GEMV's many-row tiles compiled for sm_90a (no GPU): grid, registers, shared memory, MMA, per SM",
+        "any",
+        script("kernel_gemv_compile.py", "--out {out}"),
+    ),
     "persistent-loop-faults": Mode(
         "where the persistent Ouro loop faults: each launch shape alone in a child, then the engine, 8 rows",
         "cuda",

@@ -36,8 +36,8 @@ from looptrace.engine.kernels.device_helpers import (
     triton,
     wait_for_inputs,
 )
-from looptrace.engine.kernels.gemv.kernel import split_product, weight_tile
 from looptrace.engine.kernels.gemv import tiles
+from looptrace.engine.kernels.gemv.kernel import split_product, weight_tile
 from looptrace.engine.kernels.gemv.tiles import ROUTE_ROWS, one_row_config, split_for
 from looptrace.engine.kernels.launch_mode import pdl_args
 
