@@ -128,6 +128,12 @@ def main() -> int:
         "",
         *sweep_markdown(results, args.copy_tbps),
         "",
+        "The winners as `tiles.TILE_TABLE` entries (what arm B ran):",
+        "",
+        "```python",
+        *(f"    (({e[0][0]}, {e[0][1]}), ({e[1][0]}, {e[1][1]}), (2, MAX_ROWS), {e[3]!r})," for e in entries),
+        "```",
+        "",
         f"Paired bench (exit code {rc}): `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true "
         f"--cell {args.cell} --runs {args.runs} --set cuda_graphs.max_graphs=64`, arm B with the winners "
         "above; "
