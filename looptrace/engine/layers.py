@@ -178,9 +178,8 @@ class GemvBatchLinear(GemvLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
-        from looptrace.engine.kernels.gemv.tiles import MAX_ROWS
 
-        return gemv_forms.linear(x, self.weight, self.bias, route_rows=MAX_ROWS)
+        return gemv_forms.linear(x, self.weight, self.bias, route_rows=gemv_forms.route_rows(batch=True))
 
 
 class Embedding(nn.Embedding):

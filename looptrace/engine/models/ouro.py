@@ -103,9 +103,8 @@ class GemvBatchFusedLinear(GemvFusedLinear):
     def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
         from looptrace.engine.kernels.gemv import forms as gemv_forms  # imports Triton
-        from looptrace.engine.kernels.gemv.tiles import MAX_ROWS
 
-        return gemv_forms.linear(x, weight, bias, route_rows=MAX_ROWS)
+        return gemv_forms.linear(x, weight, bias, route_rows=gemv_forms.route_rows(batch=True))
 
 
 class RopeWriteOuroAttention(OuroAttention):
@@ -131,7 +130,7 @@ class GemvRopeOuroAttention(RopeWriteOuroAttention):
     under `kernels.gemv_batch` (`gemv_batch` from `GemvBatchFusedLinear`) so do its 2-8 row launches."""
 
     def forward(self, x: torch.Tensor | PendingNorm, ctx: AttnContext, tail: ResidualTail | None = None):
-        if exact_kernels_on(ctx.cos.shape[0]):  # where rope_kv_write runs (the form's gate checks the rows)
+        if exact_kernels_on(1):  # where rope_kv_write runs for the form's rows (at most 8: under capture)
             # deferred: Triton kernels (CUDA only): importing the engine imports no Triton
             from looptrace.engine.kernels import gemv_rope  # imports Triton: only where a kernel runs
             from looptrace.engine.kernels.gemv.forms import route_rows
