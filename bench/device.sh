@@ -12,6 +12,8 @@
 #   bash bench/device.sh fast-cells            paired exactloop vs fast, Ouro 512/128 at C = 1, 8, 32
 #   bash bench/device.sh diffs                 diff exactloop fast at real shape; diff base exactloop (tiny)
 #   bash bench/device.sh kernels               decode attention, GEMV and exact-kernel micro-benchmarks
+#   bash bench/device.sh gemv-batch            the GEMV's many-row tiles swept at 8 rows, then fast vs
+#                                              fast + kernels.gemv_batch at C = 8 (bench/gemv_batch.py)
 #   bash bench/device.sh persistent-loop [ARGS] the persistent Ouro loop kernel alone (bench/kernel_persistent_loop.py)
 #   bash bench/device.sh persistent-loop-faults [ARGS] which launch shapes and engine runs of it fault
 #   bash bench/device.sh reference-judge       serve Ouro-1.4B in bf16, judged by our fp32 engine on the GPU
@@ -75,6 +77,9 @@ case "$MODE" in
     measure 200 attention -- --budget-s 150
     measure 200 gemv -- --budget-s 150
     measure 180 exact-kernels -- --sections timings --budget-s 140 ;;
+  gemv-batch)
+    measure 500 gemv-batch
+    cat "$OUT/gemv_batch.md" 2>/dev/null ;;
   persistent-loop)
     measure 560 persistent-loop -- "$@"
     cat "$OUT/persistent_loop.md" 2>/dev/null ;;
@@ -85,6 +90,6 @@ case "$MODE" in
     measure 580 reference-judge
     cat "$OUT/reference_judge_summary.json" 2>/dev/null ;;
   *)
-    echo "bench/device.sh: unknown mode '${MODE}' (tests, token, profiles, table2, fast-cells, diffs, kernels, persistent-loop, persistent-loop-faults, reference-judge)" >&2
+    echo "bench/device.sh: unknown mode '${MODE}' (tests, token, profiles, table2, fast-cells, diffs, kernels, gemv-batch, persistent-loop, persistent-loop-faults, reference-judge)" >&2
     exit 2 ;;
 esac
