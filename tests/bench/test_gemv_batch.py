@@ -1,0 +1,42 @@
+"""bench/gemv_batch.py's table step: each swept shape's fastest candidate becomes the tile the engine's arm
+B picks at 2-8 rows for that shape, and nothing else changes (the timing needs CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def gemv_batch(monkeypatch):
+    pytest.importorskip("triton")  # the GEMV's tile table lives in a Triton module
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts bench/ first
+    spec = importlib.util.spec_from_file_location("gemv_batch", BENCH / "gemv_batch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(name, n, k, timings):
+    return {"shape": name, "N": n, "K": k, "M": 8,
+            "candidates": [{"config": asdict(cfg), "split_k": 1, "us": us} for cfg, us in timings]}  # fmt: skip
+
+
+def test_each_shapes_fastest_candidate_is_the_tile_it_picks_at_two_to_eight_rows(gemv_batch, monkeypatch):
+    tiles = gemv_batch.tiles
+    slow, fast, other = tiles.MANY_ROW_CANDIDATES[:3]
+    results = [_row("ouro_o", 2048, 2048, [(slow, 9.0), (fast, 4.0)]),
+               _row("ouro_down", 2048, 5632, [(fast, 8.0), (other, 7.5)])]  # fmt: skip
+    entries = gemv_batch.winners_first(results)
+    one_row, unswept = tiles.pick_config(1, 2048, 2048), tiles.pick_config(8, 6144, 2048)
+    monkeypatch.setattr(tiles, "TILE_TABLE", (*entries, *tiles.TILE_TABLE))
+    assert [tiles.pick_config(m, 2048, 2048) for m in (2, 8)] == [fast, fast]
+    assert tiles.pick_config(5, 2048, 5632) == other
+    assert tiles.pick_config(1, 2048, 2048) == one_row  # one row: as before
+    assert tiles.pick_config(8, 6144, 2048) == unswept  # a shape not swept: as before
