@@ -24,8 +24,8 @@ def gemv_batch(monkeypatch):
 
 
 def _row(name, n, k, timings):
-    return {"shape": name, "N": n, "K": k, "M": 8,
-            "candidates": [{"config": asdict(cfg), "split_k": 1, "us": us} for cfg, us in timings]}  # fmt: skip
+    candidates = [{"config": asdict(cfg), "split_k": 1, "us": us} for cfg, us in timings]
+    return {"shape": name, "N": n, "K": k, "M": 8, "candidates": candidates}
 
 
 def test_each_shapes_fastest_candidate_is_the_tile_it_picks_at_two_to_eight_rows(gemv_batch, monkeypatch):
