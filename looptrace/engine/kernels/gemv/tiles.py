@@ -79,11 +79,12 @@ CANDIDATES = (
 # What `bench/gemv_batch.py` (and `bench/kernel_gemv.py --many-rows`) tries at 2-8 rows, where no
 # CANDIDATES entry beat cuBLAS on the H200: fixed splits from none to the table's (the table's auto split
 # gives q/k/v 768 programs of 2 K tiles each; one split gives 96 of 16), deeper pipelines, and the 16-row
-# MMA form. At N = 2048 (o, down) a split of 1-2 leaves fewer programs than SMs
-# (bench/results/cpu-2core/kernels/*gemv_compile.md), so 8 is among them.
+# MMA form. At N = 2048 (o, down) a split of 1-2 leaves fewer programs than SMs, so 8 is among them, and
+# 32-column tiles (`mma.sync` in either order) double the column blocks; 64 x 256 tiles were left out: one
+# program per SM, 164 registers (bench/results/cpu-2core/kernels/*gemv_compile.md).
 MANY_ROW_CANDIDATES = tuple(
     TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=stages, dot=True, x_first=xf)
-    for bn, bk, w in ((64, 128, 4), (128, 128, 8), (64, 256, 4))
+    for bn, bk, w in ((64, 128, 4), (128, 128, 8), (32, 256, 4))
     for split in (1, 2, 4, 8)
     for stages in (4,)
     for xf in (False, True)
