@@ -218,9 +218,10 @@ class KernelConfig:
     # Beyond the paper: projections of at most 8 rows (decode) through a bandwidth-bound split-K Triton GEMV
     # (`kernels/gemv.py`) instead of cuBLAS; another reduction order (R3), CUDA only.
     gemv: bool = field(default=False, metadata=_meta("R3"))
-    # Beyond the paper, with `gemv`: projections of 2-8 rows (batched decode) through the GEMV too, where
-    # `gemv` alone routes one row and leaves cuBLAS the rest. Another reduction order than cuBLAS (R3);
-    # a row's bits then depend on whether it decodes alone (one-row and many-row tiles differ). CUDA only.
+    # Beyond the paper, with `gemv`: projections of 2-8 rows (batched decode, and prefill chunks of at most 8
+    # tokens) through the GEMV too, where `gemv` alone routes one row and leaves cuBLAS the rest. Another
+    # reduction order than cuBLAS (R3); a row's bits then depend on whether it decodes alone (one-row and
+    # many-row tiles differ). CUDA only.
     gemv_batch: bool = field(default=False, metadata=_meta("R3"))
     # Beyond the paper, with `gemv`: fused input forms of the one-row GEMV (`kernels/gemv.py`, X_FORM).
     # gemv_silu: the down projection computes SiLU·mul of its input slice itself (one launch fewer per

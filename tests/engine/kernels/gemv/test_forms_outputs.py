@@ -341,8 +341,9 @@ def test_gpu_fast_generates_the_same_tokens_with_and_without_the_output_forms(mo
 @gpu
 def test_gpu_gemv_batch_routes_batched_rows_through_the_gemv_and_its_output_forms(monkeypatch):
     """fast with `kernels.gemv_batch`: at batch 4 the plain GEMV, the SiLU·mul form and the q/k/v RoPE form
-    run (more calls than without it, where batch 4 is cuBLAS's); batch 1 keeps its tokens (its routes do not
-    change). The batched tokens may differ (R3: other sums than cuBLAS's), so they are not compared."""
+    run (more calls than without it, where batch 4 is cuBLAS's), and every request still gets its 12 tokens.
+    The tokens themselves may differ, batched or alone (R3: other sums than cuBLAS's, also in a prompt's
+    prefill of at most 8 tokens), so they are not compared."""
     from tests.engine.kernels.gemv.test_forms_inputs import fast_with_and_without
 
     _cuda()
@@ -351,4 +352,4 @@ def test_gpu_gemv_batch_routes_batched_rows_through_the_gemv_and_its_output_form
         monkeypatch, _small_ouro(), ("kernels.gemv_batch",), spied
     )
     assert all(calls_on[name] > calls_off[name] for name in spied), (calls_off, calls_on)
-    assert off[1] == on[1], f"batch 1: {off[1]} vs {on[1]}"
+    assert [len(t) for t in on[0]] == [len(t) for t in off[0]] == [12] * 4
