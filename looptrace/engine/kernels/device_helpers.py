@@ -109,6 +109,15 @@ def round_bf16(a):
     return to_bf16(a).to(tl.float32)
 
 
+@triton.jit
+def rotate_half(x1, x2, c1, c2, s1, s2):
+    """RoPE's rotate-half pair as the eager bf16 ops round it, in fp32: first half x1*c1 + (-x2)*s1,
+    second half x2*c2 + x1*s2, each product rounded to bf16, then the sum (not yet rounded)."""
+    o1 = add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1)))
+    o2 = add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2)))
+    return o1, o2
+
+
 # ------------------------------------------------------------------------------------ PDL preamble
 # The device side of `kernels.pdl` (see `launch_mode`): the preamble of every engine Triton kernel.
 #

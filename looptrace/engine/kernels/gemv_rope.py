@@ -27,10 +27,8 @@ import torch
 from looptrace.engine.kernels import launch_mode
 from looptrace.engine.kernels.device_helpers import (
     EXACT_OPTIONS,
-    add_rn,
     let_dependents_launch,
-    mul_rn,
-    neg,
+    rotate_half,
     round_bf16,
     to_bf16,
     triton,
@@ -55,6 +53,15 @@ def _pair_rows(pid, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _store_kv(kc_ptr, vc_ptr, dst, o1, o2, x1, x2, k_mask, v_mask, HALF: tl.constexpr):
+    """k heads' rotated halves and v heads' values as they are, into the cache at `dst` (and HALF on)."""
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(vc_ptr + dst, to_bf16(x1).to(vc_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
 def _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_ptr, layer_id, pid,
                    stride_e, stride_s, stride_ch, HQ, HK, HALF: tl.constexpr,
                    BLOCK_N: tl.constexpr):  # fmt: skip
@@ -69,8 +76,8 @@ def _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_
     c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)
     s1 = tl.load(sin_ptr + d).to(tl.float32)
     s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)
-    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
-    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    o1, o2 = rotate_half(x1, x2, c1, c2, s1, s2)
+    o1, o2 = to_bf16(o1), to_bf16(o2)
     is_q, is_k = head < HQ, (head >= HQ) & (head < HQ + HK)
     is_v = (head >= HQ + HK) & (head < HQ + 2 * HK)
     qp = q_ptr + head * (2 * HALF) + d
@@ -80,11 +87,7 @@ def _store_rotated(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, woff_
     off = tl.load(woff_ptr).to(tl.int64)
     kv_head = tl.where(is_k, head - HQ, head - HQ - HK).to(tl.int64)
     dst = (entry + layer_id) * stride_e + off * stride_s + kv_head * stride_ch + d
-    write = entry >= 0
-    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=is_k & write)
-    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=is_k & write)
-    tl.store(vc_ptr + dst, to_bf16(x1).to(vc_ptr.dtype.element_ty), mask=is_v & write)
-    tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+    _store_kv(kc_ptr, vc_ptr, dst, o1, o2, x1, x2, is_k & (entry >= 0), is_v & (entry >= 0), HALF)
 
 
 @triton.jit
@@ -105,8 +108,8 @@ def _store_rotated_rows(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, 
     c2 = tl.load(cos_ptr + r * stride_cos + HALF + d, mask=live, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + r * stride_sin + d, mask=live, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + r * stride_sin + HALF + d, mask=live, other=0.0).to(tl.float32)
-    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
-    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    o1, o2 = rotate_half(x1, x2, c1, c2, s1, s2)
+    o1, o2 = to_bf16(o1), to_bf16(o2)
     is_q, is_k = (head < HQ) & live, (head >= HQ) & (head < HQ + HK) & live
     is_v = (head >= HQ + HK) & (head < HQ + 2 * HK) & live
     qp = q_ptr + r * (HQ * 2 * HALF) + head * (2 * HALF) + d
@@ -116,11 +119,7 @@ def _store_rotated_rows(acc, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, went_ptr, 
     off = tl.load(woff_ptr + r * stride_woff, mask=live, other=0).to(tl.int64)
     kv_head = tl.where(is_k, head - HQ, head - HQ - HK).to(tl.int64)
     dst = (entry + layer_id) * stride_e + off * stride_s + kv_head * stride_ch + d
-    write = entry >= 0
-    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=is_k & write)
-    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=is_k & write)
-    tl.store(vc_ptr + dst, to_bf16(x1).to(vc_ptr.dtype.element_ty), mask=is_v & write)
-    tl.store(vc_ptr + dst + HALF, to_bf16(x2).to(vc_ptr.dtype.element_ty), mask=is_v & write)
+    _store_kv(kc_ptr, vc_ptr, dst, o1, o2, x1, x2, is_k & (entry >= 0), is_v & (entry >= 0), HALF)
 
 
 @triton.jit(do_not_specialize=["layer_id"])

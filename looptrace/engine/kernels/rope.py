@@ -21,7 +21,7 @@ from looptrace.engine.kernels.device_helpers import (
     add_rn,
     await_inputs,
     mul_rn,
-    neg,
+    rotate_half,
     round_bf16,
     sub_rn,
     to_bf16,
@@ -63,9 +63,7 @@ def _rope_half_kernel(
     c2 = tl.load(cos_ptr + r * stride_cr + HALF + d, mask=md, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + r * stride_sr + d, mask=md, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + r * stride_sr + HALF + d, mask=md, other=0.0).to(tl.float32)
-    # first half: x1*c1 + (-x2)*s1 ; second half: x2*c2 + x1*s2 (each product rounded to bf16, then the sum)
-    o1 = add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1)))
-    o2 = add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2)))
+    o1, o2 = rotate_half(x1, x2, c1, c2, s1, s2)
     op = out_ptr + r * stride_or + heads * stride_oh + d
     tl.store(op, to_bf16(o1), mask=m)
     tl.store(op + HALF, to_bf16(o2), mask=m)
@@ -172,8 +170,8 @@ def _rope_half_write_kernel(
     c2 = tl.load(cos_ptr + r * stride_cr + HALF + d, mask=md, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + r * stride_sr + d, mask=md, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + r * stride_sr + HALF + d, mask=md, other=0.0).to(tl.float32)
-    o1 = to_bf16(add_rn(round_bf16(mul_rn(x1, c1)), round_bf16(mul_rn(neg(x2), s1))))
-    o2 = to_bf16(add_rn(round_bf16(mul_rn(x2, c2)), round_bf16(mul_rn(x1, s2))))
+    o1, o2 = rotate_half(x1, x2, c1, c2, s1, s2)
+    o1, o2 = to_bf16(o1), to_bf16(o2)
     qp = q_out_ptr + r * stride_or + slot * stride_oh + d
     tl.store(qp, o1, mask=mq)
     tl.store(qp + HALF, o2, mask=mq)
