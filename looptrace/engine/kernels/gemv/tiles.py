@@ -83,10 +83,9 @@ CANDIDATES = (
 # 32-column tiles (`mma.sync` in either order) double the column blocks; 64 x 256 tiles were left out: one
 # program per SM, 164 registers (bench/results/cpu-2core/kernels/*gemv_compile.md).
 MANY_ROW_CANDIDATES = tuple(
-    TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=stages, dot=True, x_first=xf)
+    TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=4, dot=True, x_first=xf)
     for bn, bk, w in ((64, 128, 4), (128, 128, 8), (32, 256, 4))
     for split in (1, 2, 4, 8)
-    for stages in (4,)
     for xf in (False, True)
 )
 
