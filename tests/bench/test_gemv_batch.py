@@ -40,3 +40,17 @@ def test_each_shapes_fastest_candidate_is_the_tile_it_picks_at_two_to_eight_rows
     assert tiles.pick_config(5, 2048, 5632) == other
     assert tiles.pick_config(1, 2048, 2048) == one_row  # one row: as before
     assert tiles.pick_config(8, 6144, 2048) == unswept  # a shape not swept: as before
+
+
+def test_a_fused_form_shape_takes_its_fastest_unsplit_candidate(gemv_batch):
+    """q/k/v and gate/up carry a fused output form only without a K split, so arm B takes the fastest
+    one-split tile there, and the fastest overall where no candidate has one split."""
+    split_fast, unsplit_slow, unsplit = gemv_batch.tiles.MANY_ROW_CANDIDATES[:3]
+    qkv = {"shape": "ouro_qkv", "N": 6144, "K": 2048, "M": 8, "candidates": [
+        {"config": asdict(split_fast), "split_k": 4, "us": 5.0},
+        {"config": asdict(unsplit_slow), "split_k": 1, "us": 9.0},
+        {"config": asdict(unsplit), "split_k": 1, "us": 7.0}]}  # fmt: skip
+    down = {**qkv, "shape": "ouro_down", "K": 5632}
+    all_split = {**qkv, "shape": "ouro_gate_up", "N": 11264, "candidates": qkv["candidates"][:1]}
+    entries = gemv_batch.winners_first([qkv, down, all_split])
+    assert [e[3] for e in entries] == [unsplit, split_fast, split_fast]
