@@ -2,6 +2,7 @@
 `kernels.gemv_batch` (2-8 row projections through the GEMV), paired in one process.
 
     python bench/gemv_batch.py [--out DIR] [--cell ouro:512/128@8] [--runs 3] [--shapes ouro_qkv,...]
+                               [--cublas-shapes ouro_o,...]
 
 Why both in one script: the tile table's many-row entry has never beaten cuBLAS alone
 (bench/results/h200/kernels/*gemv_h200.md: 36-51 % of copy bandwidth at 8 rows), but a kernel alone is not a
@@ -14,7 +15,8 @@ kernel in the chain (under PDL the one-row GEMV lost alone and won in the token)
    one K split: only then do the fused output forms (RoPE + K/V write, SiLU·mul) take the rows, each
    removing a launch that a faster split alone would still pay.
 3. `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true` on the cell, in this process: arm A
-   routes 2-8 rows to cuBLAS as `fast` does, arm B to the GEMV with the swept tiles.
+   routes 2-8 rows to cuBLAS as `fast` does, arm B to the GEMV with the swept tiles, except the
+   `--cublas-shapes` (`tiles.CUBLAS_MANY_ROWS`, this process only), which stay on cuBLAS in both arms.
 
 Writes DIR/gemv_batch.md (the sweep's winners against cuBLAS, then the paired bench's table),
 DIR/gemv_batch_sweep.json and DIR/gemv_batch_bench.json. CUDA only.
@@ -115,12 +117,14 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8, help="rows of the tile sweep (2-8)")
     parser.add_argument("--copy-tbps", type=float, default=4.28)
     parser.add_argument("--shapes", default=",".join(OURO_SHAPES))
+    parser.add_argument("--cublas-shapes", default="", help="shapes whose 2-8 rows arm B leaves on cuBLAS")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gemv_batch.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
     shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in shapes if s not in GPU_SHAPES]
+    kept = [s for s in args.cublas_shapes.split(",") if s]
+    unknown = [s for s in (*shapes, *kept) if s not in GPU_SHAPES]
     if unknown or not 2 <= args.rows <= tiles.MAX_ROWS:
         print(f"bench/gemv_batch.py: --shapes {unknown} not in {sorted(GPU_SHAPES)} or --rows {args.rows} "
               f"outside 2-{tiles.MAX_ROWS}", file=sys.stderr)  # fmt: skip
@@ -134,6 +138,7 @@ def main() -> int:
                                                             indent=1))  # fmt: skip
     entries = winners_first(results)
     tiles.TILE_TABLE = (*entries, *tiles.TILE_TABLE)  # this process only: the bench's arm B reads it
+    tiles.CUBLAS_MANY_ROWS = frozenset(GPU_SHAPES[s] for s in kept)
     print("swept table entries:", [(e[0][0], e[1][0], asdict(e[3])) for e in entries], flush=True)
     rc = paired_bench(args.cell, args.runs, out / "gemv_batch_bench.json")
     lines = [
@@ -149,6 +154,8 @@ def main() -> int:
         "```python",
         *(f"    (({e[0][0]}, {e[0][1]}), ({e[1][0]}, {e[1][1]}), (2, MAX_ROWS), {e[3]!r})," for e in entries),
         "```",
+        "",
+        f"Shapes arm B left on cuBLAS at 2-8 rows (`tiles.CUBLAS_MANY_ROWS`): {', '.join(kept) or 'none'}.",
         "",
         f"Paired bench (exit code {rc}): `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true "
         f"--cell {args.cell} --runs {args.runs} --set cuda_graphs.max_graphs=64`, arm B with the winners "

@@ -173,7 +173,7 @@ def qkv_rope_fusable(x, weight, cos, sin, k_cache, v_cache, heads: tuple[int, in
     rows = x.numel() // max(1, x.shape[-1])
     cfg = _config(rows, n, k)
     return (
-        0 < x.numel() <= route_rows * x.shape[-1]
+        tiles.takes_rows(rows, weight, route_rows)
         and tiles.supported(x, weight, None)
         and k == x.shape[-1]
         and n == (hq + 2 * hk) * d

@@ -48,7 +48,8 @@ BLOCK_N-row `wgmma`); `tiles.MANY_ROW_CANDIDATES` (fixed splits, deeper pipeline
 what `bench/gemv_batch.py` sweeps before it runs `fast` against `fast` + `kernels.gemv_batch` in the
 engine. The SiLU·mul output form and `gemv_rope`'s q/k/v form follow to those rows (each row's gate and
 up, or its rotate-half pairs, in one program of the plain many-row GEMV's products, one split), bitwise
-the two launches' as at one row.
+the two launches' as at one row. `tiles.CUBLAS_MANY_ROWS` keeps listed (N, K) shapes on cuBLAS from two
+rows on (`tiles.takes_rows`): a per-shape route, empty until a measurement asks for one.
 
 Exactness: not bitwise equal to cuBLAS (another reduction order): R3, graded by `looptrace diff exactloop
 fast --accuracy`. Run-to-run deterministic (fixed tiles, fixed order). Tile configs come from `pick_config`,

@@ -93,7 +93,7 @@ def gate_up_silu_fusable(x: torch.Tensor, weight: torch.Tensor, route_rows: int 
     rows = x.numel() // max(1, x.shape[-1])
     cfg = one_row_config(n, k) if rows == 1 else tiles.pick_config(rows, n, k)
     return (
-        x.numel() <= route_rows * x.shape[-1]
+        tiles.takes_rows(rows, weight, route_rows)
         and tiles.supported(x, weight, None)
         and x.stride(-1) == 1
         and k == x.shape[-1]
@@ -170,7 +170,8 @@ def linear(
     route_rows: int = tiles.ROUTE_ROWS,
 ) -> torch.Tensor:
     """`F.linear` with the Triton GEMV where it applies (`tiles.supported`) and pays: at most `route_rows`
-    rows (ROUTE_ROWS; `kernels.gemv_batch`: MAX_ROWS)."""
-    if x.numel() <= route_rows * x.shape[-1] and tiles.supported(x, weight, bias):
+    rows (ROUTE_ROWS; `kernels.gemv_batch`: MAX_ROWS), more than one only off `tiles.CUBLAS_MANY_ROWS`."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if tiles.takes_rows(rows, weight, route_rows) and tiles.supported(x, weight, bias):
         return gemv(x, weight)
     return F.linear(x, weight, bias)

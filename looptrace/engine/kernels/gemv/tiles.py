@@ -14,6 +14,10 @@ MAX_ROWS = 8  # rows the kernel takes (decode); above it the GEMM is compute-bou
 # (Ouro's token chain 5.62 vs 5.98 ms, bench/results/h200/decode-token/; at 2-8 rows every
 # tile candidate was slower, gemv_h200.md), so fast keeps cuBLAS from two rows on.
 ROUTE_ROWS = 1
+# Projection shapes (N, K) whose 2-8 rows stay on cuBLAS even under `kernels.gemv_batch`, where the GEMV
+# takes them otherwise: a per-shape route for shapes cuBLAS serves better at those rows. Empty: no shape is
+# measured to need it (`bench/gemv_batch.py --cublas-shapes` tries one in its process).
+CUBLAS_MANY_ROWS: frozenset[tuple[int, int]] = frozenset()
 SMS = 132  # H200 streaming multiprocessors: the grid should give each a few programs
 TARGET_PROGRAMS = 4 * SMS
 MIN_TILES_PER_SPLIT = 2  # a split below 2 tiles spends more on its partial than it streams
@@ -121,6 +125,12 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
         and weight.stride(-1) == 1
         and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
     )
+
+
+def takes_rows(rows: int, weight: torch.Tensor, route_rows: int) -> bool:
+    """A projection of `rows` rows through `weight` goes to the GEMV with this row limit (ROUTE_ROWS, or
+    MAX_ROWS under `kernels.gemv_batch`): one row always, more unless the shape is in CUBLAS_MANY_ROWS."""
+    return 0 < rows <= route_rows and (rows == 1 or tuple(weight.shape) not in CUBLAS_MANY_ROWS)
 
 
 def routes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -219,6 +219,38 @@ def test_the_batch_variants_route_up_to_eight_rows_where_the_plain_ones_route_on
     }  # fmt: skip
 
 
+def test_a_shape_kept_on_cublas_routes_one_row_to_the_gemv_and_more_to_f_linear(monkeypatch):
+    """`tiles.CUBLAS_MANY_ROWS`: under `kernels.gemv_batch` a listed projection shape takes the GEMV at one
+    row only, and neither fused form takes its rows; other shapes still route 2-8 rows, fused forms too."""
+    if not HAS_TRITON:
+        pytest.skip("triton not importable")
+    from looptrace.engine.kernels import gemv_rope
+    from looptrace.engine.kernels.gemv import forms, tiles
+
+    routed = []
+    monkeypatch.setattr(tiles, "supported", lambda x, w, b: b is None)
+    monkeypatch.setattr(
+        forms, "gemv", lambda x, w: routed.append((tuple(w.shape), x.shape[0])) or F.linear(x, w)
+    )
+    # q/k/v weights of 64-wide heads: (2 + 2 x 1) x 64 rows kept on cuBLAS, (1 + 2 x 1) x 64 not
+    kept, other = torch.randn(256, 32), torch.randn(192, 32)
+    monkeypatch.setattr(tiles, "CUBLAS_MANY_ROWS", frozenset({(256, 32)}))
+    batch = forms.route_rows(batch=True)
+    for rows in (1, 4):
+        for w in (kept, other):
+            forms.linear(torch.randn(rows, 32), w, route_rows=batch)
+    assert routed == [((256, 32), 1), ((192, 32), 1), ((192, 32), 4)]
+    assert [tiles.takes_rows(rows, kept, batch) for rows in (0, 1, 2, 8)] == [False, True, False, False]
+    assert [tiles.takes_rows(rows, other, batch) for rows in (1, 8, 9)] == [True, True, False]
+    x4 = torch.randn(4, 32)
+    assert [forms.gate_up_silu_fusable(x4, w, route_rows=batch) for w in (kept, other)] == [False, True]
+    cos = sin = torch.ones(4, 64, dtype=torch.bfloat16)
+    cache = torch.empty(2, 4, 1, 64)
+    fusable = [gemv_rope.qkv_rope_fusable(x4, w, cos, sin, cache, cache, heads, route_rows=batch)
+               for w, heads in ((kept, (2, 1, 64)), (other, (1, 1, 64)))]  # fmt: skip
+    assert fusable == [False, True]
+
+
 # --------------------------------------------------------------------------------------------------- GPU
 
 # (N, K) of every projection: Ouro-1.4B (hidden 2048, 16 x 128 heads, intermediate 5632, vocab 49152) and
