@@ -12,8 +12,9 @@
 #   bash bench/device.sh fast-cells            paired exactloop vs fast, Ouro 512/128 at C = 1, 8, 32
 #   bash bench/device.sh diffs                 diff exactloop fast at real shape; diff base exactloop (tiny)
 #   bash bench/device.sh kernels               decode attention, GEMV and exact-kernel micro-benchmarks
-#   bash bench/device.sh gemv-batch            the GEMV's many-row tiles swept at 8 rows, then fast vs
-#                                              fast + kernels.gemv_batch at C = 8 (bench/gemv_batch.py)
+#   bash bench/device.sh gemv-batch [ARGS]     the GEMV's many-row tiles swept at 8 rows, then fast vs
+#                                              fast + kernels.gemv_batch at C = 8 (bench/gemv_batch.py
+#                                              ARGS; LIMIT_S=seconds, default 500)
 #   bash bench/device.sh persistent-loop [ARGS] the persistent Ouro loop kernel alone (bench/kernel_persistent_loop.py)
 #   bash bench/device.sh persistent-loop-faults [ARGS] which launch shapes and engine runs of it fault
 #   bash bench/device.sh reference-judge       serve Ouro-1.4B in bf16, judged by our fp32 engine on the GPU
@@ -78,7 +79,7 @@ case "$MODE" in
     measure 200 gemv -- --budget-s 150
     measure 180 exact-kernels -- --sections timings --budget-s 140 ;;
   gemv-batch)
-    measure 500 gemv-batch
+    measure "${LIMIT_S:-500}" gemv-batch -- "$@"
     cat "$OUT/gemv_batch.md" 2>/dev/null ;;
   persistent-loop)
     measure 560 persistent-loop -- "$@"

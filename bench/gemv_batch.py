@@ -2,7 +2,7 @@
 `kernels.gemv_batch` (2-8 row projections through the GEMV), paired in one process.
 
     python bench/gemv_batch.py [--out DIR] [--cell ouro:512/128@8] [--runs 3] [--shapes ouro_qkv,...]
-                               [--cublas-shapes ouro_o,...]
+                               [--cublas-shapes ouro_o,...] [--splits 1,2,4,8]
 
 Why both in one script: the tile table's many-row entry has never beaten cuBLAS alone
 (bench/results/h200/kernels/*gemv_h200.md: 36-51 % of copy bandwidth at 8 rows), but a kernel alone is not a
@@ -118,6 +118,7 @@ def main() -> int:
     parser.add_argument("--copy-tbps", type=float, default=4.28)
     parser.add_argument("--shapes", default=",".join(OURO_SHAPES))
     parser.add_argument("--cublas-shapes", default="", help="shapes whose 2-8 rows arm B leaves on cuBLAS")
+    parser.add_argument("--splits", default="1,2,4,8", help="the candidates' K splits to sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gemv_batch.py: needs CUDA (no GPU found)", file=sys.stderr)
@@ -128,6 +129,12 @@ def main() -> int:
     if unknown or not 2 <= args.rows <= tiles.MAX_ROWS:
         print(f"bench/gemv_batch.py: --shapes {unknown} not in {sorted(GPU_SHAPES)} or --rows {args.rows} "
               f"outside 2-{tiles.MAX_ROWS}", file=sys.stderr)  # fmt: skip
+        return 2
+    splits = {int(s) for s in args.splits.split(",") if s.strip().isdigit()}
+    tiles.MANY_ROW_CANDIDATES = tuple(c for c in tiles.MANY_ROW_CANDIDATES if c.split_k in splits)
+    if not tiles.MANY_ROW_CANDIDATES:
+        print(f"bench/gemv_batch.py: --splits {args.splits!r} leaves no candidate (they split 1, 2, 4 or 8)",
+              file=sys.stderr)  # fmt: skip
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
