@@ -3,7 +3,8 @@
 # under $OUT, with $OUT/commands.txt (date, commit, versions, device, command, exit code of every
 # measurement, written by bench/run.py) and $OUT/logs.txt (the commands' stderr).
 #
-#   bash bench/device.sh tests [PYTEST ARGS]   the GPU tests (default: every `-m gpu` test) -> gpu_tests_CARD.txt
+#   bash bench/device.sh tests [PYTEST ARGS]   the GPU tests (default: every `-m gpu` test; LIMIT_S, default
+#                                              560) -> gpu_tests_CARD.txt
 #   bash bench/device.sh token [ARGS]          the synthetic Ouro decode token (bench/token_ablation.py ARGS)
 #   bash bench/device.sh profiles              profile --compare exactloop fast and base exactloop, Ouro
 #                                              batch 1, prompt 512
@@ -51,7 +52,7 @@ case "$MODE" in
     # One process (`-n 0`): one GPU is better served by one process and one compile cache.
     { python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
       git rev-parse --short HEAD 2>/dev/null
-      timeout 560 python3 -m pytest -n 0 -m gpu -p no:cacheprovider "${@:-tests}" 2>&1 | tail -25
+      timeout "${LIMIT_S:-560}" python3 -m pytest -n 0 -m gpu -p no:cacheprovider "${@:-tests}" 2>&1 | tail -25
     } > "$OUT/gpu_tests_$CARD.txt"
     tail -3 "$OUT/gpu_tests_$CARD.txt" ;;
   token)
