@@ -109,6 +109,26 @@ def sweep_markdown(results: list[dict], copy_tbps: float) -> list[str]:
     return lines
 
 
+def choices(args: argparse.Namespace) -> tuple[list[str], list[str], tuple]:
+    """(swept shapes, shapes left on cuBLAS, the candidates of the chosen splits); ValueError naming the
+    flag and value where one is not known."""
+    shapes = [s for s in args.shapes.split(",") if s]
+    kept = [s for s in args.cublas_shapes.split(",") if s]
+    for flag, names in (("--shapes", shapes), ("--cublas-shapes", kept)):
+        unknown = [s for s in names if s not in GPU_SHAPES]
+        if unknown:
+            known = ", ".join(sorted(GPU_SHAPES))
+            raise ValueError(f"{flag} {','.join(unknown)}: expected names from {known}")
+    if not 2 <= args.rows <= tiles.MAX_ROWS:
+        raise ValueError(f"--rows {args.rows}: expected 2-{tiles.MAX_ROWS}")
+    known = sorted({c.split_k for c in tiles.MANY_ROW_CANDIDATES})
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    if not splits or any(not s.isdigit() or int(s) not in known for s in splits):
+        raise ValueError(f"--splits {args.splits!r}: expected a comma list of {', '.join(map(str, known))}")
+    candidates = tuple(c for c in tiles.MANY_ROW_CANDIDATES if str(c.split_k) in splits)
+    return shapes, kept, candidates
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -120,22 +140,15 @@ def main() -> int:
     parser.add_argument("--cublas-shapes", default="", help="shapes whose 2-8 rows arm B leaves on cuBLAS")
     parser.add_argument("--splits", default="1,2,4,8", help="the candidates' K splits to sweep")
     args = parser.parse_args()
+    try:
+        shapes, kept, candidates = choices(args)
+    except ValueError as exc:
+        print(f"bench/gemv_batch.py: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench/gemv_batch.py: needs CUDA (no GPU found)", file=sys.stderr)
         return 2
-    shapes = [s for s in args.shapes.split(",") if s]
-    kept = [s for s in args.cublas_shapes.split(",") if s]
-    unknown = [s for s in (*shapes, *kept) if s not in GPU_SHAPES]
-    if unknown or not 2 <= args.rows <= tiles.MAX_ROWS:
-        print(f"bench/gemv_batch.py: --shapes {unknown} not in {sorted(GPU_SHAPES)} or --rows {args.rows} "
-              f"outside 2-{tiles.MAX_ROWS}", file=sys.stderr)  # fmt: skip
-        return 2
-    splits = {int(s) for s in args.splits.split(",") if s.strip().isdigit()}
-    tiles.MANY_ROW_CANDIDATES = tuple(c for c in tiles.MANY_ROW_CANDIDATES if c.split_k in splits)
-    if not tiles.MANY_ROW_CANDIDATES:
-        print(f"bench/gemv_batch.py: --splits {args.splits!r} leaves no candidate (they split 1, 2, 4 or 8)",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    tiles.MANY_ROW_CANDIDATES = candidates  # this process only: the sweep reads it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

@@ -54,3 +54,25 @@ def test_a_fused_form_shape_takes_its_fastest_unsplit_candidate(gemv_batch):
     all_split = {**qkv, "shape": "ouro_gate_up", "N": 11264, "candidates": qkv["candidates"][:1]}
     entries = gemv_batch.winners_first([qkv, down, all_split])
     assert [e[3] for e in entries] == [unsplit, split_fast, split_fast]
+
+
+def _args(**overrides):
+    import argparse
+
+    args = dict(shapes="ouro_qkv,ouro_o", cublas_shapes="", rows=8, splits="1,2,4,8")
+    return argparse.Namespace(**{**args, **overrides})
+
+
+def test_the_sweeps_choices_narrow_the_candidates_and_refuse_unknown_values(gemv_batch):
+    """`--splits` keeps only candidates of those K splits; an unknown shape, split or row count is a
+    ValueError naming its flag (main turns it into one line and exit code 2, before it looks for CUDA)."""
+    tiles = gemv_batch.tiles
+    shapes, kept, candidates = gemv_batch.choices(_args(cublas_shapes="ouro_down", splits="1, 4"))
+    assert (shapes, kept) == (["ouro_qkv", "ouro_o"], ["ouro_down"])
+    assert {c.split_k for c in candidates} == {1, 4}
+    assert len(candidates) == len(tiles.MANY_ROW_CANDIDATES) // 2
+    for bad, flag in ((dict(splits="3"), "--splits"), (dict(splits="1,x"), "--splits"),
+                      (dict(cublas_shapes="ouro_x"), "--cublas-shapes"), (dict(shapes="a"), "--shapes"),
+                      (dict(rows=9), "--rows")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{flag} "):
+            gemv_batch.choices(_args(**bad))
