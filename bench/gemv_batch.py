@@ -2,7 +2,8 @@
 `kernels.gemv_batch` (2-8 row projections through the GEMV), paired in one process.
 
     python bench/gemv_batch.py [--out DIR] [--cell ouro:512/128@8] [--runs 3] [--shapes ouro_qkv,...]
-                               [--cublas-shapes ouro_o,...] [--splits 1,2,4,8]
+                               [--cublas-shapes ouro_o,...] [--splits 1,2,4,8] [--a fast]
+                               [--sweep-from gemv_batch_sweep.json]
 
 Why both in one script: the tile table's many-row entry has never beaten cuBLAS alone
 (bench/results/h200/kernels/*gemv_h200.md: 36-51 % of copy bandwidth at 8 rows), but a kernel alone is not a
@@ -17,6 +18,11 @@ kernel in the chain (under PDL the one-row GEMV lost alone and won in the token)
 3. `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true` on the cell, in this process: arm A
    routes 2-8 rows to cuBLAS as `fast` does, arm B to the GEMV with the swept tiles, except the
    `--cublas-shapes` (`tiles.CUBLAS_MANY_ROWS`, this process only), which stay on cuBLAS in both arms.
+   `--a exactloop --cell ouro:512/128@1,8,32` pairs arm B against exactloop instead: the figure `fast`
+   would show with the setting on, before the table is committed.
+
+`--sweep-from` reads an earlier sweep's gemv_batch_sweep.json instead of sweeping (a second call spends
+its time on the bench; the report names the device the sweep ran on).
 
 Writes DIR/gemv_batch.md (the sweep's winners against cuBLAS, then the paired bench's table),
 DIR/gemv_batch_sweep.json and DIR/gemv_batch_bench.json. CUDA only.
@@ -76,11 +82,15 @@ def winners_first(results: list[dict]) -> list[tuple]:
     return entries
 
 
-def paired_bench(cell: str, runs: int, out_json: Path) -> int:
+# The settings arm A may run: `fast` as it is (does the setting pay?) or exactloop (the issue's own pairing)
+ARM_A_CHOICES = ("fast", "exactloop")
+
+
+def paired_bench(cell: str, runs: int, out_json: Path, arm_a: str = "fast") -> int:
     """The CLI's paired bench, run in this process so it sees the swept table."""
     from looptrace.cli.main import app
 
-    argv = ["bench", "--a", "fast", "--b", "fast", "--b-set", "kernels.gemv_batch=true", "--cell", cell,
+    argv = ["bench", "--a", arm_a, "--b", "fast", "--b-set", "kernels.gemv_batch=true", "--cell", cell,
             "--runs", str(runs), "--set", "cuda_graphs.max_graphs=64", "-o", str(out_json)]  # fmt: skip
     try:
         app(argv, standalone_mode=False)
@@ -126,7 +136,23 @@ def choices(args: argparse.Namespace) -> tuple[list[str], list[str], tuple]:
     if not splits or any(not s.isdigit() or int(s) not in known for s in splits):
         raise ValueError(f"--splits {args.splits!r}: expected a comma list of {', '.join(map(str, known))}")
     candidates = tuple(c for c in tiles.MANY_ROW_CANDIDATES if str(c.split_k) in splits)
+    if args.a not in ARM_A_CHOICES:
+        raise ValueError(f"--a {args.a!r}: expected one of {', '.join(ARM_A_CHOICES)}")
     return shapes, kept, candidates
+
+
+def read_sweep(path: Path, shapes: list[str]) -> tuple[str, list[dict]]:
+    """(the device it ran on, its rows of `shapes`) from an earlier gemv_batch_sweep.json; ValueError naming
+    the file where it cannot be read or lacks a shape."""
+    try:
+        data = json.loads(path.read_text())
+        device, rows = data["device"], {r["shape"]: r for r in data["results"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--sweep-from {path}: expected a gemv_batch_sweep.json ({exc})") from None
+    missing = [s for s in shapes if s not in rows]
+    if missing:
+        raise ValueError(f"--sweep-from {path}: no sweep of {', '.join(missing)} in it")
+    return device, [rows[s] for s in shapes]
 
 
 def main() -> int:
@@ -139,9 +165,12 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(OURO_SHAPES))
     parser.add_argument("--cublas-shapes", default="", help="shapes whose 2-8 rows arm B leaves on cuBLAS")
     parser.add_argument("--splits", default="1,2,4,8", help="the candidates' K splits to sweep")
+    parser.add_argument("--a", default="fast", help=f"arm A's settings ({', '.join(ARM_A_CHOICES)})")
+    parser.add_argument("--sweep-from", type=Path, help="an earlier gemv_batch_sweep.json, not sweeping")
     args = parser.parse_args()
     try:
         shapes, kept, candidates = choices(args)
+        earlier = read_sweep(args.sweep_from, shapes) if args.sweep_from else None
     except ValueError as exc:
         print(f"bench/gemv_batch.py: {exc}", file=sys.stderr)
         return 2
@@ -152,20 +181,24 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    results = sweep(shapes, args.rows, args.copy_tbps)
-    (out / "gemv_batch_sweep.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                             "torch": torch.__version__, "results": results},
-                                                            indent=1))  # fmt: skip
+    if earlier:
+        sweep_device, results = earlier
+    else:
+        sweep_device, results = torch.cuda.get_device_name(), sweep(shapes, args.rows, args.copy_tbps)
+        record = {"device": sweep_device, "torch": torch.__version__, "results": results}
+        (out / "gemv_batch_sweep.json").write_text(json.dumps(record, indent=1))
     entries = winners_first(results)
     tiles.TILE_TABLE = (*entries, *tiles.TILE_TABLE)  # this process only: the bench's arm B reads it
     tiles.CUBLAS_MANY_ROWS = frozenset(GPU_SHAPES[s] for s in kept)
     print("swept table entries:", [(e[0][0], e[1][0], asdict(e[3])) for e in entries], flush=True)
-    rc = paired_bench(args.cell, args.runs, out / "gemv_batch_bench.json")
+    rc = paired_bench(args.cell, args.runs, out / "gemv_batch_bench.json", args.a)
     lines = [
         "# The many-row GEMV in the engine (`bench/gemv_batch.py`)",
         "",
         f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}. "
         f"Wall {time.monotonic() - start:.0f} s.",
+        "",
+        f"Sweep: {f'read from {args.sweep_from} (run on {sweep_device})' if earlier else 'run here'}.",
         "",
         *sweep_markdown(results, args.copy_tbps),
         "",
@@ -177,7 +210,8 @@ def main() -> int:
         "",
         f"Shapes arm B left on cuBLAS at 2-8 rows (`tiles.CUBLAS_MANY_ROWS`): {', '.join(kept) or 'none'}.",
         "",
-        f"Paired bench (exit code {rc}): `looptrace bench --a fast --b fast --b-set kernels.gemv_batch=true "
+        f"Paired bench (exit code {rc}): `looptrace bench --a {args.a} --b fast "
+        "--b-set kernels.gemv_batch=true "
         f"--cell {args.cell} --runs {args.runs} --set cuda_graphs.max_graphs=64`, arm B with the winners "
         "above; "
         "its table: `looptrace bench --from gemv_batch_bench.json`.",

@@ -4,6 +4,7 @@ B picks at 2-8 rows for that shape, and nothing else changes (the timing needs C
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_a_fused_form_shape_takes_its_fastest_unsplit_candidate(gemv_batch):
 def _args(**overrides):
     import argparse
 
-    args = dict(shapes="ouro_qkv,ouro_o", cublas_shapes="", rows=8, splits="1,2,4,8")
+    args = dict(shapes="ouro_qkv,ouro_o", cublas_shapes="", rows=8, splits="1,2,4,8", a="fast")
     return argparse.Namespace(**{**args, **overrides})
 
 
@@ -73,6 +74,24 @@ def test_the_sweeps_choices_narrow_the_candidates_and_refuse_unknown_values(gemv
     assert len(candidates) == len(tiles.MANY_ROW_CANDIDATES) // 2
     for bad, flag in ((dict(splits="3"), "--splits"), (dict(splits="1,x"), "--splits"),
                       (dict(cublas_shapes="ouro_x"), "--cublas-shapes"), (dict(shapes="a"), "--shapes"),
-                      (dict(rows=9), "--rows")):  # fmt: skip
+                      (dict(rows=9), "--rows"), (dict(a="base"), "--a")):  # fmt: skip
         with pytest.raises(ValueError, match=f"^{flag} "):
             gemv_batch.choices(_args(**bad))
+
+
+def test_an_earlier_sweep_is_read_back_per_shape_and_a_bad_file_is_named(gemv_batch, tmp_path):
+    """`--sweep-from` gives the rows of the shapes asked for, in their order, with the device they ran on;
+    a file that is not a sweep, or lacks a shape, is a ValueError naming the file."""
+    rows = [{"shape": name, "N": 1, "K": 1, "M": 8, "candidates": []} for name in ("ouro_o", "ouro_qkv")]
+    sweep = tmp_path / "gemv_batch_sweep.json"
+    sweep.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "results": rows}))
+    device, read = gemv_batch.read_sweep(sweep, ["ouro_qkv", "ouro_o"])
+    assert device == "NVIDIA H100 80GB HBM3"
+    assert [r["shape"] for r in read] == ["ouro_qkv", "ouro_o"]
+    with pytest.raises(ValueError, match="no sweep of ouro_down"):
+        gemv_batch.read_sweep(sweep, ["ouro_qkv", "ouro_down"])
+    not_a_sweep = tmp_path / "other.json"
+    not_a_sweep.write_text("[1, 2]")
+    for path in (not_a_sweep, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match=f"^--sweep-from {path}: expected a gemv_batch_sweep.json"):
+            gemv_batch.read_sweep(path, ["ouro_qkv"])
