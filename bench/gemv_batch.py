@@ -82,7 +82,7 @@ def winners_first(results: list[dict]) -> list[tuple]:
     return entries
 
 
-# The settings arm A may run: `fast` as it is (does the setting pay?) or exactloop (the issue's own pairing)
+# The settings arm A may run: `fast` as it is (does the setting pay?) or exactloop (what `fast` is judged by)
 ARM_A_CHOICES = ("fast", "exactloop")
 
 
